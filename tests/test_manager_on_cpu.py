@@ -1,0 +1,113 @@
+"""verl_ext's manager behind veRL's real `generate_sequences` (V0 DataProto path), over fake
+rollout servers, following veRL's `*_on_cpu.py` pattern: real Ray (local), veRL's real config,
+agent-loop workers, single-turn agent loop, `GlobalRequestLoadBalancer` and `LLMServerClient`;
+only the GPU inference servers are replaced by Ray actors with deterministic outputs.
+"""
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("verl")
+
+from _util import compose_verl  # noqa: E402
+
+
+@ray.remote(num_cpus=0)
+class FakeServer:
+    """`vLLMHttpServer.generate`'s signature; returns `prompt[-1] + k` tokens, k = 1 + sum(prompt) % 5."""
+
+    def __init__(self, name):
+        self.name = name
+        self.calls = 0
+
+    async def generate(self, prompt_ids, sampling_params, request_id, image_data=None, video_data=None,
+                       audio_data=None, mm_processor_kwargs=None, priority=0, kv_transfer_params=None):
+        from verl.workers.rollout.replica import TokenOutput
+
+        self.calls += 1
+        k = 1 + sum(prompt_ids) % 5
+        tokens = [(prompt_ids[-1] + i) % 1000 + 1 for i in range(k)]
+        return TokenOutput(token_ids=tokens[: sampling_params.get("max_tokens", k)], log_probs=[-0.5] * len(tokens),
+                           stop_reason="completed", extra_fields={"server": self.name})
+
+    def num_calls(self):
+        return self.calls
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    ray.init(num_cpus=2, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def test_manager_generate_sequences_v0(ray_local, model_dir):
+    from verl import DataProto
+    from verl.workers.rollout.llm_server import LLMServerClient
+    from verl.workers.rollout.router import get_router_handle
+
+    from verl_ext.rollout.manager import VerlExtAgentLoopManager
+
+    n = 3
+    config = compose_verl(
+        ["rollout@actor_rollout_ref.rollout=baseline", f"actor_rollout_ref.model.path={model_dir}",
+         "actor_rollout_ref.rollout.name=vllm", f"actor_rollout_ref.rollout.n={n}",
+         "actor_rollout_ref.rollout.agent.num_workers=2", "actor_rollout_ref.rollout.prompt_length=128",
+         "actor_rollout_ref.rollout.response_length=16", "trainer.use_v1=false",
+         "data.return_raw_chat=true"],
+    )
+    servers = {f"s{i}": FakeServer.remote(f"s{i}") for i in range(2)}
+    lb = get_router_handle(servers=servers, router_config_path=None, full_determinism=False)
+    manager = VerlExtAgentLoopManager.create(config=config, llm_client=LLMServerClient(config, load_balancer_handle=lb))
+    assert type(manager).__name__ == "VerlExtAgentLoopManagerV0"
+
+    prompts = [f"What is {i} + {i}?" for i in range(4)]
+    uids = np.array([f"uid-{i}" for i in range(4)], dtype=object)
+    batch = DataProto.from_dict(
+        non_tensors={
+            "raw_prompt": np.array([[{"role": "user", "content": p}] for p in prompts], dtype=object),
+            "uid": uids,
+            "agent_name": np.array(["single_turn_agent"] * 4, dtype=object),
+            "data_source": np.array(["arith"] * 4, dtype=object),
+            "reward_model": np.array([{"ground_truth": "0"}] * 4, dtype=object),
+            "extra_info": np.array([{}] * 4, dtype=object),
+            "index": np.arange(4),
+        }
+    )
+    gen = batch.repeat(repeat_times=n, interleave=True)  # what veRL's V0 trainer does
+    out = manager.generate_sequences(gen)
+
+    # order and uids: the output keeps the interleaved input order
+    assert list(out.non_tensor_batch["uid"]) == [u for u in uids for _ in range(n)]
+    assert len(out) == 4 * n
+    prompt_ids, responses, mask = out.batch["prompts"], out.batch["responses"], out.batch["response_mask"]
+    assert responses.shape == (4 * n, 16)
+    for row in range(4 * n):
+        real_prompt = prompt_ids[row][out.batch["attention_mask"][row][: prompt_ids.shape[1]].bool()].tolist()
+        k = 1 + sum(real_prompt) % 5
+        assert int(mask[row].sum()) == k  # response length = what the server produced
+        assert responses[row][:k].tolist() == [(real_prompt[-1] + i) % 1000 + 1 for i in range(k)]
+    # every request went through the strategy dispatcher, spread over both servers
+    calls = ray.get([s.num_calls.remote() for s in servers.values()])
+    assert sum(calls) == 4 * n and min(calls) > 0
+    timing = out.meta_info["timing"]
+    assert timing["verl_ext/requests"] == 4 * n
+    assert timing["verl_ext/output_tokens"] == float(mask.sum())
+
+
+def test_manager_rejects_bad_settings(ray_local, model_dir):
+    from verl.workers.rollout.llm_server import LLMServerClient
+    from verl.workers.rollout.router import get_router_handle
+
+    from verl_ext.pipe.strategy import StrategyConfigError
+    from verl_ext.rollout.manager import VerlExtAgentLoopManager
+
+    config = compose_verl(
+        ["rollout@actor_rollout_ref.rollout=baseline", f"actor_rollout_ref.model.path={model_dir}",
+         "actor_rollout_ref.rollout.name=vllm", "trainer.use_v1=false",
+         "+actor_rollout_ref.rollout.custom.verl_ext.options.chunk_size=8"],
+    )
+    lb = get_router_handle(servers={"s0": FakeServer.remote("s0")}, router_config_path=None, full_determinism=False)
+    with pytest.raises(StrategyConfigError, match="unknown option"):
+        VerlExtAgentLoopManager.create(config=config, llm_client=LLMServerClient(config, load_balancer_handle=lb))

@@ -1,0 +1,40 @@
+import math
+
+import pytest
+
+from verl_ext.ab.metrics import REQUIRED_FIELDS, rollout_metrics
+from verl_ext.pipe.pool import RequestRecord
+
+
+def _rec(i, submit, finish, tokens, steps=None, inst="a"):
+    return RequestRecord(f"r{i}", "g", inst, submit, finish, tokens, "stop", steps)
+
+
+def test_metrics_definitions():
+    # 10 requests, all submitted at t=0, finishing at 1..10 s with 10 tokens each
+    recs = [_rec(i, 0.0, float(i + 1), 10, steps=5, inst="ab"[i % 2]) for i in range(10)]
+    m = rollout_metrics(recs, [1.0] * 4 + [0.0] * 6)
+    assert set(REQUIRED_FIELDS) <= set(m)
+    assert m["wall_s"] == 10.0
+    assert m["requests"] == 10 and m["output_tokens"] == 100
+    assert m["throughput_tok_s"] == pytest.approx(10.0)
+    assert m["tail_s"] == pytest.approx(1.0)  # 90% (9 requests) done at t=9
+    assert m["latency_p50_s"] == pytest.approx(5.5)
+    assert m["latency_max_s"] == 10.0
+    assert m["tokens_per_step"] == pytest.approx(2.0)
+    assert m["mean_reward"] == pytest.approx(0.4)
+    assert m["per_instance"]["a"]["requests"] == 5
+
+
+def test_chunks_of_one_request_merge():
+    recs = [_rec(0, 1.0, 2.0, 4, 4), _rec(0, 2.5, 4.0, 6, 6), _rec(1, 1.0, 3.0, 3, 3)]
+    m = rollout_metrics(recs, [1.0, 1.0])
+    assert m["requests"] == 2 and m["output_tokens"] == 13
+    assert m["wall_s"] == 3.0  # from first submit (1.0) to last finish (4.0)
+    assert m["latency_max_s"] == 3.0
+
+
+def test_unknown_steps_give_none():
+    m = rollout_metrics([_rec(0, 0.0, 1.0, 5)], [0.0])
+    assert m["tokens_per_step"] is None
+    assert not math.isnan(m["wall_s"])

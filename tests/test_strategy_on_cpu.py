@@ -1,0 +1,125 @@
+"""Registry, options validation, the instance pool and the baseline strategy's dispatch rule.
+
+The pool and strategy are engine-agnostic; here they run over a scripted in-process Instance
+whose latency is controlled, so the dispatch order and load accounting can be asserted exactly.
+The same strategy runs on the real engine in test_vllm_engine.py.
+"""
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from verl_ext.engine.instance import Completion, GenRequest, Instance, SamplingSpec, Telemetry
+from verl_ext.pipe import InstancePool, StrategyConfigError, UnknownStrategyError, available_strategies, make_strategy
+from verl_ext.pipe.strategy import Strategy, register_strategy
+
+
+class ScriptedInstance(Instance):
+    """Returns `max_tokens` tokens after `delay` seconds; records the peak concurrency it saw."""
+
+    def __init__(self, name, delay=0.01):
+        self.name, self.delay = name, delay
+        self.running = self.peak = 0
+        self.seen = []
+
+    async def generate(self, request):
+        self.running += 1
+        self.peak = max(self.peak, self.running)
+        self.seen.append(request.request_id)
+        try:
+            await asyncio.sleep(self.delay)
+        finally:
+            self.running -= 1
+        return Completion(request.request_id, [7] * request.sampling.max_tokens, "length", num_steps=request.sampling.max_tokens)
+
+    async def abort(self, request_id):
+        pass
+
+    def telemetry(self):
+        return Telemetry(running=self.running)
+
+
+def _requests(n, max_tokens=4):
+    return [GenRequest(f"r{i}", f"g{i // 2}", [1, 2], SamplingSpec(max_tokens=max_tokens)) for i in range(n)]
+
+
+def test_registry_lists_only_working_strategies():
+    assert "baseline" in available_strategies()
+    with pytest.raises(UnknownStrategyError, match="available: .*baseline"):
+        make_strategy("seer-not-yet")
+
+
+def test_baseline_rejects_options():
+    with pytest.raises(StrategyConfigError, match="unknown option"):
+        make_strategy("baseline", {"chunk_size": 8})
+
+
+def test_custom_strategy_options_are_validated():
+    @dataclasses.dataclass(frozen=True)
+    class Opts:
+        k: int = 1
+
+        def __post_init__(self):
+            if self.k < 1:
+                raise ValueError("k must be >= 1")
+
+    @register_strategy("test_opts")
+    class WithOpts(Strategy):
+        Options = Opts
+
+        async def submit(self, request, pool):
+            return await pool.run(pool.least_loaded(), request)
+
+    assert make_strategy("test_opts", {"k": 3}).options.k == 3
+    with pytest.raises(StrategyConfigError, match="k must be >= 1"):
+        make_strategy("test_opts", {"k": 0})
+    with pytest.raises(ValueError, match="already registered"):
+        register_strategy("test_opts")(type("Other", (Strategy,), {"submit": WithOpts.submit}))
+
+
+async def test_baseline_balances_least_in_flight_and_keeps_order():
+    insts = [ScriptedInstance("a"), ScriptedInstance("b")]
+    pool = InstancePool(insts, seed=0)
+    reqs = _requests(10)
+    out = await make_strategy("baseline").rollout(reqs, pool)
+    assert [c.request_id for c in out] == [r.request_id for r in reqs]
+    # all dispatched at once: least-in-flight alternates, so the load splits 5/5
+    assert sorted(len(i.seen) for i in insts) == [5, 5]
+    assert all(count == 0 for count in pool.inflight.values())
+    assert len(pool.records) == 10 and all(r.output_tokens == 4 for r in pool.records)
+
+
+async def test_pool_sticky_request_ids():
+    insts = [ScriptedInstance("a"), ScriptedInstance("b")]
+    pool = InstancePool(insts, seed=1)
+    first = pool.least_loaded("turn-id")
+    pool.inflight[first.name] += 5  # even when it is the busier one now
+    assert pool.least_loaded("turn-id") is first
+    assert pool.least_loaded("other") is not first
+
+
+async def test_failed_request_aborts_the_others():
+    class Failing(ScriptedInstance):
+        async def generate(self, request):
+            if request.request_id == "r3":
+                raise RuntimeError("engine died")
+            return await super().generate(request)
+
+    slow = Failing("a", delay=5.0)
+    pool = InstancePool([slow], seed=0)
+    with pytest.raises(RuntimeError, match="engine died"):
+        await asyncio.wait_for(make_strategy("baseline").rollout(_requests(6), pool), 2.0)
+    await asyncio.sleep(0)
+    assert slow.running == 0  # the others were cancelled, none left running
+    assert pool.inflight["a"] == 0
+
+
+def test_pool_rejects_duplicate_names():
+    with pytest.raises(ValueError, match="unique"):
+        InstancePool([ScriptedInstance("a"), ScriptedInstance("a")])
+
+
+def test_sampling_spec_validation():
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingSpec(max_tokens=0)

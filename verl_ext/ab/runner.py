@@ -1,0 +1,287 @@
+"""``verl-ext ab``: the same prompts and seeds through each strategy, on fresh engines, side by side.
+
+For each strategy: start fresh instances, warm them up, run every (prompt, sample) request
+through the strategy, score the responses, and collect ``RequestRecord`` timings plus a
+telemetry timeline. Outputs go to a staging directory that replaces the files in ``--out`` only
+when the whole run succeeded, so a failed run leaves no half-written results.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as _dt
+import json
+import os
+import platform
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+from verl_ext.ab.metrics import SCHEMA, rollout_metrics
+from verl_ext.engine.instance import GenRequest, Instance, SamplingSpec
+from verl_ext.pipe.pool import InstancePool
+from verl_ext.pipe.strategy import Strategy, make_strategy
+from verl_ext.workload.arith import Problem, make_problems, reward
+
+TELEMETRY_PERIOD_S = 0.05
+
+
+@dataclass
+class ABConfig:
+    strategies: list[str] = field(default_factory=lambda: ["baseline"])
+    model: Optional[str] = None
+    prompts: int = 16
+    samples: int = 4
+    max_tokens: int = 192
+    instances: int = 2
+    seed: int = 0
+    temperature: float = 1.0
+    out: str = "runs/ab"
+
+    def validate(self) -> None:
+        if not self.strategies:
+            raise ValueError("--strategies is empty")
+        if len(set(self.strategies)) != len(self.strategies):
+            raise ValueError(f"--strategies lists a strategy twice: {self.strategies}")
+        if self.prompts < 1:
+            raise ValueError(f"--prompts must be >= 1, got {self.prompts}")
+        if self.samples < 1:
+            raise ValueError(f"--samples (n) must be >= 1, got {self.samples}")
+        if self.max_tokens <= 0:
+            raise ValueError(f"--max-tokens must be > 0, got {self.max_tokens}")
+        if self.instances < 1:
+            raise ValueError(f"--instances must be >= 1, got {self.instances}")
+        if self.temperature < 0:
+            raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+
+
+@dataclass
+class StrategyRun:
+    name: str
+    metrics: dict
+    records: list
+    timeline: dict  # instance -> [(t, running)]
+    rewards: list[float]
+    responses: list[dict]
+
+
+def build_requests(
+    problems: Sequence[Problem], prompt_ids: Sequence[list[int]], cfg: ABConfig, stop_token_ids: tuple[int, ...]
+) -> list[GenRequest]:
+    """``samples`` requests per prompt with fixed per-request seeds, identical across strategies."""
+    requests = []
+    for i, (problem, ids) in enumerate(zip(problems, prompt_ids)):
+        for j in range(cfg.samples):
+            sampling = SamplingSpec(
+                temperature=cfg.temperature,
+                max_tokens=cfg.max_tokens,
+                seed=cfg.seed * 1_000_003 + i * cfg.samples + j,
+                stop_token_ids=stop_token_ids,
+            )
+            requests.append(
+                GenRequest(
+                    request_id=f"{problem.uid}-s{j}",
+                    group_id=problem.uid,
+                    prompt_ids=list(ids),
+                    sampling=sampling,
+                    sample_index=j,
+                )
+            )
+    return requests
+
+
+async def _sample_telemetry(instances: Sequence[Instance], pool: InstancePool, timeline: dict, stop: asyncio.Event):
+    while not stop.is_set():
+        t = pool.now()
+        for inst in instances:
+            timeline[inst.name].append((t, inst.telemetry().running))
+        try:
+            await asyncio.wait_for(stop.wait(), TELEMETRY_PERIOD_S)
+        except asyncio.TimeoutError:
+            pass
+
+
+async def run_strategy(
+    strategy: Strategy,
+    instances: Sequence[Instance],
+    requests: Sequence[GenRequest],
+    score: Callable[[GenRequest, list[int]], float],
+    seed: int = 0,
+    on_finish: Optional[Callable[[], None]] = None,
+) -> tuple[list, dict, InstancePool, dict]:
+    """Run ``requests`` through ``strategy`` on ``instances``; returns (completions, metrics, pool, timeline)."""
+    pool = InstancePool(instances, seed=seed)
+    if on_finish is not None:
+        pool.on_finish = lambda record: on_finish()
+    timeline = {inst.name: [] for inst in instances}
+    stop = asyncio.Event()
+    before = [inst.telemetry() for inst in instances]
+    pool.reset_clock()
+    sampler = asyncio.ensure_future(_sample_telemetry(instances, pool, timeline, stop))
+    try:
+        completions = await strategy.rollout(requests, pool)
+    finally:
+        stop.set()
+        await sampler
+    rewards = [score(req, c.token_ids) for req, c in zip(requests, completions)]
+    metrics = rollout_metrics(pool.records, rewards)
+    if metrics["tokens_per_step"] is None:
+        # engines that count steps per instance rather than per request (vLLM's stat logger)
+        after = [inst.telemetry() for inst in instances]
+        tokens = sum(a.generated_tokens - b.generated_tokens for a, b in zip(after, before))
+        steps = sum(a.request_steps - b.request_steps for a, b in zip(after, before))
+        metrics["tokens_per_step"] = tokens / steps if steps > 0 else None
+    metrics.update({f"strategy/{k}": v for k, v in strategy.metrics().items()})
+    return completions, metrics, pool, timeline
+
+
+def _check_out_dir(out: Path) -> None:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = tempfile.NamedTemporaryFile(dir=out, prefix=".write-test-", delete=True)
+        probe.close()
+    except OSError as exc:
+        raise ValueError(f"output directory '{out}' is not writable ({exc.strerror or exc})") from None
+
+
+def prepare(cfg: ABConfig):
+    """Validate everything that can fail before any engine starts; return (model_dir, out, strategies)."""
+    cfg.validate()
+    strategies = [make_strategy(name) for name in cfg.strategies]  # unknown name -> clear error
+    from verl_ext.model import resolve_model
+
+    model_dir = resolve_model(cfg.model)
+    out = Path(cfg.out)
+    _check_out_dir(out)
+    return model_dir, out, strategies
+
+
+def run_ab(cfg: ABConfig, engine_factory=None, progress: bool = True) -> dict:
+    """Run the A/B comparison and write ``summary.json`` plus plots into ``cfg.out``."""
+    model_dir, out, strategies = prepare(cfg)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    problems = make_problems(cfg.prompts, seed=cfg.seed)
+    prompt_ids = [
+        list(tokenizer.apply_chat_template(p.messages(), add_generation_prompt=True, tokenize=True, return_dict=False))
+        for p in problems
+    ]
+    stop_ids = tuple(sorted({i for i in (tokenizer.eos_token_id,) if i is not None}))
+    requests = build_requests(problems, prompt_ids, cfg, stop_ids)
+    answers = {p.uid: p.answer for p in problems}
+
+    def score(req: GenRequest, token_ids: list[int]) -> float:
+        return reward(tokenizer.decode(token_ids, skip_special_tokens=True), answers[req.group_id])
+
+    if engine_factory is None:
+        from verl_ext.engine.vllm_local import VLLMInstanceFactory
+
+        engine_factory = VLLMInstanceFactory(str(model_dir), seed=cfg.seed, max_model_len=_max_len(prompt_ids, cfg))
+
+    runs: list[StrategyRun] = []
+    for strategy in strategies:
+        runs.append(asyncio.run(_run_one(strategy, engine_factory, cfg, requests, score, tokenizer, progress)))
+
+    summary = {
+        "schema": SCHEMA,
+        "kind": "real",
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "config": {**asdict(cfg), "model": str(model_dir), "engine": engine_factory.describe()},
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "omp_threads": os.environ.get("OMP_NUM_THREADS")},
+        "strategies": {run.name: run.metrics for run in runs},
+    }
+    _write_outputs(out, summary, runs)
+    return summary
+
+
+def _max_len(prompt_ids: Sequence[list[int]], cfg: ABConfig) -> int:
+    return max(len(p) for p in prompt_ids) + cfg.max_tokens + 8
+
+
+async def _run_one(strategy, engine_factory, cfg, requests, score, tokenizer, progress) -> StrategyRun:
+    instances = await engine_factory.create(cfg.instances)
+    bar = None
+    try:
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(requests), desc=f"{strategy.name:>10}", unit="req", leave=True)
+        completions, metrics, pool, timeline = await run_strategy(
+            strategy, instances, requests, score, seed=cfg.seed, on_finish=(bar.update if bar else None)
+        )
+    finally:
+        if bar is not None:
+            bar.close()
+        await asyncio.gather(*(inst.shutdown() for inst in instances), return_exceptions=True)
+    responses = [
+        {
+            "request_id": r.request_id,
+            "group_id": r.group_id,
+            "finish_reason": c.finish_reason,
+            "num_tokens": len(c.token_ids),
+            "reward": score(r, c.token_ids),
+            "text": tokenizer.decode(c.token_ids, skip_special_tokens=True),
+        }
+        for r, c in zip(requests, completions)
+    ]
+    return StrategyRun(
+        name=strategy.name,
+        metrics=metrics,
+        records=[asdict(r) for r in pool.records],
+        timeline=timeline,
+        rewards=[x["reward"] for x in responses],
+        responses=responses,
+    )
+
+
+def _write_outputs(out: Path, summary: dict, runs: Sequence[StrategyRun]) -> None:
+    from verl_ext.ab.plots import plot_completion_cdf, plot_running
+    from verl_ext.pipe.pool import RequestRecord
+
+    staging = Path(tempfile.mkdtemp(prefix=".ab-staging-", dir=out))
+    try:
+        (staging / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        with open(staging / "requests.jsonl", "w") as f:
+            for run in runs:
+                for rec in run.records:
+                    f.write(json.dumps({"strategy": run.name, **rec}) + "\n")
+        with open(staging / "responses.jsonl", "w") as f:
+            for run in runs:
+                for resp in run.responses:
+                    f.write(json.dumps({"strategy": run.name, **resp}) + "\n")
+        plot_completion_cdf({r.name: [RequestRecord(**x) for x in r.records] for r in runs}, staging / "completion_cdf.png")
+        plot_running({r.name: r.timeline for r in runs}, staging / "running_requests.png")
+        for item in staging.iterdir():
+            os.replace(item, out / item.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def format_table(summary: dict) -> str:
+    cols = [
+        ("strategy", None, "{}"),
+        ("wall s", "wall_s", "{:.2f}"),
+        ("tok/s", "throughput_tok_s", "{:.1f}"),
+        ("p50 s", "latency_p50_s", "{:.2f}"),
+        ("p90 s", "latency_p90_s", "{:.2f}"),
+        ("max s", "latency_max_s", "{:.2f}"),
+        ("tail s", "tail_s", "{:.2f}"),
+        ("tok/step", "tokens_per_step", "{:.2f}"),
+        ("reward", "mean_reward", "{:.3f}"),
+        ("requests", "requests", "{}"),
+        ("out tok", "output_tokens", "{}"),
+    ]
+    rows = [[c[0] for c in cols]]
+    for name, m in summary["strategies"].items():
+        row = []
+        for _, key, fmt in cols:
+            value = name if key is None else m.get(key)
+            row.append("-" if value is None else fmt.format(value))
+        rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
+    lines = ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(r, widths))) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)

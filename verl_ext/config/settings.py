@@ -1,0 +1,68 @@
+"""verl_ext's settings inside veRL's config.
+
+They live in ``actor_rollout_ref.rollout.custom.verl_ext``: ``RolloutConfig.custom`` is veRL's
+free-form extension dict, so veRL's dataclass validation leaves it alone, and we validate it
+here instead, failing with a clear message on anything malformed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any, Mapping, Optional
+
+from verl_ext.pipe.strategy import StrategyConfigError, get_strategy_class, parse_options
+
+_KEYS = ("strategy", "options", "seed")
+
+
+def option_names() -> list[str]:
+    """verl_ext's Hydra options in the ``rollout`` group (one per registered strategy)."""
+    folder = resources.files("verl_ext.config") / "rollout"
+    return sorted(p.name[: -len(".yaml")] for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+@dataclass(frozen=True)
+class VerlExtSettings:
+    strategy: str = "baseline"
+    options: dict = field(default_factory=dict)
+    seed: int = 0
+
+    @classmethod
+    def from_custom(cls, custom: Optional[Mapping[str, Any]]) -> "VerlExtSettings":
+        """Parse ``RolloutConfig.custom`` (a dict, an OmegaConf node, or None)."""
+        raw = _to_dict((custom or {}).get("verl_ext") if custom is not None else None)
+        if raw is None:
+            raise StrategyConfigError(
+                "actor_rollout_ref.rollout.custom.verl_ext is missing; select a strategy with "
+                "rollout=<strategy> (see verl_ext/config/rollout/)"
+            )
+        if not isinstance(raw, dict):
+            raise StrategyConfigError(f"custom.verl_ext must be a mapping, got {type(raw).__name__}")
+        unknown = sorted(set(raw) - set(_KEYS))
+        if unknown:
+            raise StrategyConfigError(f"custom.verl_ext: unknown key(s) {unknown}; valid keys: {list(_KEYS)}")
+        strategy = raw.get("strategy", cls.strategy)
+        if not isinstance(strategy, str):
+            raise StrategyConfigError(f"custom.verl_ext.strategy must be a string, got {strategy!r}")
+        options = raw.get("options") or {}
+        if not isinstance(options, dict):
+            raise StrategyConfigError(f"custom.verl_ext.options must be a mapping, got {options!r}")
+        seed = raw.get("seed", 0)
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise StrategyConfigError(f"custom.verl_ext.seed must be an integer, got {seed!r}")
+        # Validate eagerly (unknown strategy, unknown or ill-typed options) so that a bad config
+        # fails when the manager is built, not in the middle of the first rollout.
+        parse_options(get_strategy_class(strategy).Options, options, f"strategy '{strategy}'")
+        return cls(strategy=strategy, options=options, seed=seed)
+
+
+def _to_dict(node: Any) -> Any:
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+
+        if isinstance(node, (DictConfig, ListConfig)):
+            return OmegaConf.to_container(node, resolve=True)
+    except ImportError:  # pragma: no cover - omegaconf comes with hydra/verl
+        pass
+    return node

@@ -1,0 +1,130 @@
+"""The engine contract: what every strategy may ask of one inference instance.
+
+An ``Instance`` is one engine replica (a local vLLM ``AsyncLLM``, a veRL server replica, or a
+simulated engine). Strategies only ever talk to instances through this contract:
+
+* ``generate(request)``: submit a request and await its completion (``Completion``);
+* ``stream(request)``: submit a request and iterate over token deltas as they are produced;
+* ``abort(request_id)``: stop a running request; its ``generate``/``stream`` finishes with
+  ``finish_reason == "abort"`` and the tokens produced so far;
+* ``telemetry()``: a cheap, non-blocking snapshot of load (``Telemetry``).
+
+The contract is deliberately small so that the same strategy code runs on real engines, on
+veRL's replicas and in a trace-driven simulator. Implementations: ``verl_ext.engine.vllm_local``
+(in-process vLLM) and ``verl_ext.rollout.replica_instance`` (veRL server handles).
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Optional
+
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+FINISH_ABORT = "abort"
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """Engine-agnostic sampling parameters for one request (one sample, ``n == 1``)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 256
+    seed: Optional[int] = None
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: bool = False
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be > 0, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+
+    def with_max_tokens(self, max_tokens: int) -> "SamplingSpec":
+        return SamplingSpec(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            max_tokens=max_tokens,
+            seed=self.seed,
+            stop_token_ids=self.stop_token_ids,
+            logprobs=self.logprobs,
+            ignore_eos=self.ignore_eos,
+        )
+
+
+@dataclass
+class GenRequest:
+    """One sample to generate. ``group_id`` is the GRPO group (veRL's ``uid``)."""
+
+    request_id: str
+    group_id: str
+    prompt_ids: list[int]
+    sampling: SamplingSpec
+    sample_index: int = 0
+    # Free-form engine-specific extras (passed to the engine where it supports them).
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class Completion:
+    """What an instance returns for one request."""
+
+    request_id: str
+    token_ids: list[int]
+    finish_reason: str
+    logprobs: Optional[list[float]] = None
+    # Number of engine steps in which this request produced tokens (1 token per step without
+    # speculation). ``None`` when the engine cannot tell.
+    num_steps: Optional[int] = None
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class Telemetry:
+    """A load snapshot. Fields an engine cannot observe are ``None``."""
+
+    running: int
+    waiting: Optional[int] = None
+    kv_cache_usage: Optional[float] = None  # fraction in [0, 1]
+    generated_tokens: int = 0  # cumulative since the instance started
+    steps: int = 0  # cumulative engine iterations
+    # cumulative (request, step) pairs in which a request produced tokens; generated_tokens /
+    # request_steps is the mean tokens a request gains per step (1.0 without speculation)
+    request_steps: int = 0
+    timestamp: float = field(default_factory=time.monotonic)
+
+
+class Instance(abc.ABC):
+    """One inference engine replica. See the module docstring for the contract."""
+
+    #: stable name, e.g. ``"vllm-0"``
+    name: str
+
+    @abc.abstractmethod
+    async def generate(self, request: GenRequest) -> Completion:
+        """Run ``request`` to completion (or abort) and return its tokens."""
+
+    async def stream(self, request: GenRequest) -> AsyncIterator[list[int]]:
+        """Yield token deltas. Default: one delta with the whole completion."""
+        completion = await self.generate(request)
+        yield completion.token_ids
+
+    @abc.abstractmethod
+    async def abort(self, request_id: str) -> None:
+        """Abort ``request_id`` if it is running; a no-op otherwise."""
+
+    @abc.abstractmethod
+    def telemetry(self) -> Telemetry:
+        """Current load; must not block."""
+
+    async def start(self) -> None:
+        """Bring the instance up (idempotent)."""
+
+    async def shutdown(self) -> None:
+        """Release the instance's resources (idempotent)."""

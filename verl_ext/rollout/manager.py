@@ -1,0 +1,132 @@
+"""veRL-facing rollout manager: ``agent.agent_loop_manager_class=verl_ext.rollout.manager.VerlExtAgentLoopManager``.
+
+veRL 0.9.1 builds the manager with ``cls.create(config=, llm_client=, teacher_client=,
+reward_loop_worker_handles=)`` in both trainers: the V1 trainer (``trainer.use_v1=true``, the
+default; ``verl/trainer/main_ppo.py``) and the legacy V0 ``RayPPOTrainer``
+(``verl/trainer/ppo/ray_trainer.py``). ``VerlExtAgentLoopManager.create`` returns the matching
+subclass: of ``AgentLoopManagerTQ`` (V1, outputs go to TransferQueue) or of ``AgentLoopManager``
+(V0, ``generate_sequences`` returns a ``DataProto``).
+
+Both subclasses keep veRL's agent loops and workers. The only change is the LLM client handed to
+the workers: ``StrategyLLMClient`` sends each ``generate`` to the ``StrategyDispatcher`` actor,
+where the selected strategy picks the server and the timing. If the dispatcher dies, the client
+logs an error once and falls back to veRL's own load balancer, so a rollout is never lost.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+from verl_ext.config.settings import VerlExtSettings
+from verl_ext.rollout.dispatcher import StrategyDispatcher, server_handles_from_load_balancer
+
+logger = logging.getLogger(__name__)
+
+
+def _client_cls():
+    from verl.workers.rollout.llm_server import LLMServerClient
+
+    class StrategyLLMClient(LLMServerClient):
+        """``LLMServerClient`` whose requests are scheduled by verl_ext's dispatcher."""
+
+        def __init__(self, config, load_balancer_handle=None, dispatcher=None, **kwargs):
+            super().__init__(config, load_balancer_handle=load_balancer_handle, **kwargs)
+            self._dispatcher = dispatcher
+            self._dispatcher_failed = False
+
+        async def generate(self, request_id, *, prompt_ids, sampling_params, **kwargs: Any):
+            if self._dispatcher is None or self._dispatcher_failed:
+                return await super().generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs)
+            import ray
+
+            mm = {k: v for k, v in kwargs.items() if v is not None}
+            try:
+                output = await self._dispatcher.generate.remote(request_id, list(prompt_ids), dict(sampling_params), **mm)
+            except ray.exceptions.RayActorError as exc:
+                self._dispatcher_failed = True
+                logger.error(
+                    "verl_ext dispatcher is gone (%s); falling back to veRL's load balancer for this worker", exc
+                )
+                return await super().generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs)
+            steps = output.extra_fields.get("global_steps")
+            output.extra_fields.setdefault("min_global_steps", steps)
+            output.extra_fields.setdefault("max_global_steps", steps)
+            return output
+
+    return StrategyLLMClient
+
+
+class _VerlExtManagerMixin:
+    """Builds the dispatcher and swaps the workers' LLM client; the rest is veRL's manager."""
+
+    def __init__(self, config, llm_client, teacher_client=None, reward_loop_worker_handles=None):
+        import ray
+
+        rollout = config.actor_rollout_ref.rollout
+        self.verl_ext_settings = VerlExtSettings.from_custom(rollout.get("custom"))
+        load_balancer = getattr(llm_client, "_load_balancer", None)
+        if load_balancer is None:
+            raise RuntimeError("verl_ext needs veRL's LLMServerClient with a load balancer handle")
+        servers = server_handles_from_load_balancer(load_balancer)
+        self.verl_ext_dispatcher = (
+            ray.remote(StrategyDispatcher)
+            .options(num_cpus=0, max_concurrency=100_000)
+            .remote(self.verl_ext_settings, servers, rollout.get("response_length"))
+        )
+        client = _client_cls()(config, load_balancer_handle=load_balancer, dispatcher=self.verl_ext_dispatcher)
+        logger.warning(
+            "verl_ext: rollout strategy '%s' over %d server(s)", self.verl_ext_settings.strategy, len(servers)
+        )
+        super().__init__(config, client, teacher_client, reward_loop_worker_handles)
+
+    def verl_ext_metrics(self) -> dict[str, float]:
+        import ray
+
+        try:
+            return ray.get(self.verl_ext_dispatcher.metrics.remote())
+        except Exception as exc:  # metrics must never break a step
+            logger.warning("verl_ext: no dispatcher metrics (%s)", exc)
+            return {}
+
+
+def _v0_cls():
+    from verl.experimental.agent_loop.agent_loop import AgentLoopManager
+    from verl.utils.ray_utils import auto_await
+
+    class VerlExtAgentLoopManagerV0(_VerlExtManagerMixin, AgentLoopManager):
+        @auto_await
+        async def generate_sequences(self, prompts):
+            output = await super().generate_sequences(prompts)
+            # veRL's V0 trainer merges meta_info["timing"] into the step's logged metrics.
+            output.meta_info.setdefault("timing", {}).update(self.verl_ext_metrics())
+            return output
+
+    return VerlExtAgentLoopManagerV0
+
+
+def _v1_cls():
+    from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ
+
+    class VerlExtAgentLoopManagerTQ(_VerlExtManagerMixin, AgentLoopManagerTQ):
+        pass
+
+    return VerlExtAgentLoopManagerTQ
+
+
+class VerlExtAgentLoopManager:
+    """Factory named by ``agent.agent_loop_manager_class``; ``create`` returns the right subclass."""
+
+    @classmethod
+    def manager_cls(cls, config) -> type:
+        use_v1 = bool(config.trainer.get("use_v1", True)) if "trainer" in config else True
+        return _v1_cls() if use_v1 else _v0_cls()
+
+    @classmethod
+    def create(cls, config, llm_client, teacher_client: Optional[dict] = None, reward_loop_worker_handles=None):
+        return cls.manager_cls(config).create(
+            config=config,
+            llm_client=llm_client,
+            teacher_client=teacher_client,
+            reward_loop_worker_handles=reward_loop_worker_handles,
+        )

@@ -1,0 +1,72 @@
+"""``Instance`` over one veRL rollout server (``vLLMHttpServer`` / ``SGLangHttpServer`` Ray actor).
+
+veRL's servers expose ``generate(prompt_ids, sampling_params, request_id, ...) -> TokenOutput``
+(``verl/workers/rollout/vllm_rollout/vllm_async_server.py``, 0.9.1). The request's original veRL
+sampling dict travels in ``GenRequest.extra["verl_sampling_params"]`` and is passed through
+unchanged, except ``max_tokens`` when a strategy generates the request in chunks, so routing
+through verl_ext never changes what the engine samples.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, Optional
+
+from verl_ext.engine.instance import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Completion, GenRequest, Instance, Telemetry
+
+SAMPLING_KEY = "verl_sampling_params"
+KWARGS_KEY = "verl_generate_kwargs"
+TOKEN_OUTPUT_KEY = "token_output"
+
+
+class ReplicaInstance(Instance):
+    def __init__(self, name: str, handle: Any, max_tokens_default: Optional[int] = None):
+        self.name = name
+        self.handle = handle
+        self.max_tokens_default = max_tokens_default
+        self._engine_ids: dict[str, str] = {}
+        self._inflight = 0
+        self._generated = 0
+        self._steps = 0
+
+    def _sampling(self, request: GenRequest) -> dict:
+        params = dict(request.extra.get(SAMPLING_KEY) or {})
+        original = params.get("max_tokens", params.get("max_new_tokens", self.max_tokens_default))
+        if original is None or request.sampling.max_tokens < original:
+            params.pop("max_new_tokens", None)
+            params["max_tokens"] = request.sampling.max_tokens
+        return params
+
+    async def generate(self, request: GenRequest) -> Completion:
+        engine_id = uuid.uuid4().hex  # veRL sends a fresh id per turn, too
+        self._engine_ids[request.request_id] = engine_id
+        self._inflight += 1
+        try:
+            output = await self.handle.generate.remote(
+                prompt_ids=list(request.prompt_ids),
+                sampling_params=self._sampling(request),
+                request_id=engine_id,
+                **(request.extra.get(KWARGS_KEY) or {}),
+            )
+        finally:
+            self._inflight -= 1
+            self._engine_ids.pop(request.request_id, None)
+        tokens = list(output.token_ids)
+        self._generated += len(tokens)
+        if output.stop_reason in ("aborted", "abort"):
+            reason = FINISH_ABORT
+        elif len(tokens) >= request.sampling.max_tokens:
+            reason = FINISH_LENGTH
+        else:
+            reason = FINISH_STOP
+        return Completion(request.request_id, tokens, reason, logprobs=output.log_probs, extra={TOKEN_OUTPUT_KEY: output})
+
+    async def abort(self, request_id: str) -> None:
+        engine_id = self._engine_ids.get(request_id)
+        if engine_id is not None and hasattr(self.handle, "abort_request"):
+            await self.handle.abort_request.remote(engine_id)
+
+    def telemetry(self) -> Telemetry:
+        # veRL's servers expose no cheap load probe; in-flight requests are what its own load
+        # balancer uses, too.
+        return Telemetry(running=self._inflight, generated_tokens=self._generated)
