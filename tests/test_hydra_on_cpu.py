@@ -1,0 +1,86 @@
+"""verl_ext's Hydra options compose with veRL's real `ppo_trainer` config, in both forms, and
+convert to veRL's `RolloutConfig`; unknown strategies fail with the available ones listed."""
+
+import subprocess
+import sys
+
+import pytest
+
+from _util import compose_verl
+
+from verl_ext.config import VerlExtSettings, option_names
+from verl_ext.pipe import available_strategies
+
+STRATEGIES = option_names()
+
+
+def test_every_option_is_a_registered_strategy():
+    assert "baseline" in STRATEGIES
+    assert set(STRATEGIES) <= set(available_strategies())
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_long_form_composes_and_converts(strategy):
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.config import RolloutConfig
+
+    cfg = compose_verl([f"rollout@actor_rollout_ref.rollout={strategy}", "actor_rollout_ref.rollout.name=vllm"])
+    rollout = cfg.actor_rollout_ref.rollout
+    assert rollout.agent.agent_loop_manager_class == "verl_ext.rollout.manager.VerlExtAgentLoopManager"
+    assert rollout.custom.verl_ext.strategy == strategy
+    # veRL's own defaults are still there (inherited from rollout/rollout.yaml)
+    assert rollout.mode == "async" and "engine_kwargs" in rollout
+    converted = omega_conf_to_dataclass(rollout)
+    assert isinstance(converted, RolloutConfig)
+    assert converted.agent.agent_loop_manager_class.endswith("VerlExtAgentLoopManager")
+    assert VerlExtSettings.from_custom(converted.custom).strategy == strategy
+
+
+def test_knobs_override_without_plus():
+    cfg = compose_verl(["rollout@actor_rollout_ref.rollout=baseline", "actor_rollout_ref.rollout.custom.verl_ext.seed=7"])
+    assert VerlExtSettings.from_custom(cfg.actor_rollout_ref.rollout.custom).seed == 7
+
+
+def test_default_config_untouched():
+    cfg = compose_verl([])
+    rollout = cfg.actor_rollout_ref.rollout
+    assert "custom" not in rollout or not rollout.custom
+    assert rollout.agent.get("agent_loop_manager_class") is None
+
+
+@pytest.mark.parametrize(
+    "custom,match",
+    [
+        ({"verl_ext": {"strategy": "nope"}}, "available: .*baseline"),
+        ({"verl_ext": {"strategy": "baseline", "chunk": 1}}, "unknown key"),
+        ({"verl_ext": {"strategy": "baseline", "options": {"x": 1}}}, "unknown option"),
+        ({"verl_ext": {"strategy": "baseline", "seed": "one"}}, "seed must be an integer"),
+        ({"verl_ext": "baseline"}, "must be a mapping"),
+        ({}, "missing"),
+    ],
+)
+def test_malformed_settings(custom, match):
+    with pytest.raises(ValueError, match=match):
+        VerlExtSettings.from_custom(custom)
+
+
+def _main_ppo(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "verl.trainer.main_ppo", *args, "--cfg", "job"],
+        capture_output=True, text=True, timeout=300,
+    )
+
+
+def test_short_form_on_main_ppo():
+    """The literal `python -m verl.trainer.main_ppo rollout=<strategy>` (rewritten by the verl plugin)."""
+    r = _main_ppo("rollout=baseline", "actor_rollout_ref.rollout.custom.verl_ext.seed=3")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "agent_loop_manager_class: verl_ext.rollout.manager.VerlExtAgentLoopManager" in r.stdout
+    assert "strategy: baseline" in r.stdout and "seed: 3" in r.stdout
+
+
+def test_short_form_unknown_strategy_lists_available():
+    r = _main_ppo("rollout=nope")
+    assert r.returncode != 0
+    assert "unknown rollout strategy 'nope'; available: baseline" in r.stderr
+    assert "Could not find 'rollout/nope'" in r.stderr
