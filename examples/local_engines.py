@@ -1,0 +1,51 @@
+"""Drive verl_ext strategies on local vLLM engines from Python (no veRL trainer involved).
+
+    python examples/local_engines.py [--model DIR] [--instances 2]
+
+Starts the engines, runs the default arithmetic workload through each registered strategy, and
+prints the metrics that `verl-ext ab` reports.
+"""
+
+import argparse
+import asyncio
+
+from transformers import AutoTokenizer
+
+from verl_ext.ab.runner import ABConfig, build_requests, run_strategy
+from verl_ext.engine.vllm_local import VLLMInstanceFactory
+from verl_ext.model import resolve_model
+from verl_ext.pipe import available_strategies, make_strategy
+from verl_ext.workload import make_problems, reward
+
+
+async def main(model, instances: int) -> None:
+    model_dir = resolve_model(model)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    cfg = ABConfig(prompts=8, samples=4, max_tokens=64)
+    problems = make_problems(cfg.prompts, seed=cfg.seed)
+    prompt_ids = [
+        tokenizer.apply_chat_template(p.messages(), add_generation_prompt=True, tokenize=True, return_dict=False)
+        for p in problems
+    ]
+    requests = build_requests(problems, prompt_ids, cfg, (tokenizer.eos_token_id,))
+    answers = {p.uid: p.answer for p in problems}
+
+    def score(req, tokens):
+        return reward(tokenizer.decode(tokens, skip_special_tokens=True), answers[req.group_id])
+
+    engines = await VLLMInstanceFactory(str(model_dir), max_model_len=1024).create(instances)
+    try:
+        for name in available_strategies():
+            _, metrics, _, _ = await run_strategy(make_strategy(name), engines, requests, score)
+            print(name, {k: round(v, 3) for k, v in metrics.items() if isinstance(v, float)})
+    finally:
+        for engine in engines:
+            await engine.shutdown()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--instances", type=int, default=2)
+    args = parser.parse_args()
+    asyncio.run(main(args.model, args.instances))
