@@ -15,7 +15,7 @@ from verl_ext.ab.runner import ABConfig, build_requests, run_strategy
 from verl_ext.engine.vllm_local import VLLMInstanceFactory
 from verl_ext.model import resolve_model
 from verl_ext.pipe import available_strategies, make_strategy
-from verl_ext.workload import make_problems, reward
+from verl_ext.workload import encode_prompts, make_problems, make_scorer
 
 
 async def main(model, instances: int) -> None:
@@ -23,15 +23,8 @@ async def main(model, instances: int) -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     cfg = ABConfig(prompts=8, samples=4, max_tokens=64)
     problems = make_problems(cfg.prompts, seed=cfg.seed)
-    prompt_ids = [
-        tokenizer.apply_chat_template(p.messages(), add_generation_prompt=True, tokenize=True, return_dict=False)
-        for p in problems
-    ]
-    requests = build_requests(problems, prompt_ids, cfg, (tokenizer.eos_token_id,))
-    answers = {p.uid: p.answer for p in problems}
-
-    def score(req, tokens):
-        return reward(tokenizer.decode(tokens, skip_special_tokens=True), answers[req.group_id])
+    requests = build_requests(problems, encode_prompts(tokenizer, problems), cfg, (tokenizer.eos_token_id,))
+    score = make_scorer(tokenizer, problems)
 
     engines = await VLLMInstanceFactory(str(model_dir), max_model_len=1024).create(instances)
     try:

@@ -111,3 +111,15 @@ def test_manager_rejects_bad_settings(ray_local, model_dir):
     lb = get_router_handle(servers={"s0": FakeServer.remote("s0")}, router_config_path=None, full_determinism=False)
     with pytest.raises(StrategyConfigError, match="unknown option"):
         VerlExtAgentLoopManager.create(config=config, llm_client=LLMServerClient(config, load_balancer_handle=lb))
+
+
+def test_factory_picks_trainer_flavour():
+    from verl.experimental.agent_loop.agent_loop import AgentLoopManager
+    from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ
+
+    from verl_ext.rollout.manager import VerlExtAgentLoopManager
+
+    v1 = VerlExtAgentLoopManager.manager_cls(compose_verl(["rollout@actor_rollout_ref.rollout=baseline"]))
+    v0 = VerlExtAgentLoopManager.manager_cls(compose_verl(["rollout@actor_rollout_ref.rollout=baseline", "trainer.use_v1=false"]))
+    assert issubclass(v1, AgentLoopManagerTQ)  # the default trainer (use_v1=true)
+    assert issubclass(v0, AgentLoopManager) and not issubclass(v0, AgentLoopManagerTQ)

@@ -10,7 +10,7 @@ vllm = pytest.importorskip("vllm")
 from verl_ext.ab.runner import ABConfig, build_requests, run_strategy  # noqa: E402
 from verl_ext.engine.instance import GenRequest, SamplingSpec  # noqa: E402
 from verl_ext.pipe import make_strategy  # noqa: E402
-from verl_ext.workload.arith import make_problems, reward  # noqa: E402
+from verl_ext.workload.arith import encode_prompts, make_problems, make_scorer  # noqa: E402
 
 pytestmark = pytest.mark.engine
 MAX_TOKENS = 48
@@ -35,18 +35,12 @@ async def engine(model_dir):
 def _workload(tokenizer, prompts=4, samples=2, temperature=1.0):
     cfg = ABConfig(prompts=prompts, samples=samples, max_tokens=MAX_TOKENS, temperature=temperature)
     problems = make_problems(prompts, seed=0)
-    ids = [tokenizer.apply_chat_template(p.messages(), add_generation_prompt=True, tokenize=True, return_dict=False)
-           for p in problems]
-    return problems, build_requests(problems, ids, cfg, (tokenizer.eos_token_id,))
+    return problems, build_requests(problems, encode_prompts(tokenizer, problems), cfg, (tokenizer.eos_token_id,))
 
 
 async def test_baseline_rollout_on_real_engine(engine, tokenizer):
     problems, requests = _workload(tokenizer)
-    answers = {p.uid: p.answer for p in problems}
-
-    def score(req, tokens):
-        return reward(tokenizer.decode(tokens, skip_special_tokens=True), answers[req.group_id])
-
+    score = make_scorer(tokenizer, problems)
     completions, metrics, pool, timeline = await run_strategy(make_strategy("baseline"), [engine], requests, score)
     assert [c.request_id for c in completions] == [r.request_id for r in requests]
     for c in completions:

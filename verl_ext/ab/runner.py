@@ -23,7 +23,7 @@ from verl_ext.ab.metrics import SCHEMA, rollout_metrics
 from verl_ext.engine.instance import GenRequest, Instance, SamplingSpec
 from verl_ext.pipe.pool import InstancePool
 from verl_ext.pipe.strategy import Strategy, make_strategy
-from verl_ext.workload.arith import Problem, make_problems, reward
+from verl_ext.workload.arith import Problem, encode_prompts, make_problems, make_scorer
 
 TELEMETRY_PERIOD_S = 0.05
 
@@ -164,16 +164,10 @@ def run_ab(cfg: ABConfig, engine_factory=None, progress: bool = True) -> dict:
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     problems = make_problems(cfg.prompts, seed=cfg.seed)
-    prompt_ids = [
-        list(tokenizer.apply_chat_template(p.messages(), add_generation_prompt=True, tokenize=True, return_dict=False))
-        for p in problems
-    ]
+    prompt_ids = encode_prompts(tokenizer, problems)
     stop_ids = tuple(sorted({i for i in (tokenizer.eos_token_id,) if i is not None}))
     requests = build_requests(problems, prompt_ids, cfg, stop_ids)
-    answers = {p.uid: p.answer for p in problems}
-
-    def score(req: GenRequest, token_ids: list[int]) -> float:
-        return reward(tokenizer.decode(token_ids, skip_special_tokens=True), answers[req.group_id])
+    score = make_scorer(tokenizer, problems)
 
     if engine_factory is None:
         from verl_ext.engine.vllm_local import VLLMInstanceFactory

@@ -85,3 +85,21 @@ def reward(response_text: str, answer: int) -> float:
     """1.0 if the response's final number equals ``answer``, else 0.0."""
     value = extract_final_number(response_text)
     return 1.0 if value is not None and value == answer else 0.0
+
+
+def encode_prompts(tokenizer, problems: list[Problem]) -> list[list[int]]:
+    """Chat-templated prompt token ids (generation prompt appended), one list per problem."""
+    return [
+        list(tokenizer.apply_chat_template(p.messages(), add_generation_prompt=True, tokenize=True, return_dict=False))
+        for p in problems
+    ]
+
+
+def make_scorer(tokenizer, problems: list[Problem]):
+    """``score(request, token_ids) -> reward`` for requests whose ``group_id`` is a problem uid."""
+    answers = {p.uid: p.answer for p in problems}
+
+    def score(request, token_ids: list[int]) -> float:
+        return reward(tokenizer.decode(token_ids, skip_special_tokens=True), answers[request.group_id])
+
+    return score
