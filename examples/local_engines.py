@@ -29,8 +29,8 @@ async def main(model, instances: int) -> None:
     engines = await VLLMInstanceFactory(str(model_dir), max_model_len=1024).create(instances)
     try:
         for name in available_strategies():
-            _, metrics, _, _ = await run_strategy(make_strategy(name), engines, requests, score)
-            print(name, {k: round(v, 3) for k, v in metrics.items() if isinstance(v, float)})
+            arm = await run_strategy(make_strategy(name), engines, requests, score)
+            print(name, {k: round(v, 3) for k, v in arm.metrics.items() if isinstance(v, float)})
     finally:
         for engine in engines:
             await engine.shutdown()

@@ -41,7 +41,8 @@ def _workload(tokenizer, prompts=4, samples=2, temperature=1.0):
 async def test_baseline_rollout_on_real_engine(engine, tokenizer):
     problems, requests = _workload(tokenizer)
     score = make_scorer(tokenizer, problems)
-    completions, metrics, pool, timeline = await run_strategy(make_strategy("baseline"), [engine], requests, score)
+    arm = await run_strategy(make_strategy("baseline"), [engine], requests, score)
+    completions, metrics, timeline = arm.completions, arm.metrics, arm.timeline
     assert [c.request_id for c in completions] == [r.request_id for r in requests]
     for c in completions:
         assert 1 <= len(c.token_ids) <= MAX_TOKENS

@@ -58,12 +58,22 @@ class ABConfig:
 
 
 @dataclass
+class ArmResult:
+    """One strategy's rollout over one set of instances."""
+
+    completions: list
+    rewards: list[float]
+    metrics: dict
+    pool: InstancePool
+    timeline: dict  # instance -> [(t, running)]
+
+
+@dataclass
 class StrategyRun:
     name: str
     metrics: dict
     records: list
     timeline: dict  # instance -> [(t, running)]
-    rewards: list[float]
     responses: list[dict]
 
 
@@ -110,8 +120,8 @@ async def run_strategy(
     score: Callable[[GenRequest, list[int]], float],
     seed: int = 0,
     on_finish: Optional[Callable[[], None]] = None,
-) -> tuple[list, dict, InstancePool, dict]:
-    """Run ``requests`` through ``strategy`` on ``instances``; returns (completions, metrics, pool, timeline)."""
+) -> ArmResult:
+    """Run ``requests`` through ``strategy`` on ``instances`` and measure it."""
     pool = InstancePool(instances, seed=seed)
     if on_finish is not None:
         pool.on_finish = lambda record: on_finish()
@@ -134,7 +144,7 @@ async def run_strategy(
         steps = sum(a.request_steps - b.request_steps for a, b in zip(after, before))
         metrics["tokens_per_step"] = tokens / steps if steps > 0 else None
     metrics.update({f"strategy/{k}": v for k, v in strategy.metrics().items()})
-    return completions, metrics, pool, timeline
+    return ArmResult(completions, rewards, metrics, pool, timeline)
 
 
 def _check_out_dir(out: Path) -> None:
@@ -207,7 +217,7 @@ async def _run_one(strategy, engine_factory, cfg, requests, score, tokenizer, pr
             from tqdm import tqdm
 
             bar = tqdm(total=len(requests), desc=f"{strategy.name:>10}", unit="req", leave=True)
-        completions, metrics, pool, timeline = await run_strategy(
+        arm = await run_strategy(
             strategy, instances, requests, score, seed=cfg.seed, on_finish=(bar.update if bar else None)
         )
     finally:
@@ -220,17 +230,16 @@ async def _run_one(strategy, engine_factory, cfg, requests, score, tokenizer, pr
             "group_id": r.group_id,
             "finish_reason": c.finish_reason,
             "num_tokens": len(c.token_ids),
-            "reward": score(r, c.token_ids),
+            "reward": reward,
             "text": tokenizer.decode(c.token_ids, skip_special_tokens=True),
         }
-        for r, c in zip(requests, completions)
+        for r, c, reward in zip(requests, arm.completions, arm.rewards)
     ]
     return StrategyRun(
         name=strategy.name,
-        metrics=metrics,
-        records=[asdict(r) for r in pool.records],
-        timeline=timeline,
-        rewards=[x["reward"] for x in responses],
+        metrics=arm.metrics,
+        records=[asdict(r) for r in arm.pool.records],
+        timeline=arm.timeline,
         responses=responses,
     )
 
