@@ -3,6 +3,9 @@
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -k hydra`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Each vLLM engine starts 2 Python processes that import vllm + torch; without cached bytecode
+# that costs ~30 s more per engine, so let Python write .pyc files even if the shell says not to.
+unset PYTHONDONTWRITEBYTECODE
 bash scripts/setup_env.sh --test
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 set +e

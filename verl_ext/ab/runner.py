@@ -103,10 +103,12 @@ def build_requests(
 
 
 async def _sample_telemetry(instances: Sequence[Instance], pool: InstancePool, timeline: dict, stop: asyncio.Event):
-    while not stop.is_set():
+    while True:
         t = pool.now()
         for inst in instances:
             timeline[inst.name].append((t, inst.telemetry().running))
+        if stop.is_set():  # the last sample is taken after the rollout ended
+            return
         try:
             await asyncio.wait_for(stop.wait(), TELEMETRY_PERIOD_S)
         except asyncio.TimeoutError:

@@ -66,7 +66,7 @@ class StrategyDispatcher:
         max_tokens = params.get("max_tokens", params.get("max_new_tokens", self.max_tokens_default))
         request = GenRequest(
             request_id=request_id,
-            group_id=str(kwargs.pop("verl_ext_group_id", request_id)),
+            group_id=request_id,  # veRL's agent loops do not pass the prompt's uid to generate()
             prompt_ids=prompt_ids,
             sampling=SamplingSpec(
                 temperature=float(params.get("temperature", 1.0)),

@@ -15,8 +15,14 @@ logs an error once and falls back to veRL's own load balancer, so a rollout is n
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Optional
+
+import ray
+from verl.experimental.agent_loop.agent_loop import AgentLoopManager
+from verl.utils.ray_utils import auto_await
+from verl.workers.rollout.llm_server import LLMServerClient
 
 from verl_ext.config.settings import VerlExtSettings
 from verl_ext.rollout.dispatcher import StrategyDispatcher, server_handles_from_load_balancer
@@ -24,45 +30,34 @@ from verl_ext.rollout.dispatcher import StrategyDispatcher, server_handles_from_
 logger = logging.getLogger(__name__)
 
 
-def _client_cls():
-    from verl.workers.rollout.llm_server import LLMServerClient
+class StrategyLLMClient(LLMServerClient):
+    """``LLMServerClient`` whose requests are scheduled by verl_ext's dispatcher."""
 
-    class StrategyLLMClient(LLMServerClient):
-        """``LLMServerClient`` whose requests are scheduled by verl_ext's dispatcher."""
+    def __init__(self, config, load_balancer_handle=None, dispatcher=None, **kwargs):
+        super().__init__(config, load_balancer_handle=load_balancer_handle, **kwargs)
+        self._dispatcher = dispatcher
+        self._dispatcher_failed = False
 
-        def __init__(self, config, load_balancer_handle=None, dispatcher=None, **kwargs):
-            super().__init__(config, load_balancer_handle=load_balancer_handle, **kwargs)
-            self._dispatcher = dispatcher
-            self._dispatcher_failed = False
-
-        async def generate(self, request_id, *, prompt_ids, sampling_params, **kwargs: Any):
-            if self._dispatcher is None or self._dispatcher_failed:
-                return await super().generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs)
-            import ray
-
-            mm = {k: v for k, v in kwargs.items() if v is not None}
-            try:
-                output = await self._dispatcher.generate.remote(request_id, list(prompt_ids), dict(sampling_params), **mm)
-            except ray.exceptions.RayActorError as exc:
-                self._dispatcher_failed = True
-                logger.error(
-                    "verl_ext dispatcher is gone (%s); falling back to veRL's load balancer for this worker", exc
-                )
-                return await super().generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs)
-            steps = output.extra_fields.get("global_steps")
-            output.extra_fields.setdefault("min_global_steps", steps)
-            output.extra_fields.setdefault("max_global_steps", steps)
-            return output
-
-    return StrategyLLMClient
+    async def generate(self, request_id, *, prompt_ids, sampling_params, **kwargs: Any):
+        if self._dispatcher is None or self._dispatcher_failed:
+            return await super().generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs)
+        forwarded = {k: v for k, v in kwargs.items() if v is not None}
+        try:
+            output = await self._dispatcher.generate.remote(request_id, list(prompt_ids), dict(sampling_params), **forwarded)
+        except ray.exceptions.RayActorError as exc:
+            self._dispatcher_failed = True
+            logger.error("verl_ext dispatcher is gone (%s); falling back to veRL's load balancer for this worker", exc)
+            return await super().generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs)
+        steps = output.extra_fields.get("global_steps")
+        output.extra_fields.setdefault("min_global_steps", steps)
+        output.extra_fields.setdefault("max_global_steps", steps)
+        return output
 
 
 class _VerlExtManagerMixin:
     """Builds the dispatcher and swaps the workers' LLM client; the rest is veRL's manager."""
 
     def __init__(self, config, llm_client, teacher_client=None, reward_loop_worker_handles=None):
-        import ray
-
         rollout = config.actor_rollout_ref.rollout
         self.verl_ext_settings = VerlExtSettings.from_custom(rollout.get("custom"))
         load_balancer = getattr(llm_client, "_load_balancer", None)
@@ -74,15 +69,13 @@ class _VerlExtManagerMixin:
             .options(num_cpus=0, max_concurrency=100_000)
             .remote(self.verl_ext_settings, servers, rollout.get("response_length"))
         )
-        client = _client_cls()(config, load_balancer_handle=load_balancer, dispatcher=self.verl_ext_dispatcher)
+        client = StrategyLLMClient(config, load_balancer_handle=load_balancer, dispatcher=self.verl_ext_dispatcher)
         logger.warning(
             "verl_ext: rollout strategy '%s' over %d server(s)", self.verl_ext_settings.strategy, len(servers)
         )
         super().__init__(config, client, teacher_client, reward_loop_worker_handles)
 
     def verl_ext_metrics(self) -> dict[str, float]:
-        import ray
-
         try:
             return ray.get(self.verl_ext_dispatcher.metrics.remote())
         except Exception as exc:  # metrics must never break a step
@@ -90,22 +83,20 @@ class _VerlExtManagerMixin:
             return {}
 
 
-def _v0_cls():
-    from verl.experimental.agent_loop.agent_loop import AgentLoopManager
-    from verl.utils.ray_utils import auto_await
+class VerlExtAgentLoopManagerV0(_VerlExtManagerMixin, AgentLoopManager):
+    """Legacy trainer (``trainer.use_v1=false``): ``generate_sequences`` returns a ``DataProto``."""
 
-    class VerlExtAgentLoopManagerV0(_VerlExtManagerMixin, AgentLoopManager):
-        @auto_await
-        async def generate_sequences(self, prompts):
-            output = await super().generate_sequences(prompts)
-            # veRL's V0 trainer merges meta_info["timing"] into the step's logged metrics.
-            output.meta_info.setdefault("timing", {}).update(self.verl_ext_metrics())
-            return output
-
-    return VerlExtAgentLoopManagerV0
+    @auto_await
+    async def generate_sequences(self, prompts):
+        output = await super().generate_sequences(prompts)
+        # veRL's V0 trainer merges meta_info["timing"] into the step's logged metrics.
+        output.meta_info.setdefault("timing", {}).update(self.verl_ext_metrics())
+        return output
 
 
+@functools.cache
 def _v1_cls():
+    # Lazy: the V1 module needs the TransferQueue package, which the V0 trainer does not.
     from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ
 
     class VerlExtAgentLoopManagerTQ(_VerlExtManagerMixin, AgentLoopManagerTQ):
@@ -120,7 +111,7 @@ class VerlExtAgentLoopManager:
     @classmethod
     def manager_cls(cls, config) -> type:
         use_v1 = bool(config.trainer.get("use_v1", True)) if "trainer" in config else True
-        return _v1_cls() if use_v1 else _v0_cls()
+        return _v1_cls() if use_v1 else VerlExtAgentLoopManagerV0
 
     @classmethod
     def create(cls, config, llm_client, teacher_client: Optional[dict] = None, reward_loop_worker_handles=None):
