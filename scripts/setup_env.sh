@@ -15,6 +15,9 @@ PYTHON=${PYTHON:-python3}
 REQS=(-r requirements/cpu.txt)
 [ "${1:-}" = "--test" ] && REQS+=(-r requirements/test.txt)
 
+# uv's bundled CA roots miss private/corporate CAs that pip and the OS trust; use the OS store.
+export UV_SYSTEM_CERTS=${UV_SYSTEM_CERTS:-1}
+
 if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
