@@ -177,7 +177,7 @@ def run_ab(cfg: ABConfig, engine_factory=None, progress: bool = True) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     problems = make_problems(cfg.prompts, seed=cfg.seed)
     prompt_ids = encode_prompts(tokenizer, problems)
-    stop_ids = tuple(sorted({i for i in (tokenizer.eos_token_id,) if i is not None}))
+    stop_ids = () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
     requests = build_requests(problems, prompt_ids, cfg, stop_ids)
     score = make_scorer(tokenizer, problems)
 

@@ -10,7 +10,6 @@ output order are veRL's own). Only the step "which server, and when" changes: in
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Optional
 
 from verl_ext.config.settings import VerlExtSettings
@@ -18,8 +17,6 @@ from verl_ext.engine.instance import GenRequest, SamplingSpec
 from verl_ext.pipe.pool import InstancePool
 from verl_ext.pipe.strategy import make_strategy
 from verl_ext.rollout.replica_instance import KWARGS_KEY, SAMPLING_KEY, TOKEN_OUTPUT_KEY, ReplicaInstance
-
-logger = logging.getLogger(__name__)
 
 
 def _lb_server_handles(load_balancer) -> dict:
@@ -93,6 +90,3 @@ class StrategyDispatcher:
         if reset:
             self._requests = self._output_tokens = 0
         return out
-
-    def strategy_name(self) -> str:
-        return self.strategy.name

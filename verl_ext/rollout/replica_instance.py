@@ -27,7 +27,6 @@ class ReplicaInstance(Instance):
         self._engine_ids: dict[str, str] = {}
         self._inflight = 0
         self._generated = 0
-        self._steps = 0
 
     def _sampling(self, request: GenRequest) -> dict:
         params = dict(request.extra.get(SAMPLING_KEY) or {})
