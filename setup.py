@@ -4,7 +4,20 @@ Install on CPU machines with ``bash scripts/setup_env.sh`` (uv + requirements/ov
 On GPU clusters: ``pip install -e .[vllm]`` (or ``[sglang]``) next to an existing veRL 0.9.x.
 """
 
+from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import find_namespace_packages, setup
+
+# The per-token hot path (suffix-tree index, batched proposals) is native C++17.
+SUFFIX_SOURCES = ["bindings.cc", "draft_index.cc", "suffix_tree.cc"]
+ext_modules = [
+    Pybind11Extension(
+        "verl_ext.spec._suffix",
+        [f"verl_ext/spec/csrc/{f}" for f in SUFFIX_SOURCES],
+        include_dirs=["verl_ext/spec/csrc"],
+        cxx_std=17,
+        extra_compile_args=["-O3"],
+    )
+]
 
 setup(
     name="verl_ext",
@@ -15,13 +28,16 @@ setup(
     python_requires=">=3.10,<3.13",
     # `hydra_plugins` is a namespace package shared with other Hydra plugins: no __init__.py there.
     packages=find_namespace_packages(include=["verl_ext", "verl_ext.*", "hydra_plugins.*"]),
-    package_data={"verl_ext.config": ["*.yaml", "rollout/*.yaml"]},
+    package_data={"verl_ext.config": ["*.yaml", "rollout/*.yaml"], "verl_ext.spec": ["csrc/*.h", "csrc/*.cc"]},
     include_package_data=True,
+    ext_modules=ext_modules,
+    cmdclass={"build_ext": build_ext},
     install_requires=[
         "verl>=0.9.1,<0.10",
         "hydra-core>=1.3",
         "omegaconf>=2.3",
         "numpy",
+        "pybind11>=2.12",
         "tqdm",
         "matplotlib",
     ],
@@ -37,5 +53,7 @@ setup(
         "console_scripts": ["verl-ext=verl_ext.cli:main"],
         # Loaded by `import verl` in every process (verl/__init__.py); never raises.
         "verl.plugins": ["verl_ext=verl_ext.plugin"],
+        # Gives the suffix drafter request identity inside vLLM; inert unless it is selected.
+        "vllm.general_plugins": ["verl_ext_spec=verl_ext.spec.vllm_plugin:register"],
     },
 )

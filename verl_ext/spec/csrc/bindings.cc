@@ -1,0 +1,353 @@
+// pybind11 bindings for the draft index (module verl_ext.spec._suffix).
+// Every call holds the GIL for its whole duration (see draft_index.h for the contract).
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <climits>
+#include <cstring>
+
+#include "draft_index.h"
+
+namespace py = pybind11;
+using namespace verl_ext;
+
+namespace {
+
+// A 1-D token sequence from any integer array-like; zero-copy for contiguous int32.
+struct Tokens {
+  const int32_t* ptr = nullptr;
+  size_t n = 0;
+  py::array keep;
+  std::vector<int32_t> own;
+};
+
+Tokens tokens_of(const py::handle& obj, const char* what) {
+  Tokens t;
+  py::array arr = py::array::ensure(obj);
+  if (!arr) throw py::value_error(std::string(what) + " must be a sequence of token ids");
+  if (arr.size() == 0) return t;
+  if (arr.ndim() != 1) throw py::value_error(std::string(what) + " must be one-dimensional");
+  const char kind = arr.dtype().kind();
+  if (kind != 'i' && kind != 'u')
+    throw py::value_error(std::string(what) + " must hold integer token ids, got dtype " +
+                          std::string(py::str(arr.dtype())));
+  t.n = static_cast<size_t>(arr.size());
+  if (arr.dtype().is(py::dtype::of<int32_t>()) && (arr.flags() & py::array::c_style)) {
+    t.keep = arr;
+    t.ptr = static_cast<const int32_t*>(arr.data());
+    for (size_t i = 0; i < t.n; ++i)
+      if (t.ptr[i] < 0)
+        throw py::value_error(std::string(what) + " has a negative token id " +
+                              std::to_string(t.ptr[i]));
+    return t;
+  }
+  if (kind == 'u' && arr.itemsize() == 8) {
+    auto u = py::array_t<uint64_t, py::array::c_style | py::array::forcecast>::ensure(arr);
+    for (size_t i = 0; i < t.n; ++i)
+      if (u.data()[i] > static_cast<uint64_t>(INT32_MAX))
+        throw py::value_error(std::string(what) + " has token id " + std::to_string(u.data()[i]) +
+                              " outside int32");
+  }
+  auto a = py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(arr);
+  t.own.resize(t.n);
+  for (size_t i = 0; i < t.n; ++i) {
+    const int64_t v = a.data()[i];
+    if (v < 0 || v > INT32_MAX)
+      throw py::value_error(std::string(what) + " has token id " + std::to_string(v) +
+                            " outside [0, 2^31 - 1]");
+    t.own[i] = static_cast<int32_t>(v);
+  }
+  t.ptr = t.own.data();
+  return t;
+}
+
+// The engine batch: rows[i, :lens[i]] is the full context of keys[i].
+struct Batch {
+  py::array_t<int32_t, py::array::c_style | py::array::forcecast> rows;
+  py::array_t<int64_t, py::array::c_style | py::array::forcecast> lens;
+  py::array_t<int64_t, py::array::c_style | py::array::forcecast> ks;
+  bool has_rows = false;
+  size_t width = 0;
+};
+
+Batch batch_of(size_t b, const py::object& ks, const py::object& rows, const py::object& lens,
+               int max_draft) {
+  Batch x;
+  if (py::isinstance<py::int_>(ks)) {
+    x.ks = py::array_t<int64_t>(b);
+    std::fill(x.ks.mutable_data(), x.ks.mutable_data() + b, ks.cast<int64_t>());
+  } else {
+    x.ks = py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(ks);
+    if (!x.ks || x.ks.ndim() != 1 || static_cast<size_t>(x.ks.size()) != b)
+      throw py::value_error("ks must be an int or one k per key");
+  }
+  for (size_t i = 0; i < b; ++i) {
+    const int64_t k = x.ks.data()[i];
+    if (k < 0 || k > max_draft)
+      throw py::value_error("k=" + std::to_string(k) + " is outside [0, max_draft=" +
+                            std::to_string(max_draft) + "]");
+  }
+  if (rows.is_none() != lens.is_none())
+    throw py::value_error("token_rows and lens go together");
+  if (!rows.is_none()) {
+    x.rows = py::array_t<int32_t, py::array::c_style | py::array::forcecast>::ensure(rows);
+    x.lens = py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(lens);
+    if (!x.rows || x.rows.ndim() != 2 || static_cast<size_t>(x.rows.shape(0)) < b)
+      throw py::value_error("token_rows must be a 2-D array with a row per key");
+    if (!x.lens || x.lens.ndim() != 1 || static_cast<size_t>(x.lens.size()) < b)
+      throw py::value_error("lens must be 1-D with a length per key");
+    x.width = static_cast<size_t>(x.rows.shape(1));
+    for (size_t i = 0; i < b; ++i)
+      if (x.lens.data()[i] < 0 || static_cast<size_t>(x.lens.data()[i]) > x.width)
+        throw py::value_error("lens[" + std::to_string(i) + "] is outside the row width");
+    x.has_rows = true;
+  }
+  return x;
+}
+
+template <class Emit>
+void run_batch(DraftIndex& idx, const std::vector<std::string>& keys, Batch& x, int scopes,
+               const DraftParams& p, bool sync, Emit emit) {
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const int32_t* row = nullptr;
+    size_t n = 0;
+    if (x.has_rows) {
+      row = x.rows.data() + i * x.width;
+      n = static_cast<size_t>(x.lens.data()[i]);
+      if (sync) idx.sync(keys[i], row, n);
+    }
+    Proposal pr = idx.propose(keys[i], row, n, static_cast<int>(x.ks.data()[i]), scopes, p);
+    emit(i, pr);
+  }
+}
+
+DraftParams params(int min_match, int max_match, float min_prob) {
+  if (min_match < 1) throw py::value_error("min_match must be >= 1");
+  if (max_match < min_match) throw py::value_error("max_match must be >= min_match");
+  if (!(min_prob >= 0.0f && min_prob <= 1.0f)) throw py::value_error("min_prob must be in [0, 1]");
+  return DraftParams{min_match, max_match, min_prob};
+}
+
+const SuffixTree& tree_of(const DraftIndex& idx, int scope, const std::string& key) {
+  const SuffixTree* t = idx.tree(scope, key);
+  if (!t) throw py::key_error("no tree for scope " + std::to_string(scope) + " key '" + key + "'");
+  return *t;
+}
+
+py::tuple draft_tuple(const Draft& d) {
+  py::array_t<int32_t> toks(d.tokens.size());
+  py::array_t<float> probs(d.probs.size());
+  if (!d.tokens.empty()) {
+    std::memcpy(toks.mutable_data(), d.tokens.data(), d.tokens.size() * 4);
+    std::memcpy(probs.mutable_data(), d.probs.data(), d.probs.size() * 4);
+  }
+  return py::make_tuple(toks, probs, d.score, d.match_len);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_suffix, m) {
+  m.doc() = "Native suffix-tree draft index (see verl_ext/spec/csrc/*.h)";
+  m.attr("SCOPE_REQUEST") = static_cast<int>(kScopeRequest);
+  m.attr("SCOPE_GROUP") = static_cast<int>(kScopeGroup);
+  m.attr("SCOPE_HISTORY") = static_cast<int>(kScopeHistory);
+  m.attr("NODE_BYTES") = sizeof(Node);
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const std::invalid_argument& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    } catch (const std::out_of_range& e) {
+      PyErr_SetString(PyExc_KeyError, e.what());
+    } catch (const std::length_error& e) {
+      PyErr_SetString(PyExc_MemoryError, e.what());
+    } catch (const std::logic_error& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what());
+    }
+  });
+
+  py::class_<DraftIndex>(m, "DraftIndex")
+      .def(py::init<int, int64_t, int>(), py::arg("max_depth"), py::arg("max_bytes"),
+           py::arg("max_draft"))
+      .def_property_readonly("max_depth", &DraftIndex::max_depth)
+      .def_property_readonly("max_draft", &DraftIndex::max_draft)
+      .def_property("max_bytes", &DraftIndex::max_bytes, &DraftIndex::set_max_bytes)
+      .def("start_request",
+           [](DraftIndex& s, const std::string& req, py::handle prompt, const std::string& group,
+              const std::string& history, int scopes) {
+             Tokens t = tokens_of(prompt, "prompt");
+             s.start_request(req, t.ptr, t.n, group, history, scopes);
+           },
+           py::arg("req"), py::arg("prompt"), py::arg("group") = "", py::arg("history") = "",
+           py::arg("scopes") = static_cast<int>(kScopeAll))
+      .def("has_request", &DraftIndex::has_request)
+      .def("append",
+           [](DraftIndex& s, const std::string& req, py::handle toks) {
+             Tokens t = tokens_of(toks, "tokens");
+             s.append(req, t.ptr, t.n);
+           })
+      .def("finish", &DraftIndex::finish)
+      .def("context_length", &DraftIndex::context_length)
+      .def("group_append",
+           [](DraftIndex& s, const std::string& g, const std::string& seq, py::handle toks) {
+             Tokens t = tokens_of(toks, "tokens");
+             s.group_append(g, seq, t.ptr, t.n);
+           })
+      .def("group_close", &DraftIndex::group_close)
+      .def("drop_group", &DraftIndex::drop_group)
+      .def("add_history",
+           [](DraftIndex& s, const std::string& key, py::handle toks, float w) {
+             Tokens t = tokens_of(toks, "tokens");
+             s.add_history(key, t.ptr, t.n, w);
+           },
+           py::arg("key"), py::arg("tokens"), py::arg("weight") = 1.0f)
+      .def("drop_history", &DraftIndex::drop_history)
+      .def("propose",
+           [](DraftIndex& s, const std::string& req, int k, py::object context, int scopes,
+              int min_match, int max_match, float min_prob) {
+             DraftParams p = params(min_match, max_match, min_prob);
+             Proposal pr;
+             if (context.is_none()) {
+               pr = s.propose(req, nullptr, 0, k, scopes, p);
+             } else {
+               Tokens t = tokens_of(context, "context");
+               if (t.n == 0) {
+                 if (k < 0 || k > s.max_draft())
+                   throw py::value_error("k=" + std::to_string(k) + " is outside [0, max_draft=" +
+                                         std::to_string(s.max_draft()) + "]");
+               } else {
+                 pr = s.propose(req, t.ptr, t.n, k, scopes, p);
+               }
+             }
+             return py::make_tuple(draft_tuple(pr.draft), pr.scope);
+           },
+           py::arg("req"), py::arg("k"), py::arg("context") = py::none(), py::arg("scopes") = 7,
+           py::arg("min_match") = 2, py::arg("max_match") = 16, py::arg("min_prob") = 0.1f)
+      .def("batch_propose",
+           [](DraftIndex& s, const std::vector<std::string>& keys, py::object ks,
+              py::object rows, py::object lens, int scopes, int min_match, int max_match,
+              float min_prob, bool sync) {
+             const size_t b = keys.size();
+             Batch x = batch_of(b, ks, rows, lens, s.max_draft());
+             int64_t kmax = 0;
+             for (size_t i = 0; i < b; ++i) kmax = std::max(kmax, x.ks.data()[i]);
+             py::array_t<int32_t> toks({static_cast<py::ssize_t>(b), static_cast<py::ssize_t>(kmax)});
+             py::array_t<float> probs({static_cast<py::ssize_t>(b), static_cast<py::ssize_t>(kmax)});
+             py::array_t<int32_t> n(b);
+             py::array_t<int8_t> scope(b);
+             int32_t* tp = toks.mutable_data();
+             float* pp = probs.mutable_data();
+             std::fill(tp, tp + b * kmax, -1);
+             std::fill(pp, pp + b * kmax, 0.0f);
+             int32_t* np_ = n.mutable_data();
+             int8_t* sp = scope.mutable_data();
+             run_batch(s, keys, x, scopes, params(min_match, max_match, min_prob), sync,
+                       [&](size_t i, const Proposal& pr) {
+                         const size_t l = pr.draft.tokens.size();
+                         std::copy(pr.draft.tokens.begin(), pr.draft.tokens.end(), tp + i * kmax);
+                         std::copy(pr.draft.probs.begin(), pr.draft.probs.end(), pp + i * kmax);
+                         np_[i] = static_cast<int32_t>(l);
+                         sp[i] = static_cast<int8_t>(pr.scope);
+                       });
+             return py::make_tuple(toks, n, probs, scope);
+           },
+           py::arg("keys"), py::arg("ks"), py::arg("token_rows") = py::none(),
+           py::arg("lens") = py::none(), py::arg("scopes") = 7, py::arg("min_match") = 2,
+           py::arg("max_match") = 16, py::arg("min_prob") = 0.1f, py::arg("sync") = true)
+      .def("batch_propose_lists",
+           [](DraftIndex& s, const std::vector<std::string>& keys, py::object ks,
+              py::object rows, py::object lens, int scopes, int min_match, int max_match,
+              float min_prob, bool sync) {
+             Batch x = batch_of(keys.size(), ks, rows, lens, s.max_draft());
+             py::list out(keys.size());
+             run_batch(s, keys, x, scopes, params(min_match, max_match, min_prob), sync,
+                       [&](size_t i, const Proposal& pr) {
+                         py::list d(pr.draft.tokens.size());
+                         for (size_t j = 0; j < pr.draft.tokens.size(); ++j)
+                           d[j] = py::int_(pr.draft.tokens[j]);
+                         out[i] = std::move(d);
+                       });
+             return out;
+           },
+           py::arg("keys"), py::arg("ks"), py::arg("token_rows") = py::none(),
+           py::arg("lens") = py::none(), py::arg("scopes") = 7, py::arg("min_match") = 2,
+           py::arg("max_match") = 16, py::arg("min_prob") = 0.1f, py::arg("sync") = true)
+      .def("propose_paths",
+           [](const DraftIndex& s, int scope, const std::string& key, py::handle context, int k,
+              int num_paths, int min_match, int max_match, float min_prob) {
+             if (k < 0 || k > s.max_draft()) throw py::value_error("k is outside [0, max_draft]");
+             DraftParams p = params(min_match, max_match, min_prob);
+             py::list out;
+             const SuffixTree* t = s.tree(scope, key);
+             Tokens c = tokens_of(context, "context");
+             if (!t || c.n == 0) return out;
+             for (const Draft& d :
+                  t->propose_paths(c.ptr, c.n, k, p.min_match, p.max_match, p.min_prob, num_paths))
+               out.append(draft_tuple(d));
+             return out;
+           },
+           py::arg("scope"), py::arg("key"), py::arg("context"), py::arg("k"),
+           py::arg("num_paths"), py::arg("min_match") = 2, py::arg("max_match") = 16,
+           py::arg("min_prob") = 0.1f)
+      .def("tree_propose",
+           [](const DraftIndex& s, int scope, const std::string& key, py::handle context, int k,
+              int min_match, int max_match, float min_prob) {
+             if (k < 0 || k > s.max_draft()) throw py::value_error("k is outside [0, max_draft]");
+             DraftParams p = params(min_match, max_match, min_prob);
+             const SuffixTree* t = s.tree(scope, key);
+             Tokens c = tokens_of(context, "context");
+             Draft d;
+             if (t && c.n) d = t->propose(c.ptr, c.n, k, p.min_match, p.max_match, p.min_prob);
+             return draft_tuple(d);
+           },
+           py::arg("scope"), py::arg("key"), py::arg("context"), py::arg("k"),
+           py::arg("min_match") = 2, py::arg("max_match") = 16, py::arg("min_prob") = 0.1f)
+      .def("priority",
+           [](const DraftIndex& s, int scope, const std::string& key, py::handle toks) {
+             Tokens t = tokens_of(toks, "tokens");
+             return tree_of(s, scope, key).priority(t.ptr, t.n);
+           })
+      .def("dump",
+           [](const DraftIndex& s, int scope, const std::string& key) {
+             py::dict d;
+             for (auto& [path, prio] : tree_of(s, scope, key).dump())
+               d[py::tuple(py::cast(path))] = prio;
+             return d;
+           })
+      .def("tree_bytes",
+           [](const DraftIndex& s, int scope, const std::string& key) {
+             const SuffixTree& t = tree_of(s, scope, key);
+             return py::make_tuple(t.memory_bytes(), t.num_tokens(), t.num_nodes());
+           })
+      .def("export_group",
+           [](DraftIndex& s, const std::string& g, uint64_t since) {
+             uint64_t v = 0;
+             std::string blob = s.export_group(g, since, &v);
+             return py::make_tuple(py::bytes(blob), v);
+           },
+           py::arg("group"), py::arg("since") = 0)
+      .def("import_group",
+           [](DraftIndex& s, py::bytes blob, const std::string& rename) {
+             return s.import_group(std::string(blob), rename);
+           },
+           py::arg("blob"), py::arg("rename") = "")
+      .def("save", [](const DraftIndex& s, int scopes) { return py::bytes(s.save(scopes)); },
+           py::arg("scopes") = kScopeGroup | kScopeHistory)
+      .def("load", [](DraftIndex& s, py::bytes blob) { return s.load(std::string(blob)); })
+      .def("stats",
+           [](const DraftIndex& s) {
+             IndexStats x = s.stats();
+             py::dict d;
+             d["requests"] = x.requests;
+             d["groups"] = x.groups;
+             d["histories"] = x.histories;
+             d["nodes"] = x.nodes;
+             d["tokens"] = x.tokens;
+             d["bytes"] = x.bytes;
+             d["evictions"] = x.evictions;
+             d["max_bytes"] = s.max_bytes();
+             return d;
+           })
+      .def("clear", &DraftIndex::clear);
+}

@@ -1,0 +1,519 @@
+#include "draft_index.h"
+
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+#include <tuple>
+
+namespace verl_ext {
+
+namespace {
+
+// ---- little-endian byte buffers for deltas and checkpoints -------------------------------
+struct Writer {
+  std::string out;
+  template <class T>
+  void put(T v) {
+    out.append(reinterpret_cast<const char*>(&v), sizeof(T));
+  }
+  void str(const std::string& s) {
+    put<uint32_t>(static_cast<uint32_t>(s.size()));
+    out.append(s);
+  }
+  void toks(const int32_t* t, size_t n) {
+    put<uint32_t>(static_cast<uint32_t>(n));
+    out.append(reinterpret_cast<const char*>(t), n * sizeof(int32_t));
+  }
+};
+
+struct Reader {
+  const std::string& in;
+  size_t at = 0;
+  const char* what;
+  void need(size_t n) {
+    if (at + n > in.size()) throw std::invalid_argument(std::string(what) + ": truncated data");
+  }
+  template <class T>
+  T get() {
+    need(sizeof(T));
+    T v;
+    std::memcpy(&v, in.data() + at, sizeof(T));
+    at += sizeof(T);
+    return v;
+  }
+  std::string str() {
+    const uint32_t n = get<uint32_t>();
+    need(n);
+    std::string s = in.substr(at, n);
+    at += n;
+    return s;
+  }
+  std::vector<int32_t> toks() {
+    const uint32_t n = get<uint32_t>();
+    need(static_cast<size_t>(n) * 4);
+    std::vector<int32_t> v(n);
+    if (n) std::memcpy(v.data(), in.data() + at, static_cast<size_t>(n) * 4);
+    at += static_cast<size_t>(n) * 4;
+    for (int32_t t : v)
+      if (t < 0) throw std::invalid_argument(std::string(what) + ": negative token id");
+    return v;
+  }
+};
+
+constexpr uint32_t kDeltaMagic = 0x44535856;  // "VXSD"
+constexpr uint32_t kSaveMagic = 0x49535856;   // "VXSI"
+constexpr uint32_t kFormat = 1;
+
+struct SeqRecord {
+  std::string key;
+  float weight;
+  bool closed;
+  uint32_t start;
+  std::vector<int32_t> toks;
+};
+
+void write_seq(Writer& w, const Sequence& s, uint32_t start) {
+  w.str(s.key);
+  w.put<float>(s.weight);
+  w.put<uint8_t>(s.closed ? 1 : 0);
+  w.put<uint32_t>(start);
+  w.toks(s.tokens.data() + start, s.tokens.size() - start);
+}
+
+SeqRecord read_seq(Reader& r) {
+  SeqRecord s;
+  s.key = r.str();
+  s.weight = r.get<float>();
+  s.closed = r.get<uint8_t>() != 0;
+  s.start = r.get<uint32_t>();
+  s.toks = r.toks();
+  if (!(s.weight >= 0.0f) || s.weight > 3.0e38f)
+    throw std::invalid_argument(std::string(r.what) + ": bad sequence weight");
+  return s;
+}
+
+// Applies records to a tree after checking all of them; never leaves a half-applied tree.
+size_t apply_records(SuffixTree& t, const std::vector<SeqRecord>& recs) {
+  for (const SeqRecord& r : recs) {
+    const int id = t.find_sequence(r.key);
+    const size_t have = id < 0 ? 0 : t.sequence(id).tokens.size();
+    if (r.start > have)
+      throw std::invalid_argument("delta for '" + r.key + "' starts at " +
+                                  std::to_string(r.start) + " but only " +
+                                  std::to_string(have) + " tokens are present (missing delta)");
+    if (id >= 0) {
+      const Sequence& s = t.sequence(id);
+      const size_t overlap = std::min(have - r.start, r.toks.size());
+      if (!std::equal(r.toks.begin(), r.toks.begin() + overlap, s.tokens.begin() + r.start))
+        throw std::invalid_argument("delta for '" + r.key + "' disagrees with stored tokens");
+      if (s.closed && r.start + r.toks.size() > have)
+        throw std::invalid_argument("delta appends to closed sequence '" + r.key + "'");
+    }
+  }
+  size_t applied = 0;
+  for (const SeqRecord& r : recs) {
+    int id = t.find_sequence(r.key);
+    if (id < 0) id = static_cast<int>(t.add_sequence(r.key, r.weight));
+    const Sequence& s = t.sequence(id);
+    const size_t have = s.tokens.size();
+    const size_t skip = have - r.start;
+    if (r.toks.size() > skip) {
+      t.append(id, r.toks.data() + skip, r.toks.size() - skip);
+      applied += r.toks.size() - skip;
+    }
+    if (r.closed) t.close(id);
+  }
+  return applied;
+}
+
+}  // namespace
+
+DraftIndex::DraftIndex(int max_depth, int64_t max_bytes, int max_draft)
+    : depth_(max_depth), max_bytes_(max_bytes), max_draft_(max_draft) {
+  if (max_depth < 2 || max_depth > kMaxDepthLimit)
+    throw std::invalid_argument("max_depth must be in [2, 255], got " + std::to_string(max_depth));
+  if (max_bytes < 0) throw std::invalid_argument("max_bytes must be >= 0 (0 = no cap)");
+  if (max_draft < 1) throw std::invalid_argument("max_draft must be >= 1");
+}
+
+void DraftIndex::set_max_bytes(int64_t b) {
+  if (b < 0) throw std::invalid_argument("max_bytes must be >= 0 (0 = no cap)");
+  max_bytes_ = b;
+  evict();
+}
+
+void DraftIndex::account(TreeEntry& e) {
+  e.tick = ++tick_;
+  if (!e.tree) return;
+  const size_t now = e.tree->memory_bytes();
+  bytes_ += static_cast<int64_t>(now) - static_cast<int64_t>(e.bytes);
+  e.bytes = now;
+}
+
+TreeEntry& DraftIndex::group_entry(const std::string& group, bool create) {
+  auto it = groups_.find(group);
+  if (it != groups_.end()) return it->second;
+  if (!create) throw std::out_of_range("unknown group '" + group + "'");
+  TreeEntry& e = groups_[group];
+  e.tree = std::make_unique<SuffixTree>(depth_);
+  e.uid = ++uid_;
+  account(e);
+  return e;
+}
+
+void DraftIndex::start_request(const std::string& req, const int32_t* prompt, size_t n,
+                               const std::string& group, const std::string& history,
+                               int scopes) {
+  if (requests_.count(req)) throw std::invalid_argument("request '" + req + "' is already active");
+  RequestEntry r;
+  r.ctx.tree = std::make_unique<SuffixTree>(depth_);
+  // The prompt is complete, so it is indexed as a closed sequence (all its windows, right up
+  // to its last token); the response grows as a second sequence.
+  r.ctx.tree->add_sequence("prompt", 1.0f);
+  r.ctx.tree->append(0, prompt, n);
+  r.ctx.tree->close(0);
+  r.ctx.tree->add_sequence("response", 1.0f);
+  r.prompt_len = r.ctx_len = static_cast<uint32_t>(n);
+  r.group = group;
+  r.history = history;
+  r.scopes = scopes;
+  if (!group.empty()) {
+    TreeEntry& g = group_entry(group, true);
+    if (g.tree->find_sequence(req) >= 0)
+      throw std::invalid_argument("request '" + req + "' already has a sequence in group '" +
+                                  group + "'");
+    r.group_seq = g.tree->add_sequence(req, 1.0f);
+    r.group_uid = g.uid;
+    account(g);
+  }
+  auto& slot = requests_[req];
+  slot = std::move(r);
+  account(slot.ctx);
+  evict();
+}
+
+void DraftIndex::append(const std::string& req, const int32_t* toks, size_t n) {
+  auto it = requests_.find(req);
+  if (it == requests_.end()) throw std::out_of_range("unknown request '" + req + "'");
+  RequestEntry& r = it->second;
+  if (n == 0) return;
+  if (r.ctx.tree) {
+    r.ctx.tree->append(1, toks, n);
+    account(r.ctx);
+  }
+  r.ctx_len += static_cast<uint32_t>(n);
+  if (!r.group.empty()) {
+    auto g = groups_.find(r.group);
+    if (g != groups_.end() && g->second.uid == r.group_uid) {
+      g->second.tree->append(r.group_seq, toks, n);
+      account(g->second);
+    }
+  }
+  evict();
+}
+
+bool DraftIndex::sync(const std::string& req, const int32_t* row, size_t n) {
+  auto it = requests_.find(req);
+  if (it == requests_.end()) return false;
+  if (n > it->second.ctx_len) append(req, row + it->second.ctx_len, n - it->second.ctx_len);
+  return true;
+}
+
+bool DraftIndex::finish(const std::string& req) {
+  auto it = requests_.find(req);
+  if (it == requests_.end()) return false;
+  RequestEntry& r = it->second;
+  if (!r.group.empty()) {
+    auto g = groups_.find(r.group);
+    if (g != groups_.end() && g->second.uid == r.group_uid) {
+      g->second.tree->close(r.group_seq);
+      account(g->second);
+    }
+  }
+  bytes_ -= static_cast<int64_t>(r.ctx.bytes);
+  requests_.erase(it);
+  evict();
+  return true;
+}
+
+size_t DraftIndex::context_length(const std::string& req) const {
+  auto it = requests_.find(req);
+  if (it == requests_.end()) throw std::out_of_range("unknown request '" + req + "'");
+  return it->second.ctx_len;
+}
+
+void DraftIndex::group_append(const std::string& group, const std::string& seq,
+                              const int32_t* toks, size_t n) {
+  TreeEntry& g = group_entry(group, true);
+  int id = g.tree->find_sequence(seq);
+  if (id < 0) id = static_cast<int>(g.tree->add_sequence(seq, 1.0f));
+  g.tree->append(id, toks, n);
+  account(g);
+  evict();
+}
+
+void DraftIndex::group_close(const std::string& group, const std::string& seq) {
+  TreeEntry& g = group_entry(group, false);
+  const int id = g.tree->find_sequence(seq);
+  if (id < 0) throw std::out_of_range("group '" + group + "' has no sequence '" + seq + "'");
+  g.tree->close(id);
+  account(g);
+  evict();
+}
+
+bool DraftIndex::drop_group(const std::string& group) {
+  auto it = groups_.find(group);
+  if (it == groups_.end()) return false;
+  bytes_ -= static_cast<int64_t>(it->second.bytes);
+  groups_.erase(it);
+  return true;
+}
+
+void DraftIndex::add_history(const std::string& key, const int32_t* toks, size_t n, float w) {
+  if (!(w >= 0.0f) || w > 3.0e38f)
+    throw std::invalid_argument("history weight must be finite and >= 0, got " + std::to_string(w));
+  TreeEntry& e = histories_[key];
+  if (!e.tree) {
+    e.tree = std::make_unique<SuffixTree>(depth_);
+    e.uid = ++uid_;
+  }
+  const uint32_t id = e.tree->add_sequence(std::to_string(e.tree->num_sequences()), w);
+  e.tree->append(id, toks, n);
+  e.tree->close(id);
+  account(e);
+  evict();
+}
+
+bool DraftIndex::drop_history(const std::string& key) {
+  auto it = histories_.find(key);
+  if (it == histories_.end()) return false;
+  bytes_ -= static_cast<int64_t>(it->second.bytes);
+  histories_.erase(it);
+  return true;
+}
+
+Proposal DraftIndex::propose(const std::string& req, const int32_t* ctx, size_t n, int k,
+                             int scopes, const DraftParams& p) {
+  Proposal best;
+  if (k < 0 || k > max_draft_)
+    throw std::invalid_argument("k=" + std::to_string(k) + " is outside [0, max_draft=" +
+                                std::to_string(max_draft_) + "]");
+  if (k == 0) return best;
+  auto it = requests_.find(req);
+  if (it == requests_.end()) return best;
+  RequestEntry& r = it->second;
+  scopes &= r.scopes;
+  std::vector<int32_t> joined;
+  if (ctx == nullptr) {  // prompt + response from the request tree
+    if (!r.ctx.tree) return best;
+    const auto& a = r.ctx.tree->sequence(0).tokens;
+    const auto& b = r.ctx.tree->sequence(1).tokens;
+    joined.reserve(a.size() + b.size());
+    joined.insert(joined.end(), a.begin(), a.end());
+    joined.insert(joined.end(), b.begin(), b.end());
+    ctx = joined.data();
+    n = joined.size();
+  }
+  auto consider = [&](TreeEntry* e, int scope) {
+    if (!e || !e->tree) return;
+    e->tick = ++tick_;
+    Draft d = e->tree->propose(ctx, n, k, p.min_match, p.max_match, p.min_prob);
+    if (d.tokens.empty()) return;
+    if (best.draft.tokens.empty() || d.score > best.draft.score ||
+        (d.score == best.draft.score && d.match_len > best.draft.match_len)) {
+      best.draft = std::move(d);
+      best.scope = scope;
+    }
+  };
+  if (scopes & kScopeRequest) consider(&r.ctx, kScopeRequest);
+  if ((scopes & kScopeGroup) && !r.group.empty()) {
+    auto g = groups_.find(r.group);
+    if (g != groups_.end()) consider(&g->second, kScopeGroup);
+  }
+  if ((scopes & kScopeHistory) && !r.history.empty()) {
+    auto h = histories_.find(r.history);
+    if (h != histories_.end()) consider(&h->second, kScopeHistory);
+  }
+  return best;
+}
+
+const SuffixTree* DraftIndex::tree(int scope, const std::string& key) const {
+  if (scope == kScopeRequest) {
+    auto it = requests_.find(key);
+    return it == requests_.end() ? nullptr : it->second.ctx.tree.get();
+  }
+  const auto& m = scope == kScopeGroup ? groups_ : histories_;
+  if (scope != kScopeGroup && scope != kScopeHistory)
+    throw std::invalid_argument("scope must be one of 1 (request), 2 (group), 4 (history)");
+  auto it = m.find(key);
+  return it == m.end() ? nullptr : it->second.tree.get();
+}
+
+std::string DraftIndex::export_group(const std::string& group, uint64_t since,
+                                     uint64_t* version) {
+  TreeEntry& g = group_entry(group, false);
+  SuffixTree& t = *g.tree;
+  if (since > t.version())
+    throw std::invalid_argument("version " + std::to_string(since) + " is newer than group '" +
+                                group + "' (" + std::to_string(t.version()) + ")");
+  const auto changes = t.changes_since(since);
+  Writer w;
+  w.put<uint32_t>(kDeltaMagic);
+  w.put<uint32_t>(kFormat);
+  w.str(group);
+  w.put<uint64_t>(t.version());
+  w.put<uint32_t>(static_cast<uint32_t>(changes.size()));
+  for (const auto& [seq, start] : changes) write_seq(w, t.sequence(seq), start);
+  *version = t.version();
+  account(g);
+  return std::move(w.out);
+}
+
+size_t DraftIndex::import_group(const std::string& blob, const std::string& rename) {
+  Reader r{blob, 0, "group delta"};
+  if (r.get<uint32_t>() != kDeltaMagic) throw std::invalid_argument("not a verl_ext group delta");
+  if (r.get<uint32_t>() != kFormat) throw std::invalid_argument("unsupported group delta format");
+  std::string group = r.str();
+  r.get<uint64_t>();
+  const uint32_t count = r.get<uint32_t>();
+  std::vector<SeqRecord> recs;
+  for (uint32_t i = 0; i < count; ++i) recs.push_back(read_seq(r));
+  if (r.at != blob.size()) throw std::invalid_argument("group delta: trailing bytes");
+  if (!rename.empty()) group = rename;
+  auto existing = groups_.find(group);
+  if (existing == groups_.end()) {
+    SuffixTree probe(depth_);  // validate against an empty tree before creating the group
+    apply_records(probe, recs);
+  }
+  TreeEntry& g = group_entry(group, true);
+  const size_t n = apply_records(*g.tree, recs);
+  account(g);
+  evict();
+  return n;
+}
+
+std::string DraftIndex::save(int scopes) const {
+  Writer w;
+  w.put<uint32_t>(kSaveMagic);
+  w.put<uint32_t>(kFormat);
+  std::vector<std::tuple<uint8_t, const std::string*, const SuffixTree*>> trees;
+  if (scopes & kScopeGroup)
+    for (const auto& [k, e] : groups_) trees.emplace_back(kScopeGroup, &k, e.tree.get());
+  if (scopes & kScopeHistory)
+    for (const auto& [k, e] : histories_) trees.emplace_back(kScopeHistory, &k, e.tree.get());
+  w.put<uint32_t>(static_cast<uint32_t>(trees.size()));
+  for (const auto& [scope, key, t] : trees) {
+    w.put<uint8_t>(scope);
+    w.str(*key);
+    w.put<uint32_t>(static_cast<uint32_t>(t->num_sequences()));
+    for (size_t i = 0; i < t->num_sequences(); ++i) write_seq(w, t->sequence(i), 0);
+  }
+  return std::move(w.out);
+}
+
+size_t DraftIndex::load(const std::string& blob) {
+  Reader r{blob, 0, "index checkpoint"};
+  if (r.get<uint32_t>() != kSaveMagic) throw std::invalid_argument("not a verl_ext index checkpoint");
+  if (r.get<uint32_t>() != kFormat) throw std::invalid_argument("unsupported checkpoint format");
+  const uint32_t count = r.get<uint32_t>();
+  struct Item {
+    uint8_t scope;
+    std::string key;
+    std::vector<SeqRecord> seqs;
+  };
+  std::vector<Item> items;
+  for (uint32_t i = 0; i < count; ++i) {
+    Item it;
+    it.scope = r.get<uint8_t>();
+    if (it.scope != kScopeGroup && it.scope != kScopeHistory)
+      throw std::invalid_argument("index checkpoint: bad scope");
+    it.key = r.str();
+    const uint32_t ns = r.get<uint32_t>();
+    for (uint32_t j = 0; j < ns; ++j) {
+      it.seqs.push_back(read_seq(r));
+      if (it.seqs.back().start != 0) throw std::invalid_argument("index checkpoint: bad sequence");
+    }
+    items.push_back(std::move(it));
+  }
+  if (r.at != blob.size()) throw std::invalid_argument("index checkpoint: trailing bytes");
+  size_t tokens = 0;
+  for (Item& it : items) {
+    auto& m = it.scope == kScopeGroup ? groups_ : histories_;
+    auto old = m.find(it.key);
+    if (old != m.end()) {
+      bytes_ -= static_cast<int64_t>(old->second.bytes);
+      m.erase(old);
+    }
+    TreeEntry e;
+    e.tree = std::make_unique<SuffixTree>(depth_);
+    e.uid = ++uid_;
+    tokens += apply_records(*e.tree, it.seqs);
+    TreeEntry& slot = m[it.key];
+    slot = std::move(e);
+    account(slot);
+  }
+  evict();
+  return tokens;
+}
+
+IndexStats DraftIndex::stats() const {
+  IndexStats s;
+  s.requests = requests_.size();
+  s.groups = groups_.size();
+  s.histories = histories_.size();
+  auto add = [&](const TreeEntry& e) {
+    if (!e.tree) return;
+    s.nodes += e.tree->num_nodes();
+    s.tokens += e.tree->num_tokens();
+  };
+  for (const auto& [k, r] : requests_) add(r.ctx);
+  for (const auto& [k, e] : groups_) add(e);
+  for (const auto& [k, e] : histories_) add(e);
+  s.bytes = static_cast<size_t>(bytes_);
+  s.evictions = evictions_;
+  return s;
+}
+
+void DraftIndex::clear() {
+  requests_.clear();
+  groups_.clear();
+  histories_.clear();
+  bytes_ = 0;
+}
+
+// Least recently used trees go first until the index is back under 90% of the cap. A
+// request whose tree is evicted stays known (its group sequence keeps growing) but drafts
+// only from its group and history from then on.
+void DraftIndex::evict() {
+  if (max_bytes_ <= 0 || bytes_ <= max_bytes_) return;
+  struct Victim {
+    uint64_t tick;
+    int scope;
+    const std::string* key;
+  };
+  std::vector<Victim> v;
+  for (auto& [k, r] : requests_)
+    if (r.ctx.tree) v.push_back({r.ctx.tick, kScopeRequest, &k});
+  for (auto& [k, e] : groups_) v.push_back({e.tick, kScopeGroup, &k});
+  for (auto& [k, e] : histories_) v.push_back({e.tick, kScopeHistory, &k});
+  std::sort(v.begin(), v.end(), [](const Victim& a, const Victim& b) { return a.tick < b.tick; });
+  const int64_t target = max_bytes_ - max_bytes_ / 10;
+  std::vector<std::pair<int, std::string>> drop;
+  for (const Victim& x : v) {
+    if (bytes_ <= target) break;
+    if (x.scope == kScopeRequest) {
+      RequestEntry& r = requests_[*x.key];
+      bytes_ -= static_cast<int64_t>(r.ctx.bytes);
+      r.ctx.tree.reset();
+      r.ctx.bytes = 0;
+    } else {
+      auto& m = x.scope == kScopeGroup ? groups_ : histories_;
+      bytes_ -= static_cast<int64_t>(m[*x.key].bytes);
+      drop.emplace_back(x.scope, *x.key);
+    }
+    ++evictions_;
+  }
+  for (auto& [scope, key] : drop) (scope == kScopeGroup ? groups_ : histories_).erase(key);
+}
+
+}  // namespace verl_ext

