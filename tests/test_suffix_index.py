@@ -105,6 +105,7 @@ def test_request_scope_and_batch_propose_agree():
             rows[i, lens[i]] = rng.randrange(6)
             lens[i] += 1
         ks = np.array([rng.randint(0, 8) for _ in keys])
+        idx.batch_propose(keys, 0, rows, lens)  # sync every row first: the group tree is shared
         toks, n, probs, scope = idx.batch_propose(keys, ks, rows, lens)
         for i, key in enumerate(keys):
             assert idx.context_length(key) == lens[i]  # the batch call synced the new tokens

@@ -1,7 +1,8 @@
 """The ``verl-ext`` command.
 
     verl-ext ab --strategies baseline --out runs/ab [--model DIR] [--prompts 16] [--samples 4]
-                [--max-tokens 192] [--instances 2] [--seed 0] [--temperature 1.0]
+                [--max-tokens 192] [--instances 2] [--seed 0] [--temperature 1.0] [--spec-k 8]
+    verl-ext ab --strategies baseline,baseline+spec,baseline+spec:request+group   drafting off/on
     verl-ext strategies        list the registered strategies
     verl-ext model             convert the default model if needed and print its directory
 
@@ -29,6 +30,7 @@ def _ab_parser(sub) -> None:
     p.add_argument("--instances", type=int, default=d.instances, help="engine instances (default: %(default)s)")
     p.add_argument("--seed", type=int, default=d.seed, help="workload and sampling seed (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=d.temperature, help="sampling temperature (default: %(default)s)")
+    p.add_argument("--spec-k", type=int, default=d.spec_k, help="most draft tokens per step in <strategy>+spec arms (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -75,6 +77,7 @@ def _run_ab(args) -> int:
         instances=args.instances,
         seed=args.seed,
         temperature=args.temperature,
+        spec_k=args.spec_k,
         out=args.out,
     )
     summary = run_ab(cfg, progress=not args.no_progress)

@@ -38,6 +38,7 @@ class ABConfig:
     instances: int = 2
     seed: int = 0
     temperature: float = 1.0
+    spec_k: int = 8  # most tokens drafted per step in "+spec" arms
     out: str = "runs/ab"
 
     def validate(self) -> None:
@@ -55,6 +56,31 @@ class ABConfig:
             raise ValueError(f"--instances must be >= 1, got {self.instances}")
         if self.temperature < 0:
             raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+        for name in self.strategies:
+            parse_arm(name, self.spec_k)
+
+
+SPEC_SUFFIX = "+spec"
+
+
+def parse_arm(name: str, spec_k: int = 8):
+    """``"baseline"`` -> (``"baseline"``, None); ``"baseline+spec"`` -> request-scope drafting;
+    ``"baseline+spec:group"`` / ``":request+group"`` choose the scopes. Raises ``ValueError``."""
+    base, sep, rest = name.partition(SPEC_SUFFIX)
+    if not sep:
+        return name, None
+    if rest and not rest.startswith(":"):
+        raise ValueError(f"bad arm '{name}': write <strategy>+spec or <strategy>+spec:<scopes>")
+    from verl_ext.spec.options import SpecOptions, scope_mask
+    from verl_ext.spec import SCOPE_HISTORY
+
+    scopes = rest[1:] or "request"
+    if scope_mask(scopes) & SCOPE_HISTORY:
+        raise ValueError(
+            f"arm '{name}': the history scope drafts from an earlier epoch's responses, and `verl-ext ab` "
+            "runs one epoch; use request and/or group here (scripts/bench_suffix.py replays history)"
+        )
+    return base, SpecOptions(scopes=scopes, k=spec_k)
 
 
 @dataclass
@@ -139,12 +165,17 @@ async def run_strategy(
         await sampler
     rewards = [score(req, c.token_ids) for req, c in zip(requests, completions)]
     metrics = rollout_metrics(pool.records, rewards)
+    after = [inst.telemetry() for inst in instances]
     if metrics["tokens_per_step"] is None:
         # engines that count steps per instance rather than per request (vLLM's stat logger)
-        after = [inst.telemetry() for inst in instances]
         tokens = sum(a.generated_tokens - b.generated_tokens for a, b in zip(after, before))
         steps = sum(a.request_steps - b.request_steps for a, b in zip(after, before))
         metrics["tokens_per_step"] = tokens / steps if steps > 0 else None
+    drafted = sum(a.draft_tokens - b.draft_tokens for a, b in zip(after, before))
+    accepted = sum(a.accepted_tokens - b.accepted_tokens for a, b in zip(after, before))
+    metrics["draft_tokens"] = drafted
+    metrics["accepted_tokens"] = accepted
+    metrics["draft_acceptance"] = accepted / drafted if drafted else None
     metrics.update({f"strategy/{k}": v for k, v in strategy.metrics().items()})
     return ArmResult(completions, rewards, metrics, pool, timeline)
 
@@ -161,7 +192,7 @@ def _check_out_dir(out: Path) -> None:
 def prepare(cfg: ABConfig):
     """Validate everything that can fail before any engine starts; return (model_dir, out, strategies)."""
     cfg.validate()
-    strategies = [make_strategy(name) for name in cfg.strategies]  # unknown name -> clear error
+    strategies = [make_strategy(parse_arm(name, cfg.spec_k)[0]) for name in cfg.strategies]  # unknown name -> clear error
     out = Path(cfg.out)
     _check_out_dir(out)
     from verl_ext.model import resolve_model
@@ -187,8 +218,9 @@ def run_ab(cfg: ABConfig, engine_factory=None, progress: bool = True) -> dict:
         engine_factory = VLLMInstanceFactory(str(model_dir), seed=cfg.seed, max_model_len=_max_len(prompt_ids, cfg))
 
     runs: list[StrategyRun] = []
-    for strategy in strategies:
-        runs.append(asyncio.run(_run_one(strategy, engine_factory, cfg, requests, score, tokenizer, progress)))
+    for arm, strategy in zip(cfg.strategies, strategies):
+        spec = parse_arm(arm, cfg.spec_k)[1]
+        runs.append(asyncio.run(_run_one(arm, strategy, spec, engine_factory, cfg, requests, score, tokenizer, progress)))
 
     summary = {
         "schema": SCHEMA,
@@ -206,8 +238,8 @@ def _max_len(prompt_ids: Sequence[list[int]], cfg: ABConfig) -> int:
     return max(len(p) for p in prompt_ids) + cfg.max_tokens + 8
 
 
-async def _run_one(strategy, engine_factory, cfg, requests, score, tokenizer, progress) -> StrategyRun:
-    instances = await engine_factory.create(cfg.instances)
+async def _run_one(label, strategy, spec, engine_factory, cfg, requests, score, tokenizer, progress) -> StrategyRun:
+    instances = await (engine_factory.create(cfg.instances, spec=spec) if spec else engine_factory.create(cfg.instances))
     bar = None
     try:
         # one short request per instance first, so one-off start-up costs stay out of the timings
@@ -218,7 +250,7 @@ async def _run_one(strategy, engine_factory, cfg, requests, score, tokenizer, pr
         if progress:
             from tqdm import tqdm
 
-            bar = tqdm(total=len(requests), desc=f"{strategy.name:>10}", unit="req", leave=True)
+            bar = tqdm(total=len(requests), desc=f"{label:>10}", unit="req", leave=True)
         arm = await run_strategy(
             strategy, instances, requests, score, seed=cfg.seed, on_finish=(bar.update if bar else None)
         )
@@ -237,8 +269,11 @@ async def _run_one(strategy, engine_factory, cfg, requests, score, tokenizer, pr
         }
         for r, c, reward in zip(requests, arm.completions, arm.rewards)
     ]
+    if spec is not None:
+        arm_metrics = {**arm.metrics, "spec": spec.to_dict()}
+        arm = ArmResult(arm.completions, arm.rewards, arm_metrics, arm.pool, arm.timeline)
     return StrategyRun(
-        name=strategy.name,
+        name=label,
         metrics=arm.metrics,
         records=[asdict(r) for r in arm.pool.records],
         timeline=arm.timeline,
@@ -279,6 +314,7 @@ def format_table(summary: dict) -> str:
         ("max s", "latency_max_s", "{:.2f}"),
         ("tail s", "tail_s", "{:.2f}"),
         ("tok/step", "tokens_per_step", "{:.2f}"),
+        ("accept", "draft_acceptance", "{:.2f}"),
         ("reward", "mean_reward", "{:.3f}"),
         ("requests", "requests", "{}"),
         ("out tok", "output_tokens", "{}"),

@@ -287,12 +287,15 @@ class VLLMInstanceFactory:
             args.setdefault("max_num_batched_tokens", args["max_num_seqs"] * args["max_model_len"])
         return args
 
-    async def create(self, n: int) -> list[VLLMInstance]:
+    async def create(self, n: int, spec=None) -> list[VLLMInstance]:
+        """``n`` fresh instances; ``spec`` (``SpecOptions``) overrides the factory's drafting."""
         if is_cpu_build():
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(self.kv_cache_gib)))
         # vLLM waits 5 s for workers before force-killing them at shutdown; 1 s exits cleanly, too.
         os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "1")
         args = self._args()
+        if spec is not None:
+            args.update(spec.engine_args())
         instances = [VLLMInstance(f"vllm-{i}", args, cores) for i, cores in enumerate(self._cores(n))]
         try:
             for inst in instances:

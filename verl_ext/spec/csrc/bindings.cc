@@ -223,7 +223,7 @@ PYBIND11_MODULE(_suffix, m) {
              return py::make_tuple(draft_tuple(pr.draft), pr.scope);
            },
            py::arg("req"), py::arg("k"), py::arg("context") = py::none(), py::arg("scopes") = 7,
-           py::arg("min_match") = 2, py::arg("max_match") = 16, py::arg("min_prob") = 0.1f)
+           py::arg("min_match") = 1, py::arg("max_match") = 16, py::arg("min_prob") = 0.3f)
       .def("batch_propose",
            [](DraftIndex& s, const std::vector<std::string>& keys, py::object ks,
               py::object rows, py::object lens, int scopes, int min_match, int max_match,
@@ -253,8 +253,8 @@ PYBIND11_MODULE(_suffix, m) {
              return py::make_tuple(toks, n, probs, scope);
            },
            py::arg("keys"), py::arg("ks"), py::arg("token_rows") = py::none(),
-           py::arg("lens") = py::none(), py::arg("scopes") = 7, py::arg("min_match") = 2,
-           py::arg("max_match") = 16, py::arg("min_prob") = 0.1f, py::arg("sync") = true)
+           py::arg("lens") = py::none(), py::arg("scopes") = 7, py::arg("min_match") = 1,
+           py::arg("max_match") = 16, py::arg("min_prob") = 0.3f, py::arg("sync") = true)
       .def("batch_propose_lists",
            [](DraftIndex& s, const std::vector<std::string>& keys, py::object ks,
               py::object rows, py::object lens, int scopes, int min_match, int max_match,
@@ -271,8 +271,8 @@ PYBIND11_MODULE(_suffix, m) {
              return out;
            },
            py::arg("keys"), py::arg("ks"), py::arg("token_rows") = py::none(),
-           py::arg("lens") = py::none(), py::arg("scopes") = 7, py::arg("min_match") = 2,
-           py::arg("max_match") = 16, py::arg("min_prob") = 0.1f, py::arg("sync") = true)
+           py::arg("lens") = py::none(), py::arg("scopes") = 7, py::arg("min_match") = 1,
+           py::arg("max_match") = 16, py::arg("min_prob") = 0.3f, py::arg("sync") = true)
       .def("propose_paths",
            [](const DraftIndex& s, int scope, const std::string& key, py::handle context, int k,
               int num_paths, int min_match, int max_match, float min_prob) {
@@ -288,8 +288,8 @@ PYBIND11_MODULE(_suffix, m) {
              return out;
            },
            py::arg("scope"), py::arg("key"), py::arg("context"), py::arg("k"),
-           py::arg("num_paths"), py::arg("min_match") = 2, py::arg("max_match") = 16,
-           py::arg("min_prob") = 0.1f)
+           py::arg("num_paths"), py::arg("min_match") = 1, py::arg("max_match") = 16,
+           py::arg("min_prob") = 0.3f)
       .def("tree_propose",
            [](const DraftIndex& s, int scope, const std::string& key, py::handle context, int k,
               int min_match, int max_match, float min_prob) {
@@ -302,7 +302,7 @@ PYBIND11_MODULE(_suffix, m) {
              return draft_tuple(d);
            },
            py::arg("scope"), py::arg("key"), py::arg("context"), py::arg("k"),
-           py::arg("min_match") = 2, py::arg("max_match") = 16, py::arg("min_prob") = 0.1f)
+           py::arg("min_match") = 1, py::arg("max_match") = 16, py::arg("min_prob") = 0.3f)
       .def("priority",
            [](const DraftIndex& s, int scope, const std::string& key, py::handle toks) {
              Tokens t = tokens_of(toks, "tokens");

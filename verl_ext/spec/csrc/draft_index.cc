@@ -318,6 +318,10 @@ Proposal DraftIndex::propose(const std::string& req, const int32_t* ctx, size_t 
     if (!e || !e->tree) return;
     e->tick = ++tick_;
     Draft d = e->tree->propose(ctx, n, k, p.min_match, p.max_match, p.min_prob);
+    // The newest tokens of growing sequences are not in the tree yet; a longer match there
+    // (e.g. a sibling a few tokens ahead, or a short loop) is the better evidence.
+    Draft r = e->tree->propose_recent(ctx, n, k, std::max(p.min_match, d.match_len + 1), p.max_match);
+    if (!r.tokens.empty()) d = std::move(r);
     if (d.tokens.empty()) return;
     if (best.draft.tokens.empty() || d.score > best.draft.score ||
         (d.score == best.draft.score && d.match_len > best.draft.match_len)) {

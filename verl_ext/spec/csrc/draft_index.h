@@ -24,9 +24,9 @@ namespace verl_ext {
 enum Scope : int { kScopeRequest = 1, kScopeGroup = 2, kScopeHistory = 4, kScopeAll = 7 };
 
 struct DraftParams {
-  int min_match = 2;       // shortest suffix of the context that may match
+  int min_match = 1;       // shortest suffix of the context that may match
   int max_match = 16;      // longest suffix tried first (capped at max_depth - 1)
-  float min_prob = 0.1f;   // stop when the cumulative probability drops below this
+  float min_prob = 0.3f;   // stop when the cumulative probability drops below this
 };
 
 struct TreeEntry {

@@ -338,6 +338,44 @@ Draft SuffixTree::propose(const int32_t* ctx, size_t n, int k, int min_len, int 
   return d;
 }
 
+Draft SuffixTree::propose_recent(const int32_t* ctx, size_t n, int k, int min_len,
+                                 int max_len) const {
+  Draft d;
+  if (k <= 0 || n == 0) return d;
+  const size_t hi = static_cast<size_t>(std::max(0, std::min<int>(max_len, depth_ - 1)));
+  const size_t lo = static_cast<size_t>(std::max(min_len, 1));
+  const int32_t* best_seq = nullptr;
+  size_t best_len = 0, best_end = 0, best_size = 0;
+  for (const Sequence& s : seqs_) {
+    if (s.closed) continue;
+    const size_t m = s.tokens.size();
+    if (m < 2) continue;
+    const int32_t* x = s.tokens.data();
+    const size_t from = m > static_cast<size_t>(depth_) + hi ? m - depth_ - hi : 1;
+    for (size_t e = m - 1; e >= from; --e) {  // occurrence ends at e, continues with x[e]
+      size_t l = 0;
+      const size_t cap = std::min({hi, e, n});
+      while (l < cap && x[e - 1 - l] == ctx[n - 1 - l]) ++l;
+      if (l >= lo && l > best_len) {
+        best_len = l;
+        best_end = e;
+        best_seq = x;
+        best_size = m;
+      }
+      if (e == from) break;
+    }
+  }
+  if (!best_seq) return d;
+  const size_t stop = std::min(best_size, best_end + static_cast<size_t>(k));
+  for (size_t i = best_end; i < stop; ++i) {
+    d.tokens.push_back(best_seq[i]);
+    d.probs.push_back(1.0f);
+    d.score += 1.0f;
+  }
+  d.match_len = static_cast<int>(best_len);
+  return d;
+}
+
 std::vector<Draft> SuffixTree::propose_paths(const int32_t* ctx, size_t n, int k, int min_len,
                                              int max_len, float min_prob, int num_paths) const {
   std::vector<Draft> out;

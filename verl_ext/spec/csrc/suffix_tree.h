@@ -100,6 +100,11 @@ class SuffixTree {
   // cumulative probability stays >= min_prob. Empty draft if nothing qualifies.
   Draft propose(const int32_t* ctx, size_t n, int k, int min_len, int max_len,
                 float min_prob) const;
+  // The same for the newest tokens of open sequences, which are not yet in the tree (a window
+  // is inserted once complete): the most recent place where the longest context suffix
+  // (length in [min_len, max_len]) occurs in the last max_depth + max_len tokens of an open
+  // sequence, followed by what came next there. Probabilities are 1 (a single observation).
+  Draft propose_recent(const int32_t* ctx, size_t n, int k, int min_len, int max_len) const;
   // Up to `num_paths` drafts (beam search over cumulative probability), best first.
   std::vector<Draft> propose_paths(const int32_t* ctx, size_t n, int k, int min_len,
                                    int max_len, float min_prob, int num_paths) const;
