@@ -56,8 +56,6 @@ class ABConfig:
             raise ValueError(f"--instances must be >= 1, got {self.instances}")
         if self.temperature < 0:
             raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
-        for name in self.strategies:
-            parse_arm(name, self.spec_k)
 
 
 SPEC_SUFFIX = "+spec"
@@ -190,19 +188,23 @@ def _check_out_dir(out: Path) -> None:
 
 
 def prepare(cfg: ABConfig):
-    """Validate everything that can fail before any engine starts; return (model_dir, out, strategies)."""
+    """Validate everything that can fail before any engine starts; return (model_dir, out, arms),
+    an arm being (label, strategy, SpecOptions or None)."""
     cfg.validate()
-    strategies = [make_strategy(parse_arm(name, cfg.spec_k)[0]) for name in cfg.strategies]  # unknown name -> clear error
+    arms = []
+    for label in cfg.strategies:
+        name, spec = parse_arm(label, cfg.spec_k)
+        arms.append((label, make_strategy(name), spec))  # unknown name -> clear error
     out = Path(cfg.out)
     _check_out_dir(out)
     from verl_ext.model import resolve_model
 
-    return resolve_model(cfg.model), out, strategies
+    return resolve_model(cfg.model), out, arms
 
 
 def run_ab(cfg: ABConfig, engine_factory=None, progress: bool = True) -> dict:
     """Run the A/B comparison and write ``summary.json`` plus plots into ``cfg.out``."""
-    model_dir, out, strategies = prepare(cfg)
+    model_dir, out, arms = prepare(cfg)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
@@ -218,9 +220,8 @@ def run_ab(cfg: ABConfig, engine_factory=None, progress: bool = True) -> dict:
         engine_factory = VLLMInstanceFactory(str(model_dir), seed=cfg.seed, max_model_len=_max_len(prompt_ids, cfg))
 
     runs: list[StrategyRun] = []
-    for arm, strategy in zip(cfg.strategies, strategies):
-        spec = parse_arm(arm, cfg.spec_k)[1]
-        runs.append(asyncio.run(_run_one(arm, strategy, spec, engine_factory, cfg, requests, score, tokenizer, progress)))
+    for label, strategy, spec in arms:
+        runs.append(asyncio.run(_run_one(label, strategy, spec, engine_factory, cfg, requests, score, tokenizer, progress)))
 
     summary = {
         "schema": SCHEMA,
@@ -269,12 +270,9 @@ async def _run_one(label, strategy, spec, engine_factory, cfg, requests, score, 
         }
         for r, c, reward in zip(requests, arm.completions, arm.rewards)
     ]
-    if spec is not None:
-        arm_metrics = {**arm.metrics, "spec": spec.to_dict()}
-        arm = ArmResult(arm.completions, arm.rewards, arm_metrics, arm.pool, arm.timeline)
     return StrategyRun(
         name=label,
-        metrics=arm.metrics,
+        metrics=arm.metrics if spec is None else {**arm.metrics, "spec": spec.to_dict()},
         records=[asdict(r) for r in arm.pool.records],
         timeline=arm.timeline,
         responses=responses,

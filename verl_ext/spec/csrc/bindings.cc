@@ -207,19 +207,11 @@ PYBIND11_MODULE(_suffix, m) {
            [](DraftIndex& s, const std::string& req, int k, py::object context, int scopes,
               int min_match, int max_match, float min_prob) {
              DraftParams p = params(min_match, max_match, min_prob);
-             Proposal pr;
-             if (context.is_none()) {
-               pr = s.propose(req, nullptr, 0, k, scopes, p);
-             } else {
-               Tokens t = tokens_of(context, "context");
-               if (t.n == 0) {
-                 if (k < 0 || k > s.max_draft())
-                   throw py::value_error("k=" + std::to_string(k) + " is outside [0, max_draft=" +
-                                         std::to_string(s.max_draft()) + "]");
-               } else {
-                 pr = s.propose(req, t.ptr, t.n, k, scopes, p);
-               }
-             }
+             static const int32_t kNoTokens = 0;  // non-null: an empty context, not "stored"
+             Tokens t;
+             if (!context.is_none()) t = tokens_of(context, "context");
+             const int32_t* ctx = context.is_none() ? nullptr : (t.n ? t.ptr : &kNoTokens);
+             Proposal pr = s.propose(req, ctx, t.n, k, scopes, p);
              return py::make_tuple(draft_tuple(pr.draft), pr.scope);
            },
            py::arg("req"), py::arg("k"), py::arg("context") = py::none(), py::arg("scopes") = 7,

@@ -60,6 +60,8 @@ struct Reader {
   }
 };
 
+bool valid_weight(float w) { return w >= 0.0f && w <= 3.0e38f; }  // false for NaN
+
 constexpr uint32_t kDeltaMagic = 0x44535856;  // "VXSD"
 constexpr uint32_t kSaveMagic = 0x49535856;   // "VXSI"
 constexpr uint32_t kFormat = 1;
@@ -87,7 +89,7 @@ SeqRecord read_seq(Reader& r) {
   s.closed = r.get<uint8_t>() != 0;
   s.start = r.get<uint32_t>();
   s.toks = r.toks();
-  if (!(s.weight >= 0.0f) || s.weight > 3.0e38f)
+  if (!valid_weight(s.weight))
     throw std::invalid_argument(std::string(r.what) + ": bad sequence weight");
   return s;
 }
@@ -150,13 +152,26 @@ void DraftIndex::account(TreeEntry& e) {
   e.bytes = now;
 }
 
+TreeEntry DraftIndex::new_entry() {
+  TreeEntry e;
+  e.tree = std::make_unique<SuffixTree>(depth_);
+  e.uid = ++uid_;
+  return e;
+}
+
+bool DraftIndex::drop(std::unordered_map<std::string, TreeEntry>& trees, const std::string& key) {
+  auto it = trees.find(key);
+  if (it == trees.end()) return false;
+  bytes_ -= static_cast<int64_t>(it->second.bytes);
+  trees.erase(it);
+  return true;
+}
+
 TreeEntry& DraftIndex::group_entry(const std::string& group, bool create) {
   auto it = groups_.find(group);
   if (it != groups_.end()) return it->second;
   if (!create) throw std::out_of_range("unknown group '" + group + "'");
-  TreeEntry& e = groups_[group];
-  e.tree = std::make_unique<SuffixTree>(depth_);
-  e.uid = ++uid_;
+  TreeEntry& e = groups_[group] = new_entry();
   account(e);
   return e;
 }
@@ -261,22 +276,13 @@ void DraftIndex::group_close(const std::string& group, const std::string& seq) {
   evict();
 }
 
-bool DraftIndex::drop_group(const std::string& group) {
-  auto it = groups_.find(group);
-  if (it == groups_.end()) return false;
-  bytes_ -= static_cast<int64_t>(it->second.bytes);
-  groups_.erase(it);
-  return true;
-}
+bool DraftIndex::drop_group(const std::string& group) { return drop(groups_, group); }
 
 void DraftIndex::add_history(const std::string& key, const int32_t* toks, size_t n, float w) {
-  if (!(w >= 0.0f) || w > 3.0e38f)
+  if (!valid_weight(w))
     throw std::invalid_argument("history weight must be finite and >= 0, got " + std::to_string(w));
   TreeEntry& e = histories_[key];
-  if (!e.tree) {
-    e.tree = std::make_unique<SuffixTree>(depth_);
-    e.uid = ++uid_;
-  }
+  if (!e.tree) e = new_entry();
   const uint32_t id = e.tree->add_sequence(std::to_string(e.tree->num_sequences()), w);
   e.tree->append(id, toks, n);
   e.tree->close(id);
@@ -284,13 +290,7 @@ void DraftIndex::add_history(const std::string& key, const int32_t* toks, size_t
   evict();
 }
 
-bool DraftIndex::drop_history(const std::string& key) {
-  auto it = histories_.find(key);
-  if (it == histories_.end()) return false;
-  bytes_ -= static_cast<int64_t>(it->second.bytes);
-  histories_.erase(it);
-  return true;
-}
+bool DraftIndex::drop_history(const std::string& key) { return drop(histories_, key); }
 
 Proposal DraftIndex::propose(const std::string& req, const int32_t* ctx, size_t n, int k,
                              int scopes, const DraftParams& p) {
@@ -443,14 +443,8 @@ size_t DraftIndex::load(const std::string& blob) {
   size_t tokens = 0;
   for (Item& it : items) {
     auto& m = it.scope == kScopeGroup ? groups_ : histories_;
-    auto old = m.find(it.key);
-    if (old != m.end()) {
-      bytes_ -= static_cast<int64_t>(old->second.bytes);
-      m.erase(old);
-    }
-    TreeEntry e;
-    e.tree = std::make_unique<SuffixTree>(depth_);
-    e.uid = ++uid_;
+    drop(m, it.key);
+    TreeEntry e = new_entry();
     tokens += apply_records(*e.tree, it.seqs);
     TreeEntry& slot = m[it.key];
     slot = std::move(e);

@@ -105,6 +105,8 @@ class DraftIndex {
 
  private:
   TreeEntry& group_entry(const std::string& group, bool create);
+  TreeEntry new_entry();
+  bool drop(std::unordered_map<std::string, TreeEntry>& trees, const std::string& key);
   void account(TreeEntry& e);
   void evict();
 
