@@ -107,3 +107,51 @@ class Reference:
         if i != len(draft):
             return {"ok": False, "why": f"draft has {len(draft)} tokens, the definition allows {i}"}
         return {"ok": True, "why": "", "match_len": match_len, "probs": probs}
+
+    def match_len(self, ctx, min_match, max_match, min_prob):
+        n, hi = len(ctx), min(max_match, len(ctx), self.depth - 1)
+        for l in range(hi, max(min_match, 1) - 1, -1):
+            u = tuple(ctx[n - l:])
+            if self.exists(u) and self._step_options(u, 1.0, min_prob)[0]:
+                return l
+        return 0
+
+    def beam_paths(self, ctx, k, min_match, max_match, min_prob, num_paths):
+        """Beam search of width `num_paths` over cumulative probability from the longest match:
+        each live beam extends by its best `num_paths` children (those keeping cum >= min_prob;
+        ties to the smaller token), the beams are re-ranked by (cum, score, tokens) and cut to
+        the width. Returns the non-empty paths
+        as (tokens, probs, score), best score first; score is the sum of cum over the path."""
+        l = self.match_len(ctx, min_match, max_match, min_prob)
+        if l == 0 or num_paths <= 0:
+            return []
+        u0 = tuple(ctx[len(ctx) - l:])
+        start = self.prio(u0)
+        beams = [(u0, 1.0, [], [], 0.0, False)]
+        step = 0
+        while step < k and l + step < self.depth:
+            nxt, grew = [], False
+            for u, cum, toks, probs, score, done in beams:
+                if done:
+                    nxt.append((u, cum, toks, probs, score, True))
+                    continue
+                total = self.prio(u)
+                kids = sorted(self.children(u).items(), key=lambda kv: (-kv[1], kv[0]))[:num_paths]
+                extended = False
+                for t, v in kids:
+                    p = min(1.0, v / total) if total > 0 else 0.0
+                    c = min(1.0, v / start)  # = cum * p, without the rounding of a product
+                    if p <= 0 or c < min_prob - 1e-6:
+                        break
+                    nxt.append((u + (t,), c, toks + [t], probs + [p], score + c, False))
+                    extended = grew = True
+                if not extended:
+                    nxt.append((u, cum, toks, probs, score, True))
+            # ties: equal cum (equal prios) go to the score, then to the smaller token sequence
+            nxt.sort(key=lambda b: (-round(b[1], 6), -round(b[4], 6), b[2]))
+            beams = nxt[:num_paths]
+            step += 1
+            if not grew:
+                break
+        out = [(b[2], b[3], b[4]) for b in beams if b[2]]
+        return sorted(out, key=lambda x: (-round(x[2], 6), x[0]))

@@ -89,6 +89,39 @@ def test_history_priorities_follow_rewards():
         idx.add_history("p", [1, 2], -1.0)
 
 
+@pytest.mark.parametrize("vocab,depth,seed", [(3, 8, 10), (6, 12, 11), (40, 16, 12)])
+def test_multi_path_drafts_match_reference_beam(vocab, depth, seed):
+    """propose_paths (top-n branches for tree-verifying engines) against the reference beam
+    search, on a reward-weighted history tree (non-integer weights, so no ties to break)."""
+    rng = random.Random(seed)
+    idx = DraftIndex(depth, 0, 16)
+    ref = Reference(depth)
+    for _ in range(12):
+        toks = [rng.randrange(vocab) for _ in range(rng.randint(5, 40))]
+        w = rng.uniform(0.1, 2.0)
+        idx.add_history("p", toks, w)
+        ref.add_closed(toks, w)
+    seen_multi = 0
+    for _ in range(150):
+        ctx = [rng.randrange(vocab) for _ in range(rng.randint(1, depth))]
+        k, n = rng.randint(1, 12), rng.randint(1, 5)
+        lo, min_prob = rng.randint(1, 2), rng.choice([0.0, 0.05, 0.3])
+        got = idx.propose_paths(SCOPE_HISTORY, "p", ctx, k, n, min_match=lo, max_match=depth, min_prob=min_prob)
+        want = ref.beam_paths(ctx, k, lo, depth, min_prob, n)
+        assert [list(map(int, t)) for t, _, _, _ in got] == [t for t, _, _ in want], (ctx, k, n)
+        for (_, probs, score, match_len), (_, wprobs, wscore) in zip(got, want):
+            np.testing.assert_allclose(probs, wprobs, rtol=1e-5)
+            assert score == pytest.approx(wscore, rel=1e-5)
+            assert match_len == ref.match_len(ctx, lo, depth, min_prob)
+        assert len(got) <= n and len({tuple(t) for t, _, _, _ in got}) == len(got)
+        seen_multi += len(got) > 1
+        if n == 1 and got and len(got[0][0]) < depth - got[0][3]:  # one path is a linear draft
+            assert ref.walk_draft(ctx, list(map(int, got[0][0])), k, lo, depth, min_prob)["ok"]
+    assert seen_multi > 20  # the test exercises branching, not only single paths
+    assert idx.propose_paths(SCOPE_HISTORY, "p", [0], 4, 0) == []
+    assert idx.propose_paths(SCOPE_HISTORY, "nope", [0], 4, 3) == []
+
+
 def test_request_scope_and_batch_propose_agree():
     rng = random.Random(7)
     idx = DraftIndex(16, 0, 8)

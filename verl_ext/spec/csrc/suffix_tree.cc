@@ -391,6 +391,10 @@ std::vector<Draft> SuffixTree::propose_paths(const int32_t* ctx, size_t n, int k
   };
   Cursor start;
   walk(ctx + n - l, static_cast<size_t>(l), start);
+  // A path's cumulative probability telescopes to prio(end) / prio(start); computing it that way
+  // (not as a running product) makes equal-probability paths compare equal, so ties fall to
+  // the score deterministically.
+  const float start_prio = nodes_[start.node].prio;
   std::vector<Beam> beams{Beam{start, 1.0f, Draft{}, false}};
   for (int step = 0; step < k && l + step < depth_; ++step) {
     std::vector<Beam> next;
@@ -415,16 +419,20 @@ std::vector<Draft> SuffixTree::propose_paths(const int32_t* ctx, size_t n, int k
       for (uint32_t c = nodes_[node].first_child; c != kNil; c = nodes_[c].next_sibling)
         kids.emplace_back(nodes_[c].prio, c);
       const size_t keep = std::min<size_t>(kids.size(), static_cast<size_t>(num_paths));
-      std::partial_sort(kids.begin(), kids.begin() + keep, kids.end(),
-                        [](auto& a, auto& b) { return a.first > b.first; });
+      // Ties (equal prios) go to the smaller token, so the result does not depend on the
+      // order children were created in.
+      std::partial_sort(kids.begin(), kids.begin() + keep, kids.end(), [this](auto& a, auto& b) {
+        return a.first != b.first ? a.first > b.first : label(a.second)[0] < label(b.second)[0];
+      });
       const float total = nodes_[node].prio;
       bool extended = false;
       for (size_t i = 0; i < keep; ++i) {
         const float p = total > 0.0f ? std::min(1.0f, kids[i].first / total) : 0.0f;
-        if (p <= 0.0f || b.cum * p < min_prob) break;
+        const float cum = start_prio > 0.0f ? std::min(1.0f, kids[i].first / start_prio) : 0.0f;
+        if (p <= 0.0f || cum < min_prob) break;
         Beam e = b;
         e.cur = Cursor{kids[i].second, 1};
-        e.cum *= p;
+        e.cum = cum;
         e.d.tokens.push_back(label(kids[i].second)[0]);
         e.d.probs.push_back(p);
         e.d.score += e.cum;
@@ -437,7 +445,9 @@ std::vector<Draft> SuffixTree::propose_paths(const int32_t* ctx, size_t n, int k
       }
     }
     std::stable_sort(next.begin(), next.end(), [](const Beam& a, const Beam& b) {
-      return a.cum != b.cum ? a.cum > b.cum : a.d.score > b.d.score;
+      if (a.cum != b.cum) return a.cum > b.cum;
+      if (a.d.score != b.d.score) return a.d.score > b.d.score;
+      return a.d.tokens < b.d.tokens;
     });
     if (next.size() > static_cast<size_t>(num_paths)) next.resize(num_paths);
     beams.swap(next);
@@ -448,8 +458,9 @@ std::vector<Draft> SuffixTree::propose_paths(const int32_t* ctx, size_t n, int k
     b.d.match_len = l;
     out.push_back(std::move(b.d));
   }
-  std::stable_sort(out.begin(), out.end(),
-                   [](const Draft& a, const Draft& b) { return a.score > b.score; });
+  std::stable_sort(out.begin(), out.end(), [](const Draft& a, const Draft& b) {
+    return a.score != b.score ? a.score > b.score : a.tokens < b.tokens;
+  });
   return out;
 }
 
