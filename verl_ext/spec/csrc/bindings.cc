@@ -265,6 +265,43 @@ PYBIND11_MODULE(_suffix, m) {
            py::arg("keys"), py::arg("ks"), py::arg("token_rows") = py::none(),
            py::arg("lens") = py::none(), py::arg("scopes") = 7, py::arg("min_match") = 1,
            py::arg("max_match") = 16, py::arg("min_prob") = 0.3f, py::arg("sync") = true)
+      .def("replay",
+           [](DraftIndex& s, const std::vector<std::string>& keys, py::sequence rows,
+              const std::vector<int64_t>& starts, const std::vector<int64_t>& ends, int k,
+              int scopes, int min_match, int max_match, float min_prob, int64_t max_steps) {
+             const size_t n = keys.size();
+             if (static_cast<size_t>(py::len(rows)) != n || starts.size() != n || ends.size() != n)
+               throw py::value_error("replay: keys, rows, starts and ends differ in length");
+             std::vector<Tokens> held(n);
+             std::vector<const int32_t*> ptrs(n);
+             std::vector<size_t> st(n), en(n);
+             for (size_t i = 0; i < n; ++i) {
+               held[i] = tokens_of(rows[i], "row");
+               if (starts[i] < 0 || ends[i] < starts[i] || static_cast<size_t>(ends[i]) > held[i].n)
+                 throw py::value_error("replay: row " + std::to_string(i) + " needs 0 <= start <= end <= len(row)");
+               ptrs[i] = held[i].ptr;
+               st[i] = static_cast<size_t>(starts[i]);
+               en[i] = static_cast<size_t>(ends[i]);
+             }
+             std::vector<std::vector<int32_t>> emitted, drafted;
+             s.replay(keys, ptrs, st, en, k, scopes, params(min_match, max_match, min_prob),
+                      max_steps, &emitted, &drafted);
+             py::list out(n);
+             for (size_t i = 0; i < n; ++i) {
+               py::array_t<int32_t> e(emitted[i].size()), d(drafted[i].size());
+               std::copy(emitted[i].begin(), emitted[i].end(), e.mutable_data());
+               std::copy(drafted[i].begin(), drafted[i].end(), d.mutable_data());
+               out[i] = py::make_tuple(e, d);
+             }
+             return out;
+           },
+           py::arg("keys"), py::arg("rows"), py::arg("starts"), py::arg("ends"), py::arg("k"),
+           py::arg("scopes") = 7, py::arg("min_match") = 1, py::arg("max_match") = 16,
+           py::arg("min_prob") = 0.3f, py::arg("max_steps") = -1,
+           "Exact-match replay for the simulator: each request decodes along its row from start "
+           "to end (at most max_steps steps; < 0: no limit), drafting up to k tokens per step; "
+           "returns [(emitted per step, drafted per step)] (see DraftIndex::replay in "
+           "draft_index.h).")
       .def("propose_paths",
            [](const DraftIndex& s, int scope, const std::string& key, py::handle context, int k,
               int num_paths, int min_match, int max_match, float min_prob) {

@@ -341,6 +341,51 @@ Proposal DraftIndex::propose(const std::string& req, const int32_t* ctx, size_t 
   return best;
 }
 
+void DraftIndex::replay(const std::vector<std::string>& reqs,
+                        const std::vector<const int32_t*>& rows,
+                        const std::vector<size_t>& starts, const std::vector<size_t>& ends, int k,
+                        int scopes, const DraftParams& p, int64_t max_steps,
+                        std::vector<std::vector<int32_t>>* emitted,
+                        std::vector<std::vector<int32_t>>* drafted) {
+  const size_t n = reqs.size();
+  if (rows.size() != n || starts.size() != n || ends.size() != n)
+    throw std::invalid_argument("replay: reqs, rows, starts and ends differ in length");
+  if (k < 0 || k > max_draft_)
+    throw std::invalid_argument("k=" + std::to_string(k) + " is outside [0, max_draft=" +
+                                std::to_string(max_draft_) + "]");
+  emitted->assign(n, {});
+  drafted->assign(n, {});
+  std::vector<size_t> pos(starts);
+  std::vector<size_t> live;
+  for (size_t i = 0; i < n; ++i) {
+    if (starts[i] > ends[i]) throw std::invalid_argument("replay: a start is past its end");
+    if (pos[i] < ends[i] && sync(reqs[i], rows[i], pos[i])) live.push_back(i);
+  }
+  std::vector<Proposal> props;
+  for (int64_t round = 0; !live.empty() && (max_steps < 0 || round < max_steps); ++round) {
+    // A step drafts for the whole batch first, then emits: a step's tokens become visible to
+    // other requests (group trees) from the next step on, as with a real engine.
+    props.clear();
+    for (size_t i : live) props.push_back(propose(reqs[i], rows[i], pos[i], k, scopes, p));
+    size_t kept = 0;
+    for (size_t j = 0; j < live.size(); ++j) {
+      const size_t i = live[j];
+      const int32_t* row = rows[i];
+      const auto& d = props[j].draft.tokens;
+      const size_t left = ends[i] - pos[i];
+      size_t acc = 0;
+      while (acc < d.size() && acc + 1 < left && d[acc] == row[pos[i] + acc]) ++acc;
+      const size_t emit = std::min(acc + 1, left);
+      append(reqs[i], row + pos[i], emit);
+      pos[i] += emit;
+      (*emitted)[i].push_back(static_cast<int32_t>(emit));
+      (*drafted)[i].push_back(static_cast<int32_t>(d.size()));
+      if (pos[i] < ends[i]) live[kept++] = i;
+    }
+    live.resize(kept);
+  }
+}
+
 const SuffixTree* DraftIndex::tree(int scope, const std::string& key) const {
   if (scope == kScopeRequest) {
     auto it = requests_.find(key);

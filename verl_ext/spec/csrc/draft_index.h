@@ -92,6 +92,20 @@ class DraftIndex {
   // the context stored in the request tree.
   Proposal propose(const std::string& req, const int32_t* ctx, size_t n, int k, int scopes,
                    const DraftParams& p);
+  // Exact-match replay (the simulator): each request i decodes along rows[i] from position
+  // starts[i] to ends[i] (rows hold prompt + the tokens the engine emits). A step proposes up
+  // to k tokens from the request's context, accepts the longest draft prefix equal to the
+  // row's next tokens, and emits it plus one token (the target's own), capped at ends[i].
+  // Emitted tokens are appended like a decode loop's, so group trees see them from the next
+  // step on (each round proposes for every request, then emits). The requests advance in
+  // lockstep, one step each per round, for at most max_steps rounds (< 0: until
+  // every request reaches its end). Outputs per request and step: tokens emitted and tokens
+  // drafted. Unknown requests get no steps.
+  void replay(const std::vector<std::string>& reqs, const std::vector<const int32_t*>& rows,
+              const std::vector<size_t>& starts, const std::vector<size_t>& ends, int k,
+              int scopes, const DraftParams& p, int64_t max_steps,
+              std::vector<std::vector<int32_t>>* emitted,
+              std::vector<std::vector<int32_t>>* drafted);
   // Direct access to one tree, for tests and multi-path drafting.
   const SuffixTree* tree(int scope, const std::string& key) const;
 
