@@ -1,0 +1,73 @@
+"""`verl-ext trace record`: bad input (fast), and a tiny recording on the shared real engine."""
+
+import numpy as np
+import pytest
+
+from verl_ext.trace import read_trace
+from verl_ext.trace.record import RecordConfig, arecord_trace, main
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (["--prompts", "0"], "--prompts must be an integer >= 1, got 0"),
+        (["--samples", "0"], "--samples must be an integer >= 1"),
+        (["--epochs", "0"], "--epochs must be an integer >= 1"),
+        (["--max-tokens", "0"], "--max-tokens must be an integer >= 1"),
+        (["--instances", "0"], "--instances must be an integer >= 1"),
+        (["--temperature", "-1"], "--temperature must be >= 0"),
+        (["--out", "x.json"], "--out must name a .parquet file"),
+    ],
+)
+def test_bad_input_exits_2(args, match, capsys, tmp_path):
+    out = [] if "--out" in args else ["--out", str(tmp_path / "t.parquet")]
+    assert main(["record", *args, *out]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("verl-ext: error: ") and match in err and "\n" not in err
+    assert not (tmp_path / "t.parquet").exists()
+
+
+def test_bad_model_and_out_dir(capsys, tmp_path):
+    assert main(["--model", str(tmp_path / "nope"), "--out", str(tmp_path / "t.parquet")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    (tmp_path / "d.parquet").mkdir()
+    assert main(["trace", "record", "--out", str(tmp_path / "d.parquet")]) == 2
+    assert "is a directory" in capsys.readouterr().err
+
+
+class _Shared:
+    """Hands out the session's engine without shutting it down."""
+
+    owns_instances = False
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    async def create(self, n):
+        return [self.engine]
+
+    def describe(self):
+        return {"engine": "vllm", "shared_test_engine": True}
+
+
+@pytest.mark.engine
+async def test_record_tiny_on_real_engine(fp32_engine, tmp_path):
+    cfg = RecordConfig(prompts=2, samples=2, epochs=2, max_tokens=16, instances=1, seed=3,
+                       out=str(tmp_path / "tiny.parquet"))
+    t = await arecord_trace(cfg, engine_factory=_Shared(fp32_engine), progress=False)
+    back = read_trace(cfg.out)
+    assert len(back) == len(t) == 8 and back.epochs() == [0, 1]
+    assert back.prompt_uid.tolist() == ["arith-3-0"] * 2 + ["arith-3-1"] * 2 + ["arith-3-0"] * 2 + ["arith-3-1"] * 2
+    assert back.sample_index.tolist() == [0, 1] * 4 and (back.step == back.epoch).all()
+    assert back.meta["seeds"]["sampling"] == [3, 4] and back.meta["source"] == "real"
+    lengths = back.response_lengths()
+    assert 1 <= lengths.min() and lengths.max() <= 16
+    assert set(back.finish_reason.tolist()) <= {"stop", "length"}
+    assert (lengths[back.finish_reason == "length"] == 16).all() and (lengths[back.finish_reason == "stop"] <= 16).all()
+    assert set(back.instance.tolist()) == {fp32_engine.name}
+    assert back.submit_s.min() == 0.0 and (back.finish_s >= back.submit_s).all()
+    np.testing.assert_array_equal(back.token_time_offsets, back.response_offsets)
+    assert (np.diff(back.times(0)) >= 0).all()
+    # same prompts both epochs, different sampling seeds
+    assert back.prompt(0).tolist() == back.prompt(4).tolist()
+    assert fp32_engine.engine is not None  # the shared engine is still up

