@@ -13,7 +13,8 @@ from typing import Any, Mapping, Optional
 
 from verl_ext.pipe.strategy import StrategyConfigError, get_strategy_class, parse_options
 
-_KEYS = ("strategy", "options", "seed")
+_KEYS = ("strategy", "options", "seed", "trace")
+_TRACE_KEYS = ("dir", "every")
 
 
 def option_names() -> list[str]:
@@ -23,10 +24,47 @@ def option_names() -> list[str]:
 
 
 @dataclass(frozen=True)
+class TraceSettings:
+    """``custom.verl_ext.trace``: record rollout traces (``verl_ext.trace``) from training.
+
+    ``dir``: directory for ``step_<N>.parquet`` files (one per recorded training step); None
+    (the default) turns recording off. ``every``: record the steps with ``N % every == 0``.
+    """
+
+    dir: Optional[str] = None
+    every: int = 1
+
+    @property
+    def enabled(self) -> bool:
+        return self.dir is not None
+
+    def records(self, step: int) -> bool:
+        return self.enabled and step % self.every == 0
+
+    @classmethod
+    def parse(cls, raw: Any) -> "TraceSettings":
+        if raw is None:
+            return cls()
+        if not isinstance(raw, dict):
+            raise StrategyConfigError(f"custom.verl_ext.trace must be a mapping like {{dir: ..., every: 1}}, got {raw!r}")
+        unknown = sorted(set(raw) - set(_TRACE_KEYS))
+        if unknown:
+            raise StrategyConfigError(f"custom.verl_ext.trace: unknown key(s) {unknown}; valid keys: {list(_TRACE_KEYS)}")
+        directory = raw.get("dir")
+        if directory is not None and (not isinstance(directory, str) or not directory.strip()):
+            raise StrategyConfigError(f"custom.verl_ext.trace.dir must be a directory path or null, got {directory!r}")
+        every = raw.get("every", 1)
+        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+            raise StrategyConfigError(f"custom.verl_ext.trace.every must be an integer >= 1, got {every!r}")
+        return cls(dir=directory, every=every)
+
+
+@dataclass(frozen=True)
 class VerlExtSettings:
     strategy: str = "baseline"
     options: dict = field(default_factory=dict)
     seed: int = 0
+    trace: TraceSettings = field(default_factory=TraceSettings)
 
     @classmethod
     def from_custom(cls, custom: Optional[Mapping[str, Any]]) -> "VerlExtSettings":
@@ -54,7 +92,8 @@ class VerlExtSettings:
         # Validate eagerly (unknown strategy, unknown or ill-typed options) so that a bad config
         # fails when the manager is built, not in the middle of the first rollout.
         parse_options(get_strategy_class(strategy).Options, options, f"strategy '{strategy}'")
-        return cls(strategy=strategy, options=options, seed=seed)
+        trace = TraceSettings.parse(raw.get("trace"))
+        return cls(strategy=strategy, options=options, seed=seed, trace=trace)
 
 
 def _to_dict(node: Any) -> Any:

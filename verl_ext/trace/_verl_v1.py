@@ -1,0 +1,55 @@
+"""V1 (TransferQueue) agent-loop worker that reports trace rows; see ``verl_ext.trace.verl_hook``.
+
+Imported only when the V1 manager records traces (it needs veRL's V1 module and TransferQueue).
+The collector handle and trace settings travel on the worker's LLM client
+(``StrategyLLMClient.verl_ext_trace``), which veRL passes to every worker.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopWorkerTQ
+
+from verl_ext.trace.verl_hook import TRACE_KEY, v1_rows
+
+logger = logging.getLogger(__name__)
+
+# veRL decorates AgentLoopWorkerTQ with @ray.remote; subclass the plain class underneath.
+_Base = getattr(AgentLoopWorkerTQ, "__ray_actor_class__", AgentLoopWorkerTQ)
+
+
+class TracingAgentLoopWorkerTQ(_Base):
+    def _verl_ext_trace(self):
+        """(collector handle, TraceSettings, response_length) or None."""
+        return getattr(self.llm_client, "verl_ext_trace", None)
+
+    async def _agent_loop_postprocess(self, output, validate, **kwargs):
+        outputs = output if isinstance(output, list) else [output]
+        infos = [o.extra_fields.pop(TRACE_KEY, None) for o in outputs]  # keep it out of TransferQueue
+        result = await super()._agent_loop_postprocess(output, validate, **kwargs)
+        tracing = self._verl_ext_trace()
+        if tracing is not None and not validate and outputs:
+            collector, settings, response_length = tracing
+            try:
+                step = int(kwargs.get("global_steps", -1))
+                if settings.records(step):
+                    collector.add.remote(step, str(kwargs["uid"]), v1_rows(outputs, infos, kwargs, response_length))
+            except Exception as exc:  # tracing must never break a rollout
+                logger.error("verl_ext: could not record trace rows (%s: %s)", type(exc).__name__, exc)
+        return result
+
+    async def _run_prompt(self, prompt: dict, sampling_params: dict, trajectory: dict, trace: bool = False) -> None:
+        uid = prompt.get("uid")
+        step = prompt.get("global_steps", trajectory.get("step", -1))
+        try:
+            await super()._run_prompt(prompt, sampling_params, trajectory, trace=trace)
+        finally:
+            tracing = self._verl_ext_trace()
+            if tracing is not None and not trajectory.get("validate", False):
+                try:
+                    collector, settings, _ = tracing
+                    if settings.records(int(step)):
+                        collector.done.remote(int(step), str(uid))
+                except Exception as exc:
+                    logger.error("verl_ext: could not report a finished prompt (%s: %s)", type(exc).__name__, exc)
