@@ -61,9 +61,10 @@ class ABConfig:
 SPEC_SUFFIX = "+spec"
 
 
-def parse_arm(name: str, spec_k: int = 8):
+def parse_arm(name: str, spec_k: int = 8, allow_history: bool = False):
     """``"baseline"`` -> (``"baseline"``, None); ``"baseline+spec"`` -> request-scope drafting;
-    ``"baseline+spec:group"`` / ``":request+group"`` choose the scopes. Raises ``ValueError``."""
+    ``"baseline+spec:group"`` / ``":request+group"`` choose the scopes. Raises ``ValueError``.
+    The history scope needs an earlier epoch: only simulated runs over a trace have one."""
     base, sep, rest = name.partition(SPEC_SUFFIX)
     if not sep:
         return name, None
@@ -73,10 +74,10 @@ def parse_arm(name: str, spec_k: int = 8):
     from verl_ext.spec import SCOPE_HISTORY
 
     scopes = rest[1:] or "request"
-    if scope_mask(scopes) & SCOPE_HISTORY:
+    if scope_mask(scopes) & SCOPE_HISTORY and not allow_history:
         raise ValueError(
             f"arm '{name}': the history scope drafts from an earlier epoch's responses, and `verl-ext ab` "
-            "runs one epoch; use request and/or group here (scripts/bench_suffix.py replays history)"
+            "runs one epoch; use request and/or group here, or `verl-ext ab --sim` over a trace with 2+ epochs"
         )
     return base, SpecOptions(scopes=scopes, k=spec_k)
 
@@ -146,21 +147,26 @@ async def run_strategy(
     score: Callable[[GenRequest, list[int]], float],
     seed: int = 0,
     on_finish: Optional[Callable[[], None]] = None,
+    clock: Optional[Callable[[], float]] = None,
+    sample_telemetry: bool = True,
 ) -> ArmResult:
-    """Run ``requests`` through ``strategy`` on ``instances`` and measure it."""
-    pool = InstancePool(instances, seed=seed)
+    """Run ``requests`` through ``strategy`` on ``instances`` and measure it. ``clock``: the
+    pool's clock (the simulator passes its virtual one); ``sample_telemetry=False`` skips the
+    running-requests sampler (simulated instances log every change themselves)."""
+    pool = InstancePool(instances, seed=seed, **({"clock": clock} if clock is not None else {}))
     if on_finish is not None:
         pool.on_finish = lambda record: on_finish()
     timeline = {inst.name: [] for inst in instances}
     stop = asyncio.Event()
     before = [inst.telemetry() for inst in instances]
     pool.reset_clock()
-    sampler = asyncio.ensure_future(_sample_telemetry(instances, pool, timeline, stop))
+    sampler = asyncio.ensure_future(_sample_telemetry(instances, pool, timeline, stop)) if sample_telemetry else None
     try:
         completions = await strategy.rollout(requests, pool)
     finally:
         stop.set()
-        await sampler
+        if sampler is not None:
+            await sampler
     rewards = [score(req, c.token_ids) for req, c in zip(requests, completions)]
     metrics = rollout_metrics(pool.records, rewards)
     after = [inst.telemetry() for inst in instances]

@@ -126,3 +126,4 @@ def make_strategy(name: str, options: Optional[Mapping[str, Any]] = None) -> Str
 def _load_builtins() -> None:
     # Importing the modules registers them. Keep this list to strategies that work.
     import verl_ext.pipe.baseline  # noqa: F401
+    import verl_ext.pipe.oracle  # noqa: F401

@@ -1,0 +1,186 @@
+"""Speculative decoding in the simulator: exact-match replay with the real draft index.
+
+The drafter proposes from the same native ``DraftIndex`` the vLLM drafter uses, with the
+same options (``SpecOptions``). A drafted token is accepted iff it equals the trace's next
+token, and every step also emits the target's own next token. For one-hot (model-free)
+drafts this is the acceptance law of the engine's rejection sampler: a greedy target accepts
+exactly the tokens it would have produced, and at temperature > 0 a drafted token d is kept
+with probability p(d), the probability that the target samples d (the trace holds one such
+sample). Three modes, all calling ``DraftIndex.replay``:
+
+* ``cached`` (request and history scopes): a request's drafts depend only on its own context
+  and the (fixed within a rollout) history trees, so its whole step schedule (tokens emitted
+  and drafted per step) is replayed natively once, when the request is first admitted. Exact.
+* ``lockstep`` (group scope, the default there): drafts also depend on how far the group's
+  other responses have got. A group is replayed once, when its first request is admitted,
+  with all of its responses advancing one step per round. Exact when the group's requests run
+  concurrently at equal step rates (as under ``baseline``); an approximation otherwise. Its
+  error against ``exact`` is measured in docs/BENCHMARKS.md.
+* ``exact``: one shared index; each simulated engine step replays one step of its batch, so
+  group trees see exactly the tokens emitted so far anywhere in the cluster (an ideal,
+  zero-latency grouped draft server). One event per engine step: for validation-sized runs.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from verl_ext.engine.instance import GenRequest
+from verl_ext.sim.source import Target, TraceSource
+from verl_ext.spec import SCOPE_GROUP, SCOPE_HISTORY, DraftIndex
+from verl_ext.spec.options import SpecOptions
+
+MODES = ("auto", "cached", "lockstep", "exact")
+
+
+class ReplayDrafter:
+    def __init__(self, spec: SpecOptions, source: TraceSource, mode: str = "auto", history=None):
+        """``history``: (trace, rows) of the previous epoch, for the history scope; each response
+        is added to its prompt's history tree with weight reward + 0.1 (so zero-reward responses
+        still count, less)."""
+        if mode not in MODES:
+            raise ValueError(f"unknown replay mode '{mode}'; valid: {list(MODES)}")
+        self.spec = spec
+        self.mask = spec.mask
+        if mode == "auto":
+            mode = "lockstep" if self.mask & SCOPE_GROUP else "cached"
+        if mode == "cached" and self.mask & SCOPE_GROUP:
+            raise ValueError("replay mode 'cached' cannot draft from the group scope; use lockstep or exact")
+        self.mode = mode
+        self.source = source
+        self.index = DraftIndex(spec.max_depth, spec.max_bytes, max(spec.k, 1))
+        self._cache: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self._rows: dict[str, np.ndarray] = {}
+        self._ends: dict[str, int] = {}
+        if self.mask & SCOPE_HISTORY:
+            if history is None:
+                raise ValueError("the history scope needs an earlier epoch in the trace")
+            trace, rows = history
+            for i in rows:
+                w = float(trace.reward[i])
+                w = (0.0 if np.isnan(w) else max(w, 0.0)) + 0.1
+                self.index.add_history(str(trace.prompt_uid[i]), trace.response(i), w)
+
+    @property
+    def per_step(self) -> bool:
+        return self.mode == "exact"
+
+    def _start(self, key: str, request: GenRequest, prompt: np.ndarray) -> None:
+        group = request.group_id if self.mask & SCOPE_GROUP else ""
+        history = request.group_id if self.mask & SCOPE_HISTORY else ""
+        self.index.start_request(key, prompt, group=group, history=history, scopes=self.mask)
+
+    def _replay(self, keys, rows, starts, ends, max_steps=-1):
+        s = self.spec
+        return self.index.replay(keys, rows, starts, ends, s.k, scopes=self.mask, min_match=s.min_match,
+                                 max_match=s.max_match, min_prob=s.min_prob, max_steps=max_steps)
+
+    # -- cached and lockstep: a whole schedule per request --------------------------------
+    def schedule(self, key: str, request: GenRequest, target: Target) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens emitted per step, tokens drafted per step) for ``target``'s tokens."""
+        if self.mode == "cached":
+            prompt = np.asarray(request.prompt_ids, dtype=np.int32)
+            row = np.concatenate([prompt, target.tokens]).astype(np.int32, copy=False)
+            self._start(key, request, prompt)
+            try:
+                (emitted, drafted), = self._replay([key], [row], [len(prompt)], [len(row)])
+            finally:
+                self.index.finish(key)
+            return emitted, drafted
+        return self._lockstep(key, request, target)
+
+    def _lockstep(self, key, request, target):
+        ck = f"{request.group_id}\x00{request.sample_index}"
+        if ck not in self._cache:
+            rows_i = self.source.group_rows(request.group_id)
+            keys, rows, starts = [], [], []
+            for i in rows_i:
+                k = f"{request.group_id}\x00{int(self.source.trace.sample_index[i])}"
+                prompt = self.source.trace.prompt(i)
+                keys.append(k)
+                rows.append(self.source.full_row(i))
+                starts.append(len(prompt))
+                self._start("lockstep\x00" + k, request, prompt)
+            try:
+                out = self._replay(["lockstep\x00" + k for k in keys], rows, starts, [len(r) for r in rows])
+            finally:
+                for k in keys:
+                    self.index.finish("lockstep\x00" + k)
+                self.index.drop_group(request.group_id)
+            for k, sched in zip(keys, out):
+                self._cache[k] = sched
+        emitted, drafted = self._cache[ck]
+        # A continuation (chunked rollout) starts part-way into the response: skip the steps
+        # before its offset; a step that straddles the offset is cut (an approximation).
+        offset = len(request.prompt_ids) - self.source.prompt_len(target.row)
+        if offset + len(target.tokens) >= len(self.source.trace.response(target.row)):
+            del self._cache[ck]  # the last piece of this response
+        cum = np.cumsum(emitted)
+        first = int(np.searchsorted(cum, offset, side="right"))
+        prev = int(cum[first - 1]) if first > 0 else 0
+        emitted, drafted = emitted[first:].copy(), drafted[first:].copy()
+        if len(emitted) and prev < offset:
+            emitted[0] = int(cum[first]) - offset
+        return _clip(emitted, drafted, len(target.tokens))
+
+    # -- exact: one shared index, one step at a time --------------------------------------
+    def started(self, key: str) -> bool:
+        return key in self._rows
+
+    def start(self, key: str, request: GenRequest, target: Target) -> None:
+        prompt = np.asarray(request.prompt_ids, dtype=np.int32)
+        self._rows[key] = np.concatenate([prompt, target.tokens]).astype(np.int32, copy=False)
+        self._ends[key] = len(self._rows[key])
+        self._start(key, request, prompt)
+
+    def step(self, keys: list[str], positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """One engine step for the batch ``keys`` whose contexts end at ``positions`` (prompt +
+        tokens emitted so far): (emitted, drafted) per request. Idempotent until the step's
+        tokens are emitted (the instance may re-plan a step it has not run), because it only
+        brings the index up to ``positions`` and proposes."""
+        s = self.spec
+        emitted = np.empty(len(keys), dtype=np.int64)
+        drafted = np.empty(len(keys), dtype=np.int64)
+        positions = positions.tolist()
+        for key, pos in zip(keys, positions):  # the batch's tokens so far, before any proposal
+            self._sync(key, pos)
+        for j, (key, pos) in enumerate(zip(keys, positions)):
+            row, end = self._rows[key], self._ends[key]
+            (toks, _, _, _), _ = self.index.propose(key, s.k, context=row[:pos], scopes=self.mask,
+                                                   min_match=s.min_match, max_match=s.max_match,
+                                                   min_prob=s.min_prob)
+            left = end - pos
+            nxt = row[pos: pos + min(len(toks), left - 1)]
+            same = toks[: len(nxt)] == nxt
+            acc = len(nxt) if same.all() else int(np.argmin(same))
+            emitted[j] = min(acc + 1, left)
+            drafted[j] = len(toks)
+        return emitted, drafted
+
+    def _sync(self, key: str, pos: int) -> None:
+        have = self.index.context_length(key)
+        if have < pos:
+            self.index.append(key, self._rows[key][have:pos])
+
+    def finish(self, key: str, pos: int) -> None:
+        """The request left its instance with its context ending at ``pos``."""
+        if key in self._rows:
+            self._sync(key, pos)
+            del self._rows[key], self._ends[key]
+            self.index.finish(key)
+
+
+def _clip(emitted: np.ndarray, drafted: np.ndarray, total: int) -> tuple[np.ndarray, np.ndarray]:
+    """Cut a schedule so that it emits exactly ``total`` tokens."""
+    cum = np.cumsum(emitted)
+    n = int(np.searchsorted(cum, total, side="left")) + 1
+    emitted, drafted = emitted[:n].copy(), drafted[:n].copy()
+    if n and cum[n - 1] > total:
+        emitted[-1] -= cum[n - 1] - total
+    return emitted, drafted
+
+
+def make_drafter(spec: Optional[SpecOptions], source: TraceSource, mode: str = "auto", history=None):
+    return None if spec is None else ReplayDrafter(spec, source, mode, history)

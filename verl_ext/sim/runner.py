@@ -1,0 +1,223 @@
+"""``verl-ext ab --sim``: strategies side by side on simulated instances over a trace.
+
+The same strategies (``verl_ext.pipe``) and drafters (``verl_ext.spec``) as on real engines run
+on ``SimInstance``s in virtual time. The workload is one epoch of a trace (recorded, or
+synthetic: ``verl_ext.trace.synth``); the instances' step times come from a cost model
+(``verl_ext.sim.cost``: a GPU preset or a ``verl-ext profile`` fit). Outputs: the same
+``summary.json`` schema as real runs (``kind: "sim"``), ``requests.jsonl``, and ``report.md``
+with its PNGs (``verl_ext.sim.report``).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from verl_ext.ab.metrics import SCHEMA
+from verl_ext.ab.runner import _check_out_dir, parse_arm, run_strategy
+from verl_ext.engine.instance import GenRequest, SamplingSpec
+from verl_ext.pipe.oracle import TRUE_LEN
+from verl_ext.pipe.strategy import make_strategy
+from verl_ext.sim.defaults import DEFAULT_INSTANCES, DEFAULT_PRESET, DEFAULT_SYNTH
+
+
+
+@dataclass
+class SimConfig:
+    strategies: list[str] = field(default_factory=lambda: ["baseline", "oracle"])
+    trace: Optional[str] = None  # a trace file; None: the synthetic default scenario
+    synth: dict = field(default_factory=dict)  # SynthConfig overrides for synthetic workloads
+    similarity: str = "measured"  # synthetic token similarity level
+    preset: str = DEFAULT_PRESET
+    instances: int = DEFAULT_INSTANCES
+    epoch: Optional[int] = None  # epoch to roll out; default: the last (earlier ones = history)
+    max_tokens: Optional[int] = None  # default: the trace's longest response
+    spec_k: int = 8
+    replay: str = "auto"
+    seed: int = 0
+    out: str = "runs/ab_sim"
+
+    def validate(self) -> None:
+        if not self.strategies:
+            raise ValueError("--strategies is empty")
+        if len(set(self.strategies)) != len(self.strategies):
+            raise ValueError(f"--strategies lists a strategy twice: {self.strategies}")
+        if self.instances < 1:
+            raise ValueError(f"--instances must be >= 1, got {self.instances}")
+        from verl_ext.sim.drafting import MODES
+
+        if self.replay not in MODES:
+            raise ValueError(f"unknown replay mode '{self.replay}'; valid: {list(MODES)}")
+        if self.max_tokens is not None and self.max_tokens <= 0:
+            raise ValueError(f"--max-tokens must be > 0, got {self.max_tokens}")
+
+
+@dataclass
+class SimArm:
+    name: str
+    metrics: dict
+    records: list
+    instances: list  # SimInstance (timelines, counters)
+
+
+def load_workload(cfg: SimConfig):
+    """The trace to replay: a file, or the synthetic default scenario."""
+    from verl_ext.trace.format import read_trace
+
+    if cfg.trace:
+        return read_trace(cfg.trace)
+    from verl_ext.trace.synth import SynthConfig, load_source, synthesize, with_level
+
+    params = {**DEFAULT_SYNTH, **cfg.synth, "seed": cfg.seed}
+    return synthesize(with_level(SynthConfig(**params), cfg.similarity), load_source())
+
+
+def build_requests(trace, rows: np.ndarray, max_tokens: int) -> list[GenRequest]:
+    lengths = trace.response_lengths()
+    out = []
+    for i in rows.tolist():
+        uid, j = str(trace.prompt_uid[i]), int(trace.sample_index[i])
+        out.append(
+            GenRequest(
+                request_id=f"{uid}-s{j}",
+                group_id=uid,
+                prompt_ids=trace.prompt(i).tolist(),
+                sampling=SamplingSpec(temperature=1.0, max_tokens=max_tokens),
+                sample_index=j,
+                extra={TRUE_LEN: int(lengths[i])},
+            )
+        )
+    return out
+
+
+def run_sim_ab(cfg: SimConfig, progress: bool = True, trace=None) -> dict:
+    """Run every strategy in ``cfg`` on simulated instances; write outputs into ``cfg.out``."""
+    from verl_ext.sim.cost import load_cost_model
+
+    cfg.validate()
+    arms = []
+    for label in cfg.strategies:
+        name, spec = parse_arm(label, cfg.spec_k, allow_history=True)
+        arms.append((label, make_strategy(name), spec))
+    cost = load_cost_model(cfg.preset)
+    out = Path(cfg.out)
+    _check_out_dir(out)
+    t_load = time.perf_counter()
+    trace = trace if trace is not None else load_workload(cfg)
+    epochs = trace.epochs()
+    epoch = epochs[-1] if cfg.epoch is None else cfg.epoch
+    if epoch not in epochs:
+        raise ValueError(f"epoch {epoch} is not in the trace (epochs: {epochs})")
+    rows = np.flatnonzero(trace.epoch == epoch)
+    earlier = [e for e in epochs if e < epoch]
+    history = (trace, np.flatnonzero(trace.epoch == earlier[-1])) if earlier else None
+    max_tokens = cfg.max_tokens or int(trace.response_lengths()[rows].max())
+    requests = build_requests(trace, rows, max_tokens)
+    load_s = time.perf_counter() - t_load
+
+    results = []
+    for label, strategy, spec in arms:
+        results.append(_run_arm(label, strategy, spec, trace, rows, history, cost, cfg, requests, progress))
+    _add_ratios(results)
+    summary = {
+        "schema": SCHEMA,
+        "kind": "sim",
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "config": {**asdict(cfg), "epoch": epoch, "max_tokens": max_tokens, "cost_model": cost.to_dict()},
+        "workload": {
+            "source": trace.meta.get("source"),
+            "requests": len(rows),
+            "prompts": len(set(trace.prompt_uid[rows].tolist())),
+            "response_tokens": int(trace.response_lengths()[rows].sum()),
+            "mean_response": float(trace.response_lengths()[rows].mean()),
+            "max_response": int(trace.response_lengths()[rows].max()),
+            "similarity": None if cfg.trace else cfg.similarity,
+            "load_s": load_s,
+        },
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        "strategies": {r.name: r.metrics for r in results},
+    }
+    _write(out, summary, results)
+    return summary
+
+
+def _run_arm(label, strategy, spec, trace, rows, history, cost, cfg, requests, progress) -> SimArm:
+    from verl_ext.sim.clock import run_virtual
+    from verl_ext.sim.drafting import make_drafter
+    from verl_ext.sim.instance import SimInstance
+    from verl_ext.sim.source import TraceSource
+
+    source = TraceSource(trace, rows)
+    drafter = make_drafter(spec, source, cfg.replay, history)
+    instances = [SimInstance(f"sim-{i}", cost, source, drafter) for i in range(cfg.instances)]
+    rewards = {i: float(trace.reward[i]) for i in rows.tolist()}
+    lengths = trace.response_lengths()
+
+    def score(req: GenRequest, tokens) -> float:
+        i = source.row_of(req.group_id, req.sample_index)
+        r = rewards[i]
+        return r if len(tokens) == lengths[i] and not np.isnan(r) else 0.0
+
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(requests), desc=f"{label:>10}", unit="req", leave=True)
+
+    async def main():
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        return await run_strategy(strategy, instances, requests, score, seed=cfg.seed,
+                                  on_finish=bar.update if bar else None, clock=loop.time, sample_telemetry=False)
+
+    t = time.perf_counter()
+    try:
+        arm = run_virtual(main())
+    finally:
+        if bar is not None:
+            bar.close()
+    metrics = dict(arm.metrics)
+    metrics["sim_seconds"] = time.perf_counter() - t
+    metrics["preemptions"] = sum(i.preemptions for i in instances)
+    metrics["kv_peak_fraction"] = max(i.kv_peak for i in instances) / cost.kv_capacity_tokens
+    metrics["busy_fraction"] = sum(i.busy_s for i in instances) / (len(instances) * metrics["wall_s"]) if metrics["wall_s"] else None
+    if spec is not None:
+        metrics["spec"] = {**spec.to_dict(), "replay": drafter.mode}
+    return SimArm(label, metrics, [asdict(r) for r in arm.pool.records], instances)
+
+
+def _add_ratios(results: list[SimArm]) -> None:
+    """Throughput relative to baseline and to the oracle, where those arms ran."""
+    by = {r.name: r.metrics for r in results}
+    for r in results:
+        for ref in ("baseline", "oracle"):
+            if ref in by and by[ref]["throughput_tok_s"]:
+                r.metrics[f"vs_{ref}"] = r.metrics["throughput_tok_s"] / by[ref]["throughput_tok_s"]
+
+
+def _write(out: Path, summary: dict, results: list[SimArm]) -> None:
+    from verl_ext.sim.report import write_report
+
+    staging = Path(tempfile.mkdtemp(prefix=".ab-staging-", dir=out))
+    try:
+        (staging / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        with open(staging / "requests.jsonl", "w") as f:
+            for r in results:
+                for rec in r.records:
+                    f.write(json.dumps({"strategy": r.name, **rec}) + "\n")
+        write_report(staging, summary, results)
+        for item in staging.iterdir():
+            os.replace(item, out / item.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
