@@ -287,8 +287,16 @@ def test_shipped_cpu_profile_matches_its_samples():
     from verl_ext.sim import cost as cost_mod
 
     raw = json.loads((cost_mod._preset_dir() / "cpu-smollm2.json").read_text())
-    assert raw["fit"]["samples"], "cpu-smollm2.json must record its samples"
     shipped = CostModel.from_dict(raw, "cpu-smollm2")
+    if "from_traces" in raw["fit"]:  # `verl-ext profile --from-trace`: the windows it fitted
+        from verl_ext.sim.trace_fit import fit_windows
+
+        refit, rep = fit_windows(raw["fit"]["windows"], shipped)
+        for k in ("overhead_s", "weight_s", "token_s", "kv_token_s", "prefill_token_s", "draft_token_s"):
+            assert getattr(refit, k) == pytest.approx(getattr(shipped, k), rel=1e-6, abs=1e-12), k
+        assert rep["mean_abs_rel_err"] == pytest.approx(raw["fit"]["mean_abs_rel_err"], abs=1e-9)
+        return
+    assert raw["fit"]["samples"], "cpu-smollm2.json must record its samples"
     refit, rep = fit_cost_model(raw["fit"]["samples"], shipped)
     for k in ("overhead_s", "weight_s", "token_s", "kv_token_s", "prefill_token_s"):
         assert getattr(refit, k) == pytest.approx(getattr(shipped, k), rel=1e-6, abs=1e-12), k

@@ -97,7 +97,6 @@ def _given(args, *names) -> dict:
 
 
 def _run_sim(args) -> int:
-    from verl_ext.ab.runner import format_table
     from verl_ext.sim.runner import SimConfig, run_sim_ab
 
     for flag in ("model", "temperature"):
@@ -121,16 +120,11 @@ def _run_sim(args) -> int:
         out=args.out or "runs/ab_sim",
         **_given(args, "instances", "preset"),
     )
-    summary = run_sim_ab(cfg, progress=not args.no_progress)
-    print()
-    print(format_table(summary))
-    out = Path(cfg.out)
-    print(f"\nwrote {out / 'summary.json'} and {out / 'report.md'} (with its PNGs)")
-    return 0
+    return _report(run_sim_ab(cfg, progress=not args.no_progress), cfg.out, "report.md (with its PNGs)")
 
 
 def _run_ab(args) -> int:
-    from verl_ext.ab.runner import format_table, run_ab
+    from verl_ext.ab.runner import run_ab
 
     for flag in ("trace", "preset", "similarity", "mean_len", "max_len", "epoch", "replay"):
         if getattr(args, flag) is not None:
@@ -143,11 +137,15 @@ def _run_ab(args) -> int:
         out=args.out or "runs/ab",
         **_given(args, "prompts", "samples", "max_tokens", "instances", "temperature"),
     )
-    summary = run_ab(cfg, progress=not args.no_progress)
+    return _report(run_ab(cfg, progress=not args.no_progress), cfg.out, "completion_cdf.png, running_requests.png")
+
+
+def _report(summary: dict, out: str, files: str) -> int:
+    from verl_ext.ab.runner import format_table
+
     print()
     print(format_table(summary))
-    out = Path(cfg.out)
-    print(f"\nwrote {out / 'summary.json'}, {out / 'completion_cdf.png'}, {out / 'running_requests.png'}")
+    print(f"\nwrote {Path(out) / 'summary.json'} and, beside it, {files}")
     return 0
 
 

@@ -285,10 +285,10 @@ async def _run_one(label, strategy, spec, engine_factory, cfg, requests, score, 
     )
 
 
-def _write_outputs(out: Path, summary: dict, runs: Sequence[StrategyRun]) -> None:
-    from verl_ext.ab.plots import plot_completion_cdf, plot_running
-    from verl_ext.pipe.pool import RequestRecord
-
+def write_staged(out: Path, summary: dict, runs, extra: Callable[[Path], None]) -> None:
+    """Write ``summary.json``, ``requests.jsonl`` (each run's ``records``) and whatever ``extra``
+    writes into a staging directory, then move it all into ``out``: a run that fails while
+    writing leaves the previous results in place, not half-written ones."""
     staging = Path(tempfile.mkdtemp(prefix=".ab-staging-", dir=out))
     try:
         (staging / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -296,16 +296,26 @@ def _write_outputs(out: Path, summary: dict, runs: Sequence[StrategyRun]) -> Non
             for run in runs:
                 for rec in run.records:
                     f.write(json.dumps({"strategy": run.name, **rec}) + "\n")
+        extra(staging)
+        for item in staging.iterdir():
+            os.replace(item, out / item.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _write_outputs(out: Path, summary: dict, runs: Sequence[StrategyRun]) -> None:
+    from verl_ext.ab.plots import plot_completion_cdf, plot_running
+    from verl_ext.pipe.pool import RequestRecord
+
+    def extra(staging: Path) -> None:
         with open(staging / "responses.jsonl", "w") as f:
             for run in runs:
                 for resp in run.responses:
                     f.write(json.dumps({"strategy": run.name, **resp}) + "\n")
         plot_completion_cdf({r.name: [RequestRecord(**x) for x in r.records] for r in runs}, staging / "completion_cdf.png")
         plot_running({r.name: r.timeline for r in runs}, staging / "running_requests.png")
-        for item in staging.iterdir():
-            os.replace(item, out / item.name)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+
+    write_staged(out, summary, runs, extra)
 
 
 def format_table(summary: dict) -> str:

@@ -665,7 +665,7 @@ def run_from_traces(args) -> int:
     import dataclasses
 
     from verl_ext.sim.cost import load_cost_model
-    from verl_ext.sim.trace_fit import fit_from_traces
+    from verl_ext.sim.trace_fit import fit_windows, trace_windows
     from verl_ext.trace.format import read_trace
 
     if not args.base:
@@ -686,7 +686,8 @@ def run_from_traces(args) -> int:
             tr.meta = meta
         traces.append(tr)
         names.append(spec)
-    cost, report = fit_from_traces(traces, base)
+    windows = [x for tr in traces for x in trace_windows(tr)]
+    cost, report = fit_windows(windows, base)
     cost = dataclasses.replace(
         cost,
         name=args.name or out.stem,
@@ -701,7 +702,7 @@ def run_from_traces(args) -> int:
         ),
     )
     doc = cost.to_dict()
-    doc["fit"] = {"from_traces": names, **report}
+    doc["fit"] = {"from_traces": names, **report, "windows": windows}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2) + "\n")
     print(f"fit ({report['windows']} windows, {report['draft_windows']} with drafts): mean |rel err| "

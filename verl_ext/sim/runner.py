@@ -11,11 +11,8 @@ with its PNGs (``verl_ext.sim.report``).
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import os
 import platform
-import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -24,7 +21,7 @@ from typing import Optional
 import numpy as np
 
 from verl_ext.ab.metrics import SCHEMA
-from verl_ext.ab.runner import _check_out_dir, parse_arm, run_strategy
+from verl_ext.ab.runner import _check_out_dir, parse_arm, run_strategy, write_staged
 from verl_ext.engine.instance import GenRequest, SamplingSpec
 from verl_ext.pipe.oracle import TRUE_LEN
 from verl_ext.pipe.strategy import make_strategy
@@ -209,15 +206,4 @@ def _add_ratios(results: list[SimArm]) -> None:
 def _write(out: Path, summary: dict, results: list[SimArm]) -> None:
     from verl_ext.sim.report import write_report
 
-    staging = Path(tempfile.mkdtemp(prefix=".ab-staging-", dir=out))
-    try:
-        (staging / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        with open(staging / "requests.jsonl", "w") as f:
-            for r in results:
-                for rec in r.records:
-                    f.write(json.dumps({"strategy": r.name, **rec}) + "\n")
-        write_report(staging, summary, results)
-        for item in staging.iterdir():
-            os.replace(item, out / item.name)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    write_staged(out, summary, results, lambda staging: write_report(staging, summary, results))

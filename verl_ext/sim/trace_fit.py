@@ -101,9 +101,14 @@ def trace_windows(trace, epochs=None) -> list[dict]:
 def fit_from_traces(traces, base: CostModel) -> tuple[CostModel, dict]:
     """Fit overhead, token, KV, prefill and draft costs (``weight_s`` = 0) to the traces'
     windows; the other fields (capacity, limits) come from ``base``."""
+    return fit_windows([x for tr in traces for x in trace_windows(tr)], base)
+
+
+def fit_windows(w: list[dict], base: CostModel) -> tuple[CostModel, dict]:
+    """The fit itself, on windows from ``trace_windows`` (recorded in the fitted JSON, so a
+    shipped profile can be checked against them)."""
     import dataclasses
 
-    w = [x for tr in traces for x in trace_windows(tr)]
     if len(w) < 5:
         raise ValueError(f"need at least 5 measured windows, got {len(w)}")
     S, B, KV, P, D, y = (np.array([x[k] for x in w], dtype=np.float64) for k in
