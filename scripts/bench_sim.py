@@ -33,7 +33,7 @@ from verl_ext.sim.clock import run_virtual  # noqa: E402
 from verl_ext.sim.cost import load_cost_model  # noqa: E402
 from verl_ext.sim.drafting import make_drafter  # noqa: E402
 from verl_ext.sim.instance import SimInstance  # noqa: E402
-from verl_ext.sim.runner import build_requests  # noqa: E402
+from verl_ext.sim.runner import build_requests, select_epoch  # noqa: E402
 from verl_ext.sim.source import TraceSource  # noqa: E402
 from verl_ext.trace.synth import SynthConfig, load_source, synthesize, with_level  # noqa: E402
 
@@ -42,11 +42,7 @@ def simulate(trace, arm: str, preset, instances: int, replay: str = "auto", k: i
     """One arm over one epoch of ``trace``; returns (metrics, simulator wall seconds)."""
     cost = load_cost_model(preset) if isinstance(preset, str) else preset
     name, spec = parse_arm(arm, k, allow_history=True)
-    epochs = trace.epochs()
-    epoch = epochs[-1] if epoch is None else epoch
-    rows = np.flatnonzero(trace.epoch == epoch)
-    earlier = [e for e in epochs if e < epoch]
-    history = (trace, np.flatnonzero(trace.epoch == earlier[-1])) if earlier else None
+    _, rows, history = select_epoch(trace, epoch)
     source = TraceSource(trace, rows)
     requests = build_requests(trace, rows, int(trace.response_lengths()[rows].max()))
     t0 = time.perf_counter()

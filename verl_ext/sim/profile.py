@@ -681,9 +681,7 @@ def run_from_traces(args) -> int:
         if epoch:
             if not epoch.isdigit() or int(epoch) not in tr.epochs():
                 raise ValueError(f"--from-trace {spec}: epoch '{epoch}' is not in the trace (epochs: {tr.epochs()})")
-            meta = tr.meta
-            tr = tr.select(tr.epoch == int(epoch))
-            tr.meta = meta
+            tr = tr.select(tr.epoch == int(epoch))  # keeps meta
         traces.append(tr)
         names.append(spec)
     windows = [x for tr in traces for x in trace_windows(tr)]

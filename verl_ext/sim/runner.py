@@ -79,6 +79,18 @@ def load_workload(cfg: SimConfig):
     return synthesize(with_level(SynthConfig(**params), cfg.similarity), load_source())
 
 
+def select_epoch(trace, epoch: Optional[int] = None):
+    """(epoch, its rows, history) where history = (trace, rows of the epoch before) or None;
+    the default epoch is the last one."""
+    epochs = trace.epochs()
+    epoch = epochs[-1] if epoch is None else epoch
+    if epoch not in epochs:
+        raise ValueError(f"epoch {epoch} is not in the trace (epochs: {epochs})")
+    earlier = [e for e in epochs if e < epoch]
+    history = (trace, np.flatnonzero(trace.epoch == earlier[-1])) if earlier else None
+    return epoch, np.flatnonzero(trace.epoch == epoch), history
+
+
 def build_requests(trace, rows: np.ndarray, max_tokens: int) -> list[GenRequest]:
     lengths = trace.response_lengths()
     out = []
@@ -111,13 +123,7 @@ def run_sim_ab(cfg: SimConfig, progress: bool = True, trace=None) -> dict:
     _check_out_dir(out)
     t_load = time.perf_counter()
     trace = trace if trace is not None else load_workload(cfg)
-    epochs = trace.epochs()
-    epoch = epochs[-1] if cfg.epoch is None else cfg.epoch
-    if epoch not in epochs:
-        raise ValueError(f"epoch {epoch} is not in the trace (epochs: {epochs})")
-    rows = np.flatnonzero(trace.epoch == epoch)
-    earlier = [e for e in epochs if e < epoch]
-    history = (trace, np.flatnonzero(trace.epoch == earlier[-1])) if earlier else None
+    epoch, rows, history = select_epoch(trace, cfg.epoch)
     max_tokens = cfg.max_tokens or int(trace.response_lengths()[rows].max())
     requests = build_requests(trace, rows, max_tokens)
     load_s = time.perf_counter() - t_load
