@@ -240,3 +240,15 @@ def test_bad_requests_are_refused_clearly():
     stranger = GenRequest("x", "nope", [1], SamplingSpec())
     with pytest.raises(ValueError, match="not in its trace"):
         run_virtual(SimInstance("sim-1", _cost(), TraceSource(tr)).generate(stranger))
+
+
+def test_parallel_lockstep_precompute_equals_sequential():
+    tr = _trace(groups=40, samples=3, hi=80, seed=9)
+    src = TraceSource(tr)
+    spec = SpecOptions(scopes="request+group", k=4)
+    one, two = ReplayDrafter(spec, src, "lockstep"), ReplayDrafter(spec, src, "lockstep")
+    one.precompute(workers=1)
+    two.precompute(workers=2)  # 40 groups >= 16 per worker: forked workers
+    assert one._cache.keys() == two._cache.keys() and len(one._cache) == len(tr)
+    for k in one._cache:
+        assert all((a == b).all() for a, b in zip(one._cache[k], two._cache[k])), k

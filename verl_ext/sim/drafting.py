@@ -12,8 +12,8 @@ sample). Three modes, all calling ``DraftIndex.replay``:
   and the (fixed within a rollout) history trees, so its whole step schedule (tokens emitted
   and drafted per step) is replayed natively once, when the request is first admitted. Exact.
 * ``lockstep`` (group scope, the default there): drafts also depend on how far the group's
-  other responses have got. A group is replayed once, when its first request is admitted,
-  with all of its responses advancing one step per round. Exact when the group's requests run
+  other responses have got. Each group is replayed once, up front (``precompute``: in worker
+  processes for large workloads), with all of its responses advancing one step per round. Exact when the group's requests run
   concurrently at equal step rates (as under ``baseline``); an approximation otherwise. Its
   error against ``exact`` is measured in docs/BENCHMARKS.md.
 * ``exact``: one shared index; each simulated engine step replays one step of its batch, so
@@ -23,6 +23,9 @@ sample). Three modes, all calling ``DraftIndex.replay``:
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import os
+from concurrent.futures import ProcessPoolExecutor
 from typing import Optional
 
 import numpy as np
@@ -94,23 +97,7 @@ class ReplayDrafter:
     def _lockstep(self, key, request, target):
         ck = f"{request.group_id}\x00{request.sample_index}"
         if ck not in self._cache:
-            rows_i = self.source.group_rows(request.group_id)
-            keys, rows, starts = [], [], []
-            for i in rows_i:
-                k = f"{request.group_id}\x00{int(self.source.trace.sample_index[i])}"
-                prompt = self.source.trace.prompt(i)
-                keys.append(k)
-                rows.append(self.source.full_row(i))
-                starts.append(len(prompt))
-                self._start("lockstep\x00" + k, request, prompt)
-            try:
-                out = self._replay(["lockstep\x00" + k for k in keys], rows, starts, [len(r) for r in rows])
-            finally:
-                for k in keys:
-                    self.index.finish("lockstep\x00" + k)
-                self.index.drop_group(request.group_id)
-            for k, sched in zip(keys, out):
-                self._cache[k] = sched
+            self._cache.update(self._replay_group(request.group_id))
         emitted, drafted = self._cache[ck]
         # A continuation (chunked rollout) starts part-way into the response: skip the steps
         # before its offset; a step that straddles the offset is cut (an approximation).
@@ -124,6 +111,49 @@ class ReplayDrafter:
         if len(emitted) and prev < offset:
             emitted[0] = int(cum[first]) - offset
         return _clip(emitted, drafted, len(target.tokens))
+
+    def _replay_group(self, group: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """Lockstep replay of one group (prompt uid): schedules keyed group + sample index."""
+        keys, rows, starts = [], [], []
+        scope_group = group if self.mask & SCOPE_GROUP else ""
+        scope_history = group if self.mask & SCOPE_HISTORY else ""
+        for i in self.source.group_rows(group):
+            k = f"{group}\x00{int(self.source.trace.sample_index[i])}"
+            prompt = self.source.trace.prompt(i)
+            keys.append(k)
+            rows.append(self.source.full_row(i))
+            starts.append(len(prompt))
+            self.index.start_request("lockstep\x00" + k, prompt, group=scope_group, history=scope_history, scopes=self.mask)
+        try:
+            out = self._replay(["lockstep\x00" + k for k in keys], rows, starts, [len(r) for r in rows])
+        finally:
+            for k in keys:
+                self.index.finish("lockstep\x00" + k)
+            self.index.drop_group(group)
+        # emitted <= k + 1 and drafted <= k, k <= 128: one byte each
+        return {k: (e.astype(np.uint8), d.astype(np.uint8)) for k, (e, d) in zip(keys, out)}
+
+    def precompute(self, workers: Optional[int] = None) -> None:
+        """Lockstep mode: replay every group up front. Groups are independent here, so large
+        workloads are split over worker processes (forked: they share the trace and the
+        history trees); the schedules are the same as replaying one group at a time."""
+        if self.mode != "lockstep":
+            return
+        groups = self.source.groups()
+        workers = workers or os.cpu_count() or 1
+        if workers < 2 or len(groups) < 16 * workers or "fork" not in mp.get_all_start_methods():
+            for g in groups:
+                self._cache.update(self._replay_group(g))
+            return
+        global _FORKED
+        _FORKED = self
+        try:
+            chunks = [groups[i::workers * 4] for i in range(workers * 4)]
+            with ProcessPoolExecutor(workers, mp_context=mp.get_context("fork")) as ex:
+                for part in ex.map(_replay_groups, chunks):
+                    self._cache.update(part)
+        finally:
+            _FORKED = None
 
     # -- exact: one shared index, one step at a time --------------------------------------
     def started(self, key: str) -> bool:
@@ -172,6 +202,16 @@ class ReplayDrafter:
             self.index.finish(key)
 
 
+_FORKED: Optional[ReplayDrafter] = None  # the drafter a forked precompute worker replays with
+
+
+def _replay_groups(groups: list[str]) -> dict:
+    out = {}
+    for g in groups:
+        out.update(_FORKED._replay_group(g))
+    return out
+
+
 def _clip(emitted: np.ndarray, drafted: np.ndarray, total: int) -> tuple[np.ndarray, np.ndarray]:
     """Cut a schedule so that it emits exactly ``total`` tokens."""
     cum = np.cumsum(emitted)
@@ -183,4 +223,8 @@ def _clip(emitted: np.ndarray, drafted: np.ndarray, total: int) -> tuple[np.ndar
 
 
 def make_drafter(spec: Optional[SpecOptions], source: TraceSource, mode: str = "auto", history=None):
-    return None if spec is None else ReplayDrafter(spec, source, mode, history)
+    if spec is None:
+        return None
+    drafter = ReplayDrafter(spec, source, mode, history)
+    drafter.precompute()
+    return drafter

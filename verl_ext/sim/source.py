@@ -111,5 +111,8 @@ class TraceSource:
         """Prompt + response of trace row ``i``."""
         return np.concatenate([self.trace.prompt(i), self.trace.response(i)]).astype(np.int32, copy=False)
 
+    def groups(self) -> list[str]:
+        return list(self._groups)
+
     def group_rows(self, group_id: str) -> list[int]:
         return self._groups.get(group_id, [])
