@@ -14,7 +14,6 @@ seconds on this machine; simulated times are the cost model's.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime as dt
 import json
 import platform
@@ -27,14 +26,10 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from verl_ext.ab.runner import parse_arm, run_strategy  # noqa: E402
+from verl_ext.ab.runner import parse_arm  # noqa: E402
 from verl_ext.pipe import make_strategy  # noqa: E402
-from verl_ext.sim.clock import run_virtual  # noqa: E402
 from verl_ext.sim.cost import load_cost_model  # noqa: E402
-from verl_ext.sim.drafting import make_drafter  # noqa: E402
-from verl_ext.sim.instance import SimInstance  # noqa: E402
-from verl_ext.sim.runner import build_requests, select_epoch  # noqa: E402
-from verl_ext.sim.source import TraceSource  # noqa: E402
+from verl_ext.sim.runner import build_requests, run_arm, select_epoch  # noqa: E402
 from verl_ext.trace.synth import SynthConfig, load_source, synthesize, with_level  # noqa: E402
 
 
@@ -43,21 +38,10 @@ def simulate(trace, arm: str, preset, instances: int, replay: str = "auto", k: i
     cost = load_cost_model(preset) if isinstance(preset, str) else preset
     name, spec = parse_arm(arm, k, allow_history=True)
     _, rows, history = select_epoch(trace, epoch)
-    source = TraceSource(trace, rows)
     requests = build_requests(trace, rows, int(trace.response_lengths()[rows].max()))
-    t0 = time.perf_counter()
-    drafter = make_drafter(spec, source, replay, history)
-    insts = [SimInstance(f"sim-{i}", cost, source, drafter, record_timeline=False) for i in range(instances)]
-
-    async def main():
-        loop = asyncio.get_running_loop()
-        return await run_strategy(make_strategy(name), insts, requests, lambda r, t: 0.0, clock=loop.time,
-                                  sample_telemetry=False)
-
-    arm_result = run_virtual(main())
-    m = dict(arm_result.metrics)
-    m["preemptions"] = sum(i.preemptions for i in insts)
-    return m, time.perf_counter() - t0
+    result = run_arm(arm, make_strategy(name), spec, trace, rows, history, cost, instances, replay, requests,
+                     record_timeline=False)
+    return result.metrics, result.metrics["sim_seconds"]
 
 
 def cmd_scale(args) -> dict:

@@ -42,10 +42,7 @@ class ABConfig:
     out: str = "runs/ab"
 
     def validate(self) -> None:
-        if not self.strategies:
-            raise ValueError("--strategies is empty")
-        if len(set(self.strategies)) != len(self.strategies):
-            raise ValueError(f"--strategies lists a strategy twice: {self.strategies}")
+        validate_strategies(self.strategies)
         if self.prompts < 1:
             raise ValueError(f"--prompts must be >= 1, got {self.prompts}")
         if self.samples < 1:
@@ -56,6 +53,14 @@ class ABConfig:
             raise ValueError(f"--instances must be >= 1, got {self.instances}")
         if self.temperature < 0:
             raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+
+
+def validate_strategies(strategies: Sequence[str]) -> None:
+    """The ``--strategies`` list of an A/B run (real or simulated): non-empty, no repeats."""
+    if not strategies:
+        raise ValueError("--strategies is empty")
+    if len(set(strategies)) != len(strategies):
+        raise ValueError(f"--strategies lists a strategy twice: {list(strategies)}")
 
 
 SPEC_SUFFIX = "+spec"

@@ -21,7 +21,7 @@ from typing import Optional
 import numpy as np
 
 from verl_ext.ab.metrics import SCHEMA
-from verl_ext.ab.runner import _check_out_dir, parse_arm, run_strategy, write_staged
+from verl_ext.ab.runner import _check_out_dir, parse_arm, run_strategy, validate_strategies, write_staged
 from verl_ext.engine.instance import GenRequest, SamplingSpec
 from verl_ext.pipe.oracle import TRUE_LEN
 from verl_ext.pipe.strategy import make_strategy
@@ -45,10 +45,7 @@ class SimConfig:
     out: str = "runs/ab_sim"
 
     def validate(self) -> None:
-        if not self.strategies:
-            raise ValueError("--strategies is empty")
-        if len(set(self.strategies)) != len(self.strategies):
-            raise ValueError(f"--strategies lists a strategy twice: {self.strategies}")
+        validate_strategies(self.strategies)
         if self.instances < 1:
             raise ValueError(f"--instances must be >= 1, got {self.instances}")
         from verl_ext.sim.drafting import MODES
@@ -130,7 +127,8 @@ def run_sim_ab(cfg: SimConfig, progress: bool = True, trace=None) -> dict:
 
     results = []
     for label, strategy, spec in arms:
-        results.append(_run_arm(label, strategy, spec, trace, rows, history, cost, cfg, requests, progress))
+        results.append(run_arm(label, strategy, spec, trace, rows, history, cost, cfg.instances, cfg.replay, requests,
+                               seed=cfg.seed, progress=progress))
     _add_ratios(results)
     summary = {
         "schema": SCHEMA,
@@ -154,15 +152,20 @@ def run_sim_ab(cfg: SimConfig, progress: bool = True, trace=None) -> dict:
     return summary
 
 
-def _run_arm(label, strategy, spec, trace, rows, history, cost, cfg, requests, progress) -> SimArm:
+def run_arm(label, strategy, spec, trace, rows, history, cost, instances: int, replay: str, requests,
+            seed: int = 0, progress: bool = False, record_timeline: bool = True) -> SimArm:
+    """One strategy (with its drafting options ``spec`` or None) over trace ``rows`` on
+    ``instances`` simulated instances of ``cost``; ``history`` feeds the history scope.
+    ``metrics["sim_seconds"]`` is the simulator's own wall time, draft replay included."""
     from verl_ext.sim.clock import run_virtual
     from verl_ext.sim.drafting import make_drafter
     from verl_ext.sim.instance import SimInstance
     from verl_ext.sim.source import TraceSource
 
+    t = time.perf_counter()
     source = TraceSource(trace, rows)
-    drafter = make_drafter(spec, source, cfg.replay, history)
-    instances = [SimInstance(f"sim-{i}", cost, source, drafter) for i in range(cfg.instances)]
+    drafter = make_drafter(spec, source, replay, history)
+    sims = [SimInstance(f"sim-{i}", cost, source, drafter, record_timeline) for i in range(instances)]
     rewards = {i: float(trace.reward[i]) for i in rows.tolist()}
     lengths = trace.response_lengths()
 
@@ -181,10 +184,9 @@ def _run_arm(label, strategy, spec, trace, rows, history, cost, cfg, requests, p
         import asyncio
 
         loop = asyncio.get_running_loop()
-        return await run_strategy(strategy, instances, requests, score, seed=cfg.seed,
+        return await run_strategy(strategy, sims, requests, score, seed=seed,
                                   on_finish=bar.update if bar else None, clock=loop.time, sample_telemetry=False)
 
-    t = time.perf_counter()
     try:
         arm = run_virtual(main())
     finally:
@@ -192,12 +194,12 @@ def _run_arm(label, strategy, spec, trace, rows, history, cost, cfg, requests, p
             bar.close()
     metrics = dict(arm.metrics)
     metrics["sim_seconds"] = time.perf_counter() - t
-    metrics["preemptions"] = sum(i.preemptions for i in instances)
-    metrics["kv_peak_fraction"] = max(i.kv_peak for i in instances) / cost.kv_capacity_tokens
-    metrics["busy_fraction"] = sum(i.busy_s for i in instances) / (len(instances) * metrics["wall_s"]) if metrics["wall_s"] else None
+    metrics["preemptions"] = sum(i.preemptions for i in sims)
+    metrics["kv_peak_fraction"] = max(i.kv_peak for i in sims) / cost.kv_capacity_tokens
+    metrics["busy_fraction"] = sum(i.busy_s for i in sims) / (len(sims) * metrics["wall_s"]) if metrics["wall_s"] else None
     if spec is not None:
         metrics["spec"] = {**spec.to_dict(), "replay": drafter.mode}
-    return SimArm(label, metrics, [asdict(r) for r in arm.pool.records], instances)
+    return SimArm(label, metrics, [asdict(r) for r in arm.pool.records], sims)
 
 
 def _add_ratios(results: list[SimArm]) -> None:
