@@ -31,7 +31,7 @@ class ScriptedInstance(Instance):
         self.running = self.peak = 0
         self.seen = []
 
-    async def generate(self, request):
+    async def generate(self, request, on_tokens=None):
         self.running += 1
         self.peak = max(self.peak, self.running)
         self.seen.append(request.request_id)

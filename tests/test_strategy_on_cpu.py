@@ -74,10 +74,10 @@ async def test_pool_sticky_request_ids():
 
 async def test_failed_request_aborts_the_others():
     class Failing(ScriptedInstance):
-        async def generate(self, request):
+        async def generate(self, request, on_tokens=None):
             if request.request_id == "r3":
                 raise RuntimeError("engine died")
-            return await super().generate(request)
+            return await super().generate(request, on_tokens)
 
     slow = Failing("a", delay=5.0)
     pool = InstancePool([slow], seed=0)

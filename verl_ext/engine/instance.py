@@ -3,7 +3,9 @@
 An ``Instance`` is one engine replica (a local vLLM ``AsyncLLM``, a veRL server replica, or a
 simulated engine). Strategies only ever talk to instances through this contract:
 
-* ``generate(request)``: submit a request and await its completion (``Completion``);
+* ``generate(request, on_tokens=None)``: submit a request and await its completion
+  (``Completion``); ``on_tokens(delta)``, when given, is called with each batch of new tokens
+  as the engine produces them (engines that cannot stream call it once, at the end);
 * ``stream(request)``: submit a request and iterate over token deltas as they are produced;
 * ``abort(request_id)``: stop a running request; its ``generate``/``stream`` finishes with
   ``finish_reason == "abort"`` and the tokens produced so far;
@@ -19,7 +21,10 @@ from __future__ import annotations
 import abc
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Callable, Optional, Sequence
+
+#: ``generate``'s streaming callback: called with each batch of newly generated token ids
+TokenCallback = Callable[[Sequence[int]], None]
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
@@ -102,6 +107,10 @@ class Telemetry:
     drafts: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    # capacity, where the engine knows it: KV-cache size in tokens and the most requests it runs
+    # at once (vLLM: num_gpu_blocks x block_size and max_num_seqs)
+    kv_capacity_tokens: Optional[int] = None
+    max_running: Optional[int] = None
     timestamp: float = field(default_factory=time.monotonic)
 
 
@@ -112,8 +121,9 @@ class Instance(abc.ABC):
     name: str
 
     @abc.abstractmethod
-    async def generate(self, request: GenRequest) -> Completion:
-        """Run ``request`` to completion (or abort) and return its tokens."""
+    async def generate(self, request: GenRequest, on_tokens: Optional[TokenCallback] = None) -> Completion:
+        """Run ``request`` to completion (or abort) and return its tokens; see the module docstring
+        for ``on_tokens``."""
 
     async def stream(self, request: GenRequest) -> AsyncIterator[list[int]]:
         """Yield token deltas. Default: one delta with the whole completion."""

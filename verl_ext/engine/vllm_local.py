@@ -90,6 +90,8 @@ class VLLMInstance(Instance):
         self._drafts = 0
         self._draft_tokens = 0
         self._accepted_tokens = 0
+        self._kv_capacity: Optional[int] = None
+        self._max_running: Optional[int] = None
 
     async def start(self) -> None:
         if self.engine is not None:
@@ -100,6 +102,13 @@ class VLLMInstance(Instance):
         args = AsyncEngineArgs(**self.engine_args)
         with _pinned_env(self.cpu_cores):
             self.engine = AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger_factory(self)])
+        try:  # the engine core reports its KV blocks at start-up
+            cfg = self.engine.vllm_config
+            blocks = cfg.cache_config.num_gpu_blocks
+            self._kv_capacity = int(blocks) * int(cfg.cache_config.block_size) if blocks else None
+            self._max_running = int(cfg.scheduler_config.max_num_seqs)
+        except AttributeError:
+            self._kv_capacity = self._max_running = None
 
     async def shutdown(self) -> None:
         engine, self.engine = self.engine, None
@@ -127,7 +136,7 @@ class VLLMInstance(Instance):
             extra_args={"verl_ext": {"request_id": request.request_id, "group_id": request.group_id, **request.extra}},
         )
 
-    async def _run(self, request: GenRequest, sink: Optional[asyncio.Queue]) -> Completion:
+    async def _run(self, request: GenRequest, sink: Optional[asyncio.Queue], on_tokens=None) -> Completion:
         if self.engine is None:
             raise RuntimeError(f"instance {self.name} is not started")
         from vllm.inputs import TokensPrompt
@@ -150,6 +159,8 @@ class VLLMInstance(Instance):
                     logprobs.extend(next(iter(lp.values())).logprob if lp else float("nan") for lp in o.logprobs)
                 if sink is not None and new:
                     sink.put_nowait(new)
+                if on_tokens is not None and new:
+                    on_tokens(new)
                 if out.finished:
                     finish_reason = _finish_reason(o.finish_reason)
         finally:
@@ -161,8 +172,8 @@ class VLLMInstance(Instance):
                     del self._live[request.request_id]
         return Completion(request.request_id, tokens, finish_reason, logprobs=logprobs)
 
-    async def generate(self, request: GenRequest) -> Completion:
-        return await self._run(request, None)
+    async def generate(self, request: GenRequest, on_tokens=None) -> Completion:
+        return await self._run(request, None, on_tokens)
 
     async def stream(self, request: GenRequest) -> AsyncIterator[list[int]]:
         queue: asyncio.Queue = asyncio.Queue()
@@ -203,6 +214,8 @@ class VLLMInstance(Instance):
             drafts=self._drafts,
             draft_tokens=self._draft_tokens,
             accepted_tokens=self._accepted_tokens,
+            kv_capacity_tokens=self._kv_capacity,
+            max_running=self._max_running,
         )
 
 

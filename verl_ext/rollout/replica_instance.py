@@ -36,7 +36,7 @@ class ReplicaInstance(Instance):
             params["max_tokens"] = request.sampling.max_tokens
         return params
 
-    async def generate(self, request: GenRequest) -> Completion:
+    async def generate(self, request: GenRequest, on_tokens=None) -> Completion:
         engine_id = uuid.uuid4().hex  # veRL sends a fresh id per turn, too
         self._engine_ids[request.request_id] = engine_id
         self._inflight += 1
@@ -52,6 +52,8 @@ class ReplicaInstance(Instance):
             self._engine_ids.pop(request.request_id, None)
         tokens = list(output.token_ids)
         self._generated += len(tokens)
+        if on_tokens is not None and tokens:
+            on_tokens(tokens)  # veRL's server does not stream: one delta at the end
         if output.stop_reason in ("aborted", "abort"):
             reason = FINISH_ABORT
         elif len(tokens) >= request.sampling.max_tokens:

@@ -83,7 +83,13 @@ class SimInstance(Instance):
         self.timeline: Optional[list[tuple]] = [] if record_timeline else None
 
     # -- the Instance contract ----------------------------------------------------------------
-    async def generate(self, request: GenRequest) -> Completion:
+    async def generate(self, request: GenRequest, on_tokens=None) -> Completion:
+        completion = await self._generate(request)
+        if on_tokens is not None and len(completion.token_ids):
+            on_tokens(completion.token_ids)  # one delta at the end (drafting is replayed, not synced)
+        return completion
+
+    async def _generate(self, request: GenRequest) -> Completion:
         target = self.source.target(request)
         k = self.drafter.spec.k if self.drafter is not None else 0
         need = target.prompt_len + len(target.tokens) + k + 1
@@ -123,6 +129,8 @@ class SimInstance(Instance):
             drafts=self.drafts,
             draft_tokens=self.draft_tokens,
             accepted_tokens=self.accepted_tokens,
+            kv_capacity_tokens=self.cost.kv_capacity_tokens,
+            max_running=self.cost.max_num_seqs,
             timestamp=self._now(),
         )
 

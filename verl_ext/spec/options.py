@@ -34,6 +34,16 @@ class SpecOptions:
     append cost); ``min_match``/``max_match`` bound the context suffix that must match;
     ``min_prob`` stops a draft once its cumulative empirical probability drops below it;
     ``max_bytes`` caps the index memory per engine (least recently used trees are evicted).
+
+    Adaptive draft length (Seer, ``verl_ext.spec.adaptive``): with ``adaptive`` on, a step of
+    ``B`` requests drafts at most ``knee_tokens - B`` tokens in total (``knee_tokens``: from the
+    profiled cost model, ``CostModel.draft_thresholds``; 0 = no batch threshold), shared out with
+    weight ``1 + sibling_boost * (finished fraction of the request's group)``, at most ``k`` each.
+
+    ``group_source``: where group trees come from. ``"local"``: each engine builds them from the
+    requests it runs itself. ``"remote"``: from the grouped draft server (``verl_ext.spec.dgds``),
+    which aggregates the group's responses from every engine; the engine's own requests then do
+    not write to the local group trees (the server's copy already has their tokens).
     """
 
     scopes: str = "request"
@@ -43,6 +53,10 @@ class SpecOptions:
     max_match: int = 16
     min_prob: float = 0.3
     max_bytes: int = 2 << 30
+    adaptive: bool = False
+    knee_tokens: int = 0
+    sibling_boost: float = 1.0
+    group_source: str = "local"
 
     def __post_init__(self):
         scope_mask(self.scopes)
@@ -54,6 +68,12 @@ class SpecOptions:
             raise ValueError(f"spec needs 1 <= min_match <= max_match, got {self.min_match}, {self.max_match}")
         if not 0.0 <= self.min_prob <= 1.0:
             raise ValueError(f"spec min_prob must be in [0, 1], got {self.min_prob}")
+        if self.knee_tokens < 0:
+            raise ValueError(f"spec knee_tokens must be >= 0 (0 = no batch threshold), got {self.knee_tokens}")
+        if self.sibling_boost < 0:
+            raise ValueError(f"spec sibling_boost must be >= 0, got {self.sibling_boost}")
+        if self.group_source not in ("local", "remote"):
+            raise ValueError(f"spec group_source must be 'local' or 'remote', got {self.group_source!r}")
         if self.max_bytes < 0:
             raise ValueError(f"spec max_bytes must be >= 0 (0 = no cap), got {self.max_bytes}")
 

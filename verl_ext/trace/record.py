@@ -105,11 +105,11 @@ class TimedInstance(Instance):
         self.times: dict[str, Optional[list[float]]] = {}
         self.timed = hasattr(inner, "_run")
 
-    async def generate(self, request: GenRequest) -> Completion:
+    async def generate(self, request: GenRequest, on_tokens=None) -> Completion:
         if not self.timed:
-            return await self.inner.generate(request)
+            return await self.inner.generate(request, on_tokens)
         sink = _TimeSink(time.monotonic())
-        completion = await self.inner._run(request, sink)  # VLLMInstance's streaming hook
+        completion = await self.inner._run(request, sink, on_tokens)  # VLLMInstance's streaming hook
         self.times[request.request_id] = sink.per_token(len(completion.token_ids))
         return completion
 
