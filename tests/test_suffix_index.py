@@ -246,3 +246,69 @@ def test_bad_input_is_rejected_cleanly():
         DraftIndex(1, 0, 4)
     with pytest.raises(ValueError, match="row width"):
         idx.batch_propose(["r"], [2], np.zeros((1, 4), np.int32), [9])
+
+
+def test_group_write_false_reads_but_never_writes_the_group_tree():
+    idx = DraftIndex(8, 0, 8)
+    sibling = [5, 6, 7, 8, 9, 10, 11, 12]
+    idx.group_append("g", "other", sibling)
+    before = idx.dump(SCOPE_GROUP, "g")
+    v0 = idx.group_version("g")
+    idx.start_request("r", [1, 2, 5, 6], group="g", scopes=SCOPE_GROUP, group_write=False)
+    assert idx.group_counts("g") == (0, 1)  # no sequence added for r
+    tokens, _, _, _ = idx.propose("r", 4)[0]
+    assert list(tokens) == [7, 8, 9, 10]  # reads the group tree
+    idx.append("r", [7, 8, 9])
+    assert idx.finish("r")
+    assert idx.dump(SCOPE_GROUP, "g") == before and idx.group_version("g") == v0
+    assert idx.group_counts("g") == (0, 1) and idx.group_sequence("g", "r") == (0, False)
+    # a group that does not exist yet is not created, and is read once it is imported
+    idx.start_request("q", [5, 6], group="new", scopes=SCOPE_GROUP, group_write=False)
+    assert idx.group_counts("new") == (0, 0) and idx.stats()["groups"] == 1
+    assert len(idx.propose("q", 4)[0][0]) == 0
+    src = DraftIndex(8, 0, 8)
+    src.group_append("new", "a", sibling)
+    idx.import_group(src.export_group("new", 0)[0])
+    assert list(idx.propose("q", 3)[0][0]) == [7, 8, 9]
+    idx.append("q", [7])
+    assert idx.group_sequence("new", "a") == (8, False) and idx.group_counts("new") == (0, 1)
+    # the default still writes
+    idx.start_request("w", [1, 2], group="g")
+    idx.append("w", [3, 4])
+    assert idx.group_sequence("g", "w") == (2, False) and idx.group_counts("g") == (0, 2)
+    idx.finish("w")
+    assert idx.group_sequence("g", "w") == (2, True) and idx.group_counts("g") == (1, 2)
+
+
+def test_group_counts_and_versions():
+    idx = DraftIndex(8, 0, 8)
+    assert idx.group_counts("nope") == (0, 0) and idx.group_version("nope") == 0
+    for i in range(4):
+        idx.group_append("g", f"s{i}", [1, 2, 3])
+    assert idx.group_counts("g") == (0, 4)
+    idx.group_close("g", "s1")
+    idx.group_close("g", "s3")
+    assert idx.group_counts("g") == (2, 4)
+    _, v = idx.export_group("g", 0)
+    assert idx.group_version("g") == v > 0
+    idx.group_append("g", "s0", [4])
+    assert idx.group_version("g") > v
+    dst = DraftIndex(8, 0, 8)
+    dst.import_group(idx.export_group("g", 0)[0])
+    assert dst.group_counts("g") == (2, 4)  # closed flags travel with the deltas
+    assert dst.group_sequence("g", "s0") == (4, False) and dst.group_sequence("g", "s1") == (3, True)
+    idx.drop_group("g")
+    assert idx.group_counts("g") == (0, 0)
+
+
+def test_delta_without_its_base_tree_is_refused():
+    src, dst = DraftIndex(8, 0, 8), DraftIndex(8, 0, 8)
+    src.group_append("g", "a", [1, 2, 3, 4])
+    full, v = src.export_group("g", 0)
+    src.group_append("g", "b", [5, 6])  # only a new sequence since v
+    delta, _ = src.export_group("g", v)
+    with pytest.raises(ValueError, match="missing delta"):
+        dst.import_group(delta)  # would leave a tree without "a"
+    assert dst.group_counts("g") == (0, 0)
+    dst.import_group(full)
+    assert dst.import_group(delta) == 2 and dst.dump(SCOPE_GROUP, "g") == src.dump(SCOPE_GROUP, "g")

@@ -196,11 +196,23 @@ class VLLMInstance(Instance):
 
     async def drafter_call(self, op: str, *args):
         """Call the engine's suffix drafter (``verl_ext.spec.vllm_proposer``): ``add_history``,
-        ``drop_history``, ``save``, ``load`` or ``stats``. Returns the first worker's answer."""
+        ``drop_history``, ``save``, ``load``, ``stats``, ``import_groups`` or ``group_counts``.
+        Returns the first worker's answer."""
         if self.engine is None:
             raise RuntimeError(f"instance {self.name} is not started")
         results = await self.engine.collective_rpc("verl_ext_drafter", args=(op, *args))
         return results[0]
+
+    async def import_drafts(self, blobs: list[bytes]) -> list[int]:
+        """Import group-tree deltas from the grouped draft server (``verl_ext.spec.dgds``) into
+        the engine's drafter, all in one ``collective_rpc``. Returns, per blob, the tokens it
+        added (0: nothing new) or -1 where a worker refused it (e.g. a delta against a tree the
+        engine evicted; the client then resends that group in full)."""
+        if self.engine is None:
+            raise RuntimeError(f"instance {self.name} is not started")
+        results = await self.engine.collective_rpc("verl_ext_drafter", args=("import_groups", list(blobs)))
+        # every worker holds its own drafter: a blob counts as imported only where all took it
+        return [min(col) for col in zip(*results)] if results else []
 
     def telemetry(self) -> Telemetry:
         running = self._inflight if self._running is None else min(self._running, self._inflight)

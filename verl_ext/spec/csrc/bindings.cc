@@ -175,12 +175,14 @@ PYBIND11_MODULE(_suffix, m) {
       .def_property("max_bytes", &DraftIndex::max_bytes, &DraftIndex::set_max_bytes)
       .def("start_request",
            [](DraftIndex& s, const std::string& req, py::handle prompt, const std::string& group,
-              const std::string& history, int scopes) {
+              const std::string& history, int scopes, bool group_write) {
              Tokens t = tokens_of(prompt, "prompt");
-             s.start_request(req, t.ptr, t.n, group, history, scopes);
+             s.start_request(req, t.ptr, t.n, group, history, scopes, group_write);
            },
            py::arg("req"), py::arg("prompt"), py::arg("group") = "", py::arg("history") = "",
-           py::arg("scopes") = static_cast<int>(kScopeAll))
+           py::arg("scopes") = static_cast<int>(kScopeAll), py::arg("group_write") = true,
+           "Start a request. group_write=False: it drafts from its group tree but adds no "
+           "sequence to it (the tree is imported from a grouped draft server).")
       .def("has_request", &DraftIndex::has_request)
       .def("append",
            [](DraftIndex& s, const std::string& req, py::handle toks) {
@@ -196,6 +198,12 @@ PYBIND11_MODULE(_suffix, m) {
            })
       .def("group_close", &DraftIndex::group_close)
       .def("drop_group", &DraftIndex::drop_group)
+      .def("group_counts", &DraftIndex::group_counts, py::arg("group"),
+           "(closed sequences, all sequences) of a group tree; (0, 0) for an unknown group.")
+      .def("group_version", &DraftIndex::group_version, py::arg("group"),
+           "The group tree's current version (as export_group returns it); 0 if unknown.")
+      .def("group_sequence", &DraftIndex::group_sequence, py::arg("group"), py::arg("seq"),
+           "(length, closed) of one sequence of a group tree; (0, False) when absent.")
       .def("add_history",
            [](DraftIndex& s, const std::string& key, py::handle toks, float w) {
              Tokens t = tokens_of(toks, "tokens");

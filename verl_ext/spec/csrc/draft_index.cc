@@ -64,7 +64,8 @@ bool valid_weight(float w) { return w >= 0.0f && w <= 3.0e38f; }  // false for N
 
 constexpr uint32_t kDeltaMagic = 0x44535856;  // "VXSD"
 constexpr uint32_t kSaveMagic = 0x49535856;   // "VXSI"
-constexpr uint32_t kFormat = 1;
+constexpr uint32_t kFormat = 1;       // checkpoints
+constexpr uint32_t kDeltaFormat = 2;  // group deltas: 2 added the base version
 
 struct SeqRecord {
   std::string key;
@@ -178,7 +179,7 @@ TreeEntry& DraftIndex::group_entry(const std::string& group, bool create) {
 
 void DraftIndex::start_request(const std::string& req, const int32_t* prompt, size_t n,
                                const std::string& group, const std::string& history,
-                               int scopes) {
+                               int scopes, bool group_write) {
   if (requests_.count(req)) throw std::invalid_argument("request '" + req + "' is already active");
   RequestEntry r;
   r.ctx.tree = std::make_unique<SuffixTree>(depth_);
@@ -192,7 +193,8 @@ void DraftIndex::start_request(const std::string& req, const int32_t* prompt, si
   r.group = group;
   r.history = history;
   r.scopes = scopes;
-  if (!group.empty()) {
+  r.group_write = group_write;
+  if (!group.empty() && group_write) {
     TreeEntry& g = group_entry(group, true);
     if (g.tree->find_sequence(req) >= 0)
       throw std::invalid_argument("request '" + req + "' already has a sequence in group '" +
@@ -217,7 +219,7 @@ void DraftIndex::append(const std::string& req, const int32_t* toks, size_t n) {
     account(r.ctx);
   }
   r.ctx_len += static_cast<uint32_t>(n);
-  if (!r.group.empty()) {
+  if (!r.group.empty() && r.group_write) {
     auto g = groups_.find(r.group);
     if (g != groups_.end() && g->second.uid == r.group_uid) {
       g->second.tree->append(r.group_seq, toks, n);
@@ -238,7 +240,7 @@ bool DraftIndex::finish(const std::string& req) {
   auto it = requests_.find(req);
   if (it == requests_.end()) return false;
   RequestEntry& r = it->second;
-  if (!r.group.empty()) {
+  if (!r.group.empty() && r.group_write) {
     auto g = groups_.find(r.group);
     if (g != groups_.end() && g->second.uid == r.group_uid) {
       g->second.tree->close(r.group_seq);
@@ -277,6 +279,30 @@ void DraftIndex::group_close(const std::string& group, const std::string& seq) {
 }
 
 bool DraftIndex::drop_group(const std::string& group) { return drop(groups_, group); }
+
+std::pair<size_t, size_t> DraftIndex::group_counts(const std::string& group) const {
+  auto it = groups_.find(group);
+  if (it == groups_.end() || !it->second.tree) return {0, 0};
+  const SuffixTree& t = *it->second.tree;
+  size_t closed = 0;
+  for (size_t i = 0; i < t.num_sequences(); ++i) closed += t.sequence(i).closed ? 1 : 0;
+  return {closed, t.num_sequences()};
+}
+
+uint64_t DraftIndex::group_version(const std::string& group) const {
+  auto it = groups_.find(group);
+  return it == groups_.end() || !it->second.tree ? 0 : it->second.tree->version();
+}
+
+std::pair<size_t, bool> DraftIndex::group_sequence(const std::string& group,
+                                                   const std::string& seq) const {
+  auto it = groups_.find(group);
+  if (it == groups_.end() || !it->second.tree) return {0, false};
+  const int id = it->second.tree->find_sequence(seq);
+  if (id < 0) return {0, false};
+  const Sequence& s = it->second.tree->sequence(id);
+  return {s.tokens.size(), s.closed};
+}
 
 void DraftIndex::add_history(const std::string& key, const int32_t* toks, size_t n, float w) {
   if (!valid_weight(w))
@@ -408,9 +434,10 @@ std::string DraftIndex::export_group(const std::string& group, uint64_t since,
   const auto changes = t.changes_since(since);
   Writer w;
   w.put<uint32_t>(kDeltaMagic);
-  w.put<uint32_t>(kFormat);
+  w.put<uint32_t>(kDeltaFormat);
   w.str(group);
   w.put<uint64_t>(t.version());
+  w.put<uint64_t>(since);
   w.put<uint32_t>(static_cast<uint32_t>(changes.size()));
   for (const auto& [seq, start] : changes) write_seq(w, t.sequence(seq), start);
   *version = t.version();
@@ -421,9 +448,10 @@ std::string DraftIndex::export_group(const std::string& group, uint64_t since,
 size_t DraftIndex::import_group(const std::string& blob, const std::string& rename) {
   Reader r{blob, 0, "group delta"};
   if (r.get<uint32_t>() != kDeltaMagic) throw std::invalid_argument("not a verl_ext group delta");
-  if (r.get<uint32_t>() != kFormat) throw std::invalid_argument("unsupported group delta format");
+  if (r.get<uint32_t>() != kDeltaFormat) throw std::invalid_argument("unsupported group delta format");
   std::string group = r.str();
   r.get<uint64_t>();
+  const uint64_t base = r.get<uint64_t>();
   const uint32_t count = r.get<uint32_t>();
   std::vector<SeqRecord> recs;
   for (uint32_t i = 0; i < count; ++i) recs.push_back(read_seq(r));
@@ -431,6 +459,12 @@ size_t DraftIndex::import_group(const std::string& blob, const std::string& rena
   if (!rename.empty()) group = rename;
   auto existing = groups_.find(group);
   if (existing == groups_.end()) {
+    // A delta (base > 0) presumes the earlier contents; without the tree (never imported, or
+    // evicted) it would leave a tree missing the sequences that did not change since.
+    if (base > 0)
+      throw std::invalid_argument("group delta since version " + std::to_string(base) +
+                                  " for group '" + group + "', which this index does not have "
+                                  "(missing delta: import the whole group, since=0)");
     SuffixTree probe(depth_);  // validate against an empty tree before creating the group
     apply_records(probe, recs);
   }

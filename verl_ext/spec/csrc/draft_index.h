@@ -45,6 +45,7 @@ struct RequestEntry {
   uint32_t prompt_len = 0;
   uint32_t ctx_len = 0;    // prompt + generated tokens seen so far
   int scopes = kScopeAll;  // scopes this request may draft from
+  bool group_write = true; // false: reads its group tree but never writes to it
 };
 
 struct Proposal {
@@ -66,10 +67,13 @@ class DraftIndex {
   int64_t max_bytes() const { return max_bytes_; }
   void set_max_bytes(int64_t b);
 
-  // Requests (request scope, and their sequence in the group tree).
+  // Requests (request scope, and their sequence in the group tree). With group_write false
+  // the request drafts from its group tree (looked up by name at each proposal) but adds no
+  // sequence to it, and append/finish leave it alone: the group tree is fed from elsewhere
+  // (import_group from a grouped draft server that already has this request's tokens).
   void start_request(const std::string& req, const int32_t* prompt, size_t n,
                      const std::string& group, const std::string& history,
-                     int scopes = kScopeAll);
+                     int scopes = kScopeAll, bool group_write = true);
   bool has_request(const std::string& req) const { return requests_.count(req) != 0; }
   void append(const std::string& req, const int32_t* toks, size_t n);
   // Brings the request up to date with its full context row: appends row[ctx_len:n].
@@ -83,6 +87,12 @@ class DraftIndex {
                     size_t n);
   void group_close(const std::string& group, const std::string& seq);
   bool drop_group(const std::string& group);
+  // (closed sequences, all sequences) of a group tree; (0, 0) for an unknown group.
+  std::pair<size_t, size_t> group_counts(const std::string& group) const;
+  // The group tree's version (what export_group would return now); 0 for an unknown group.
+  uint64_t group_version(const std::string& group) const;
+  // Length and closed flag of one sequence of a group tree; (0, false) when absent.
+  std::pair<size_t, bool> group_sequence(const std::string& group, const std::string& seq) const;
 
   // History: a finished response of `prompt_key`, weight = its reward.
   void add_history(const std::string& key, const int32_t* toks, size_t n, float weight);
@@ -109,6 +119,10 @@ class DraftIndex {
   // Direct access to one tree, for tests and multi-path drafting.
   const SuffixTree* tree(int scope, const std::string& key) const;
 
+  // Group deltas: the sequences changed after version `since` (0: the whole tree). Importing
+  // is all-or-nothing and idempotent on tokens already present; it refuses a delta that does
+  // not follow on from what the index holds ("missing delta"), including a delta with since > 0
+  // for a group the index does not have.
   std::string export_group(const std::string& group, uint64_t since, uint64_t* version);
   size_t import_group(const std::string& blob, const std::string& rename);
   std::string save(int scopes) const;

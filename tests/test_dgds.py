@@ -1,0 +1,427 @@
+"""The grouped draft server (verl_ext.spec.dgds, Seer seed 000 §4.4/§5): delta append/fetch with
+version tracking, idempotent appends, request-id isolation, stable sharding, a client against
+real Ray actors pushing into instance-like objects, and the fault path (a killed or stalled shard
+degrades the client without raising or hanging). Plus the engine-side proposer with a fake runner
+(remote group trees, group_write=False, adaptive caps)."""
+
+import asyncio
+import logging
+import os
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from verl_ext.spec import SCOPE_GROUP, DraftIndex
+from verl_ext.spec.dgds import DGDSClient, GroupDraftServer, shard_of
+
+DEPTH = 12
+
+
+def _tok(rng, n, vocab=50):
+    return [int(x) for x in rng.integers(0, vocab, n)]
+
+
+def _server_tree(server, group, depth=DEPTH):
+    """The server's group tree rebuilt from a full export (for comparing dumps)."""
+    blob, _ = server.fetch({group: 0})[group]
+    idx = DraftIndex(depth, 0, 8)
+    idx.import_group(blob)
+    return idx.dump(SCOPE_GROUP, group)
+
+
+class _Importer:
+    """A client-side copy: a DraftIndex plus the versions it holds."""
+
+    def __init__(self):
+        self.index = DraftIndex(DEPTH, 0, 8)
+        self.versions = {}
+
+    def pull(self, server, groups):
+        got = server.fetch({g: self.versions.get(g, 0) for g in groups})
+        for g, (blob, v) in got.items():
+            self.index.import_group(blob)
+            self.versions[g] = v
+        return got
+
+
+def test_server_append_fetch_delta_round_trip_two_clients():
+    rng = np.random.default_rng(0)
+    server = GroupDraftServer(max_depth=DEPTH)
+    a, b = _Importer(), _Importer()
+    groups = ["g0", "g1", "g2"]
+    lens = {}
+    for round_ in range(8):
+        ups = []
+        for g in groups[: 1 + round_ % 3]:
+            for s in range(3):
+                n = int(rng.integers(1, 20))
+                toks = _tok(rng, n)
+                start = lens.get((g, s), 0)
+                ups.append((g, f"r{s}", start, np.asarray(toks, np.int32).tobytes() if s % 2 else toks, False))
+                lens[(g, s)] = start + n
+        res = server.append(ups)
+        assert res["gaps"] == [] and res["errors"] == [] and res["skipped"] == 0
+        got = a.pull(server, groups)
+        if round_ % 3 == 0:
+            b.pull(server, groups)  # b syncs less often: its deltas span several rounds
+        # only changed groups come back; a second pull right away returns nothing
+        assert set(got) <= set(groups[: 1 + round_ % 3])
+        assert a.pull(server, groups) == {}
+    b.pull(server, groups)
+    server.append([("g0", "r0", lens[("g0", 0)], [], True)])
+    a.pull(server, ["g0"])
+    b.pull(server, ["g0"])
+    for g in groups:
+        want = _server_tree(server, g)
+        assert a.index.dump(SCOPE_GROUP, g) == want == b.index.dump(SCOPE_GROUP, g)
+        assert a.versions[g] == b.versions[g] == server.index.group_version(g)
+    assert a.index.group_counts("g0") == (1, 3) == server.index.group_counts("g0")
+    st = server.stats()
+    assert st["groups"] == 3 and st["appended_tokens"] == sum(lens.values()) and st["fetch_calls"] > 0
+    assert server.drop(["g0", "nope"]) == 1 and server.fetch({"g0": 0}) == {}
+
+
+def test_idempotent_reappend_gaps_and_closed():
+    server = GroupDraftServer(max_depth=DEPTH)
+    seq = list(range(1, 41))
+    assert server.append([("g", "r", 0, seq[:20], False)])["tokens"] == 20
+    before = _server_tree(server, "g")
+    v = server.index.group_version("g")
+    r = server.append([("g", "r", 0, seq[:20], False), ("g", "r", 5, seq[5:15], False)])
+    assert r["tokens"] == 0 and r["skipped"] == 30
+    assert _server_tree(server, "g") == before and server.index.group_version("g") == v  # no change
+    r = server.append([("g", "r", 10, seq[10:30], False)])  # overlap + new
+    assert r["tokens"] == 10 and r["skipped"] == 10
+    r = server.append([("g", "r", 35, seq[35:], False)])  # gap: reported, nothing applied
+    assert r["gaps"] == [("g", "r", 30, 35)] and r["tokens"] == 0
+    assert server.index.group_sequence("g", "r") == (30, False)
+    r = server.append([("g", "r", 30, seq[30:], True), ("g", "r", 40, [7], False), ("g", "r", 0, [-1], False)])
+    assert r["tokens"] == 10 and len(r["errors"]) == 1 and "closed" in r["errors"][0][2]
+    assert server.index.group_sequence("g", "r") == (40, True)
+    # a sequence closed without tokens still counts as a finished sibling
+    server.append([("g", "empty", 0, b"", True)])
+    assert server.index.group_counts("g") == (2, 2)
+    ref = DraftIndex(DEPTH, 0, 8)
+    ref.group_append("g", "r", seq)
+    ref.group_close("g", "r")
+    assert _server_tree(server, "g") == ref.dump(SCOPE_GROUP, "g")
+
+
+def test_request_id_isolation():
+    """Two responses of one group appended interleaved, a few tokens at a time, build the same
+    tree as each appended whole: no path runs from one response into the other."""
+    rng = np.random.default_rng(1)
+    x, y = _tok(rng, 300, vocab=8), _tok(rng, 300, vocab=8)
+    server = GroupDraftServer(max_depth=DEPTH)
+    pos = {"x": 0, "y": 0}
+    src = {"x": x, "y": y}
+    while pos["x"] < 300 or pos["y"] < 300:
+        ups = []
+        for k in ("y", "x") if rng.random() < 0.5 else ("x", "y"):
+            n = int(rng.integers(1, 6))
+            ups.append(("g", k, pos[k], src[k][pos[k]: pos[k] + n], False))
+            pos[k] = min(300, pos[k] + n)
+        server.append(ups)
+    ref = DraftIndex(DEPTH, 0, 8)
+    ref.group_append("g", "x", x)
+    ref.group_append("g", "y", y)
+    assert _server_tree(server, "g") == ref.dump(SCOPE_GROUP, "g")
+    # a window crossing from x into y does not exist
+    sep = GroupDraftServer(max_depth=2)
+    sep.append([("g", "a", 0, [1, 2, 3], False), ("g", "b", 0, [4, 5, 6], False), ("g", "a", 3, [1, 2, 3], False)])
+    assert sep.index.priority(SCOPE_GROUP, "g", [3, 4]) == 0 and sep.index.priority(SCOPE_GROUP, "g", [3, 1]) == 1
+
+
+def test_sharding_is_stable_across_processes():
+    groups = [f"group-{i}" for i in range(200)] + ["", "ü-ñ", "uid:42"]
+    mine = [shard_of(g, 4) for g in groups]
+    code = (
+        "import json,sys; from verl_ext.spec.dgds import shard_of; "
+        "print(json.dumps([shard_of(g, 4) for g in json.load(sys.stdin)]))"
+    )
+    import json
+
+    for seed in ("0", "12345"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        out = subprocess.run([sys.executable, "-c", code], input=json.dumps(groups), capture_output=True,
+                             text=True, env=env, check=True)
+        assert json.loads(out.stdout) == mine
+    counts = np.bincount(mine, minlength=4)
+    assert counts.min() > 30  # roughly balanced
+    assert all(shard_of(g, 1) == 0 for g in groups)
+    assert shard_of("group-0", 2) == shard_of("group-0", 2)  # deterministic, not Python's hash
+
+
+async def test_client_needs_ray_or_handles():
+    import ray
+
+    if ray.is_initialized():
+        pytest.skip("ray already initialised in this process")
+    with pytest.raises(RuntimeError, match="ray.init"):
+        await DGDSClient().start()
+
+
+# ---- against real Ray actors -----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ray_session():
+    ray = pytest.importorskip("ray")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield ray
+    if started:
+        ray.shutdown()
+
+
+class FakeInstance:
+    """Instance-like: ``import_drafts`` into a real DraftIndex (what the engine's drafter does)."""
+
+    def __init__(self, name):
+        self.name = name
+        self.index = DraftIndex(DEPTH, 0, 8)
+        self.calls = 0
+
+    async def import_drafts(self, blobs):
+        self.calls += 1
+        out = []
+        for b in blobs:
+            try:
+                out.append(self.index.import_group(b))
+            except ValueError:
+                out.append(-1)
+        return out
+
+
+async def _wait_for(cond, timeout=10.0):
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+async def test_client_syncs_served_groups_into_instances(ray_session):
+    rng = np.random.default_rng(2)
+    client = DGDSClient(num_shards=2, append_every=8, sync_interval_s=0.02, timeout_s=5.0, max_depth=DEPTH)
+    await client.start()
+    try:
+        i0, i1, bare = FakeInstance("i0"), FakeInstance("i1"), object()
+        groups = [f"g{i}" for i in range(6)]
+        for g in groups[:4]:
+            client.serve(i0, g)
+        for g in groups[2:]:
+            client.serve(i1, g)
+        client.serve(bare, "g0")  # no import_drafts: skipped
+        client.serve(i0, "g0")  # ref-counted
+        data = {(g, s): _tok(rng, 150) for g in groups for s in range(3)}
+        pos = {k: 0 for k in data}
+        while any(p < 150 for p in pos.values()):
+            for k, toks in data.items():
+                n = int(rng.integers(1, 7))
+                if pos[k] < 150:
+                    # resend a little overlap now and then (idempotent)
+                    off = max(0, pos[k] - 2) if rng.random() < 0.2 else pos[k]
+                    client.append(k[0], f"req-{k[1]}", off, toks[off: pos[k] + n])
+                    pos[k] = min(150, pos[k] + n)
+            await asyncio.sleep(0)
+        for k in data:
+            client.close(k[0], f"req-{k[1]}")
+        await client.sync()
+        await client.sync()
+        handles = client.handles
+        for inst, mine in ((i0, groups[:4]), (i1, groups[2:])):
+            for g in mine:
+                srv = handles[shard_of(g, 2)]
+                blob, _ = (await srv.fetch.remote({g: 0}))[g]
+                want = DraftIndex(DEPTH, 0, 8)
+                want.import_group(blob)
+                assert inst.index.dump(SCOPE_GROUP, g) == want.dump(SCOPE_GROUP, g)
+                assert inst.index.group_counts(g) == (3, 3)
+            for g in set(groups) - set(mine):
+                assert inst.index.group_counts(g) == (0, 0)  # not served there: never pushed
+        # the engine-side copy holds exactly the tokens sent, per response
+        ref = DraftIndex(DEPTH, 0, 8)
+        for s in range(3):
+            ref.group_append("g3", f"req-{s}", data[("g3", s)])
+            ref.group_close("g3", f"req-{s}")
+        assert i0.index.dump(SCOPE_GROUP, "g3") == ref.dump(SCOPE_GROUP, "g3") == i1.index.dump(SCOPE_GROUP, "g3")
+        m = client.metrics()
+        assert m["degraded"] == 0 and m["failures"] == 0 and m["tokens"] == 6 * 3 * 150
+        assert m["bytes_synced"] > 0 and m["append_ms_mean"] > 0 and m["fetch_ms_p99"] > 0
+        assert m["gaps"] == 0 and m["server_errors"] == 0
+        # unserve: ref-counted; at zero the group is no longer pushed
+        client.unserve(i0, "g0")
+        assert client.served(i0)["g0"] == 1
+        client.unserve(i0, "g0")
+        assert "g0" not in client.served(i0)
+        calls = i0.calls
+        client.append("g0", "late", 0, [1, 2, 3])
+        await client.sync()
+        assert i0.calls == calls  # nothing i0 serves changed
+        client.append("g1", "late", 0, [1, 2, 3])
+        await client.sync()
+        assert i0.calls == calls + 1 and i0.index.group_sequence("g1", "late") == (3, False)
+        # the background loop alone (no explicit sync) delivers within a few ticks
+        client.append("g2", "bg", 0, list(range(20)))
+        await _wait_for(lambda: i1.index.group_sequence("g2", "bg")[0] == 20 == i0.index.group_sequence("g2", "bg")[0])
+        # an instance that lost its copy (evicted) refuses the delta and gets the whole tree again
+        i1.index.drop_group("g5")
+        client.append("g5", "req-0x", 0, [4, 5, 6])
+        await _wait_for(lambda: i1.index.group_counts("g5") == (3, 4))
+        await client.drop(["g5"])
+    finally:
+        await client.stop()
+    assert client.metrics()["degraded"] == 0
+
+
+async def test_killed_shard_degrades_without_raising(ray_session, caplog):
+    ray = ray_session
+    client = DGDSClient(num_shards=1, append_every=4, sync_interval_s=0.02, timeout_s=1.0, max_depth=DEPTH)
+    await client.start()
+    inst = FakeInstance("i")
+    client.serve(inst, "g")
+    client.append("g", "r", 0, list(range(10)))
+    await client.sync()
+    assert inst.index.group_sequence("g", "r") == (10, False)
+    with caplog.at_level(logging.WARNING, logger="verl_ext.spec.dgds"):
+        ray.kill(client.handles[0])
+        t0 = time.monotonic()
+        for i in range(10, 200, 5):  # the rollout keeps streaming tokens
+            client.append("g", "r", i, list(range(i, i + 5)))
+            await asyncio.sleep(0.01)
+        await _wait_for(lambda: client.degraded, timeout=5.0)
+        await client.sync()  # no-ops from now on
+        client.close("g", "r")
+        await client.flush()
+        await client.stop()
+        assert time.monotonic() - t0 < 8.0
+    m = client.metrics()
+    assert m["degraded"] == 1 and m["failures"] >= 1
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "DGDS" in r.getMessage()]
+    assert len(warnings) == 1
+    # what the engine already imported stays usable
+    assert inst.index.group_sequence("g", "r") == (10, False)
+
+
+class _Stalled(GroupDraftServer):
+    def append(self, updates):
+        time.sleep(30)
+        return super().append(updates)
+
+
+async def test_stalled_shard_times_out_and_degrades(ray_session, caplog):
+    ray = ray_session
+    # tests/ is not importable in Ray's workers: ship this module's classes by value
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    handle = ray.remote(_Stalled).options(num_cpus=0).remote(max_depth=DEPTH)
+    client = DGDSClient(handles=[handle], append_every=4, sync_interval_s=0.02, timeout_s=0.5)
+    try:
+        await client.start()
+        with caplog.at_level(logging.WARNING, logger="verl_ext.spec.dgds"):
+            t0 = time.monotonic()
+            client.append("g", "r", 0, list(range(8)))
+            await _wait_for(lambda: client.degraded, timeout=5.0)
+            assert time.monotonic() - t0 < 3.0
+            client.append("g", "r", 8, [1])
+            await client.stop()
+        m = client.metrics()
+        assert m["degraded"] == 1 and m["failures"] == 1 and m["dropped_tokens"] >= 8
+        assert sum("DGDS append failed" in r.getMessage() for r in caplog.records) == 1
+    finally:
+        ray.kill(handle)
+
+
+# ---- the engine-side proposer, with a fake runner -------------------------------------------
+def _proposer(**opts):
+    pytest.importorskip("vllm")
+    from verl_ext.spec.options import SpecOptions
+    from verl_ext.spec.vllm_proposer import SuffixProposer
+
+    o = SpecOptions(**opts)
+    cfg = SimpleNamespace(
+        speculative_config=SimpleNamespace(num_speculative_tokens=o.k),
+        additional_config={"verl_ext_spec": {k: v for k, v in o.to_dict().items() if k != "k"}},
+        model_config=SimpleNamespace(max_model_len=4096),
+    )
+    return SuffixProposer(cfg)
+
+
+class _Batch:
+    """Drives ``SuffixProposer.propose`` like vLLM's runner: rows of prompt + generated tokens."""
+
+    def __init__(self, proposer):
+        self.p = proposer
+        self.rows: dict[str, list] = {}
+        self.new, self.finished = [], set()
+
+    def add(self, rid, prompt, group):
+        self.rows[rid] = list(prompt)
+        sp = SimpleNamespace(temperature=0.0, extra_args={"verl_ext": {"group_id": group}})
+        self.new.append(SimpleNamespace(req_id=rid, prompt_token_ids=list(prompt), sampling_params=sp))
+
+    def finish(self, rid):
+        del self.rows[rid]
+        self.finished.add(rid)
+
+    def step(self, emit=None):
+        """Append ``emit[rid]`` tokens to the rows, then propose; returns {rid: draft}."""
+        for rid, toks in (emit or {}).items():
+            self.rows[rid].extend(toks)
+        ids = list(self.rows)
+        width = max(len(r) for r in self.rows.values()) + 8
+        mat = np.zeros((len(ids), width), np.int32)
+        for i, rid in enumerate(ids):
+            mat[i, : len(self.rows[rid])] = self.rows[rid]
+        runner = SimpleNamespace(input_batch=SimpleNamespace(req_ids=ids))
+        sched = SimpleNamespace(finished_req_ids=self.finished, scheduled_new_reqs=self.new)
+        self.p.bind_step(runner, sched)
+        drafts = self.p.propose([[0]] * len(ids), np.array([len(self.rows[r]) for r in ids]), mat)
+        self.new, self.finished = [], set()
+        return dict(zip(ids, drafts))
+
+
+def test_proposer_remote_groups_and_adaptive_caps():
+    p = _proposer(scopes="request+group", k=8, max_depth=DEPTH, group_source="remote", adaptive=True,
+                  knee_tokens=12, sibling_boost=3.0)
+    sibling = list(range(100, 140))
+    server = GroupDraftServer(max_depth=DEPTH)
+    server.append([("ga", "done", 0, sibling, True), ("ga", "other", 0, [7, 7], False)])
+    blob, _ = server.fetch({"ga": 0})["ga"]
+    assert p.rpc("import_groups", [blob, b"junk"]) == [42, -1]
+    assert p.rpc("group_counts", "ga") == (1, 2) and p.rpc("group_counts", ["ga", "x"]) == {"ga": (1, 2), "x": (0, 0)}
+    before = p.index.dump(SCOPE_GROUP, "ga")
+    b = _Batch(p)
+    b.add("a", [1, 2, 100, 101], "ga")  # half its group finished
+    b.add("z", [9, 9, 9, 1], "gz")  # group unknown here: fraction 0
+    d = b.step()
+    # budget 12 - 2 = 10 split 1 + 3 * 0.5 : 1 -> 7 : 3; "a" drafts the sibling's continuation
+    assert d["a"] == sibling[2:9] and len(d["a"]) == 7
+    d = b.step({"a": sibling[2:5], "z": [2]})
+    assert d["a"] == sibling[5:12]
+    # the request's own tokens never reach the (remote) group tree
+    assert p.index.dump(SCOPE_GROUP, "ga") == before and p.rpc("group_counts", "ga") == (1, 2)
+    assert p.capped_tokens > 0
+    b.finish("a")
+    b.finish("z")
+    b.add("c", [5, 100, 101, 102], "ga")
+    assert b.step()["c"] == sibling[3:11]  # alone: budget 11, capped at k=8
+    assert p.index.group_counts("ga") == (1, 2) and "a" not in p._group_of
+    st = p.rpc("stats")
+    assert st["imported_tokens"] == 42 and st["import_refused"] == 1 and st["import_calls"] == 1
+
+
+def test_proposer_local_groups_write_and_no_caps():
+    p = _proposer(scopes="request+group", k=4, max_depth=DEPTH)
+    b = _Batch(p)
+    b.add("a", [1, 2, 3], "g")
+    b.add("b", [1, 2, 3], "g")
+    b.step()
+    b.step({"a": [10, 11, 12, 13, 14], "b": [10]})
+    assert p.index.group_counts("g") == (0, 2)
+    assert b.step({"b": [11]})["b"] == [12, 13, 14]  # from its sibling, through the local tree
+    b.finish("a")
+    b.step({"b": [12]})
+    assert p.index.group_counts("g") == (1, 2) and p.capped_tokens == 0 and not p._group_of
