@@ -26,8 +26,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from verl_ext.ab.runner import parse_arm  # noqa: E402
-from verl_ext.pipe import make_strategy  # noqa: E402
+from verl_ext.ab.runner import make_arm  # noqa: E402
 from verl_ext.sim.cost import load_cost_model  # noqa: E402
 from verl_ext.sim.runner import build_requests, run_arm, select_epoch  # noqa: E402
 from verl_ext.trace.synth import SynthConfig, load_source, synthesize, with_level  # noqa: E402
@@ -36,10 +35,10 @@ from verl_ext.trace.synth import SynthConfig, load_source, synthesize, with_leve
 def simulate(trace, arm: str, preset, instances: int, replay: str = "auto", k: int = 8, epoch=None):
     """One arm over one epoch of ``trace``; returns (metrics, simulator wall seconds)."""
     cost = load_cost_model(preset) if isinstance(preset, str) else preset
-    name, spec = parse_arm(arm, k, allow_history=True)
+    strategy, spec = make_arm(arm, k, allow_history=True, cost=cost)
     _, rows, history = select_epoch(trace, epoch)
     requests = build_requests(trace, rows, int(trace.response_lengths()[rows].max()))
-    result = run_arm(arm, make_strategy(name), spec, trace, rows, history, cost, instances, replay, requests,
+    result = run_arm(arm, strategy, spec, trace, rows, history, cost, instances, replay, requests,
                      record_timeline=False)
     return result.metrics, result.metrics["sim_seconds"]
 

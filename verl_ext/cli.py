@@ -3,6 +3,7 @@
     verl-ext ab --strategies baseline --out runs/ab [--model DIR] [--prompts 16] [--samples 4]
                 [--max-tokens 192] [--instances 2] [--seed 0] [--temperature 1.0] [--spec-k 8]
     verl-ext ab --strategies baseline,baseline+spec,baseline+spec:request+group   drafting off/on
+    verl-ext ab --strategies 'baseline,seer[context=false,speculative=false],seer'   strategy options
     verl-ext ab --sim --strategies baseline,oracle [--trace T.parquet] [--preset h100-7b] [--instances 32]
                                 simulated instances over a trace or the synthetic long-tail scenario
     verl-ext trace record --out T.parquet [--prompts 64 --samples 8 --epochs 2 --max-tokens 384]
@@ -89,7 +90,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _names(arg: str | None, default: str) -> list[str]:
-    return [s.strip() for s in (arg or default).split(",") if s.strip()]
+    from verl_ext.ab.runner import split_arms
+
+    return split_arms(arg or default)
 
 
 def _given(args, *names) -> dict:

@@ -23,6 +23,7 @@ from verl_ext.ab.metrics import SCHEMA, rollout_metrics
 from verl_ext.engine.instance import GenRequest, Instance, SamplingSpec
 from verl_ext.pipe.pool import InstancePool
 from verl_ext.pipe.strategy import Strategy, make_strategy
+from verl_ext.spec._suffix import SCOPE_HISTORY
 from verl_ext.workload.arith import Problem, encode_prompts, make_problems, make_scorer
 
 TELEMETRY_PERIOD_S = 0.05
@@ -66,6 +67,56 @@ def validate_strategies(strategies: Sequence[str]) -> None:
 SPEC_SUFFIX = "+spec"
 
 
+def split_arms(text: str) -> list[str]:
+    """Split a ``--strategies`` value on the commas outside ``[...]`` option lists."""
+    arms, depth, cur = [], 0, []
+    for ch in text:
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+            if depth < 0:
+                raise ValueError(f"unbalanced ']' in --strategies {text!r}")
+        if ch == "," and depth == 0:
+            arms.append("".join(cur).strip())
+            cur = []
+        else:
+            cur.append(ch)
+    if depth:
+        raise ValueError(f"unbalanced '[' in --strategies {text!r}")
+    arms.append("".join(cur).strip())
+    return [a for a in arms if a]
+
+
+def _option_value(text: str):
+    low = text.strip().lower()
+    if low in ("true", "false"):
+        return low == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text.strip()
+
+
+def parse_options_label(name: str) -> tuple[str, dict, str]:
+    """``"seer[context=false,spec_k=4]+spec"`` -> (``"seer"``, options, ``"+spec"``)."""
+    if "[" not in name:
+        return name, {}, ""
+    base, _, rest = name.partition("[")
+    body, sep, tail = rest.partition("]")
+    if not sep:
+        raise ValueError(f"bad arm '{name}': options go in [key=value,...]")
+    options = {}
+    for item in filter(None, (x.strip() for x in body.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"bad arm '{name}': option '{item}' is not key=value")
+        options[key.strip()] = _option_value(value)
+    return base.strip(), options, tail
+
+
 def parse_arm(name: str, spec_k: int = 8, allow_history: bool = False):
     """``"baseline"`` -> (``"baseline"``, None); ``"baseline+spec"`` -> request-scope drafting;
     ``"baseline+spec:group"`` / ``":request+group"`` choose the scopes. Raises ``ValueError``.
@@ -85,6 +136,18 @@ def parse_arm(name: str, spec_k: int = 8, allow_history: bool = False):
             "runs one epoch; use request and/or group here, or `verl-ext ab --sim` over a trace with 2+ epochs"
         )
     return base, SpecOptions(scopes=scopes, k=spec_k)
+
+
+def make_arm(label: str, spec_k: int = 8, allow_history: bool = False, cost=None):
+    """(strategy, SpecOptions or None) for one ``--strategies`` entry: ``name[key=value,...]``
+    sets strategy options, ``+spec[:scopes]`` turns on drafting explicitly; otherwise the
+    strategy's own ``engine_spec`` (e.g. ``seer``'s grouped drafting) decides."""
+    base, options, tail = parse_options_label(label)
+    name, spec = parse_arm(base + tail, spec_k, allow_history)
+    strategy = make_strategy(name, options)  # unknown name or option -> clear error
+    if spec is None:
+        spec = strategy.engine_spec(cost)
+    return strategy, spec
 
 
 @dataclass
@@ -163,6 +226,7 @@ async def run_strategy(
         pool.on_finish = lambda record: on_finish()
     timeline = {inst.name: [] for inst in instances}
     stop = asyncio.Event()
+    await strategy.prepare(pool)  # long-lived helpers start outside the timed rollout
     before = [inst.telemetry() for inst in instances]
     pool.reset_clock()
     sampler = asyncio.ensure_future(_sample_telemetry(instances, pool, timeline, stop)) if sample_telemetry else None
@@ -172,6 +236,7 @@ async def run_strategy(
         stop.set()
         if sampler is not None:
             await sampler
+        await strategy.close()
     rewards = [score(req, c.token_ids) for req, c in zip(requests, completions)]
     metrics = rollout_metrics(pool.records, rewards)
     after = [inst.telemetry() for inst in instances]
@@ -204,8 +269,10 @@ def prepare(cfg: ABConfig):
     cfg.validate()
     arms = []
     for label in cfg.strategies:
-        name, spec = parse_arm(label, cfg.spec_k)
-        arms.append((label, make_strategy(name), spec))  # unknown name -> clear error
+        strategy, spec = make_arm(label, cfg.spec_k)
+        if spec is not None and spec.mask & SCOPE_HISTORY:
+            raise ValueError(f"arm '{label}': the history scope needs an earlier epoch; `verl-ext ab` runs one")
+        arms.append((label, strategy, spec))
     out = Path(cfg.out)
     _check_out_dir(out)
     from verl_ext.model import resolve_model

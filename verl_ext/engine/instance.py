@@ -19,6 +19,7 @@ veRL's replicas and in a trace-driven simulator. Implementations: ``verl_ext.eng
 from __future__ import annotations
 
 import abc
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Optional, Sequence
@@ -61,6 +62,22 @@ class SamplingSpec:
             logprobs=self.logprobs,
             ignore_eos=self.ignore_eos,
         )
+
+    def for_chunk(self, max_tokens: int, chunk: int) -> "SamplingSpec":
+        """Chunk ``chunk`` (0-based) of a request generated in pieces: ``max_tokens`` and, for a
+        seeded request, a seed derived per chunk so that chunks do not replay one random stream
+        (chunk 0 keeps the request's own seed)."""
+        spec = self.with_max_tokens(max_tokens)
+        if self.seed is None or chunk == 0:
+            return spec
+        return dataclasses.replace(spec, seed=chunk_seed(self.seed, chunk))
+
+
+def chunk_seed(seed: int, chunk: int) -> int:
+    """Seed of chunk ``chunk`` of a request seeded ``seed`` (a fixed mix; stays in [0, 2**31))."""
+    if chunk == 0:
+        return seed
+    return (seed * 0x9E3779B1 + chunk * 0x85EBCA77 + 0x27D4EB2F) % (1 << 31)
 
 
 @dataclass

@@ -79,13 +79,14 @@ class InstancePool:
         self._sticky.pop(request_id, None)
 
     # -- dispatching ----------------------------------------------------------------------
-    async def run(self, instance: Instance, request: GenRequest) -> Completion:
-        """Run ``request`` on ``instance``, counting it in flight and recording its timing."""
+    async def run(self, instance: Instance, request: GenRequest, on_tokens=None) -> Completion:
+        """Run ``request`` on ``instance``, counting it in flight and recording its timing;
+        ``on_tokens`` is passed to ``Instance.generate``."""
         record = RequestRecord(request.request_id, request.group_id, instance.name, self.now())
         self.records.append(record)
         self.inflight[instance.name] += 1
         try:
-            completion = await instance.generate(request)
+            completion = await (instance.generate(request) if on_tokens is None else instance.generate(request, on_tokens))
         finally:
             self.inflight[instance.name] -= 1
             record.finish_s = self.now()

@@ -70,6 +70,20 @@ class Strategy(abc.ABC):
         """Strategy-specific metrics of the last rollout (merged into veRL's tracking)."""
         return {}
 
+    async def prepare(self, pool: InstancePool) -> None:
+        """Start long-lived helpers (e.g. ``seer``'s draft server) before a timed rollout; A/B
+        runs call it before their clock starts. Inside veRL it is not called: strategies must
+        also work (starting lazily) without it."""
+
+    async def close(self) -> None:
+        """Release what ``prepare`` or the rollouts started (idempotent)."""
+
+    def engine_spec(self, cost=None):
+        """Speculative drafting this strategy wants its engines started with
+        (``verl_ext.spec.SpecOptions``), or None for plain decoding. ``cost``: the instances'
+        ``CostModel`` where known (the simulator), for profiled thresholds."""
+        return None
+
 
 async def gather_or_abort(coros: Sequence[Any]) -> list[Any]:
     """``asyncio.gather`` that cancels the other requests when one fails.
@@ -127,3 +141,4 @@ def _load_builtins() -> None:
     # Importing the modules registers them. Keep this list to strategies that work.
     import verl_ext.pipe.baseline  # noqa: F401
     import verl_ext.pipe.oracle  # noqa: F401
+    import verl_ext.pipe.seer  # noqa: F401

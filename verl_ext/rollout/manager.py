@@ -89,7 +89,7 @@ class _VerlExtManagerMixin:
         self.verl_ext_dispatcher = (
             ray.remote(StrategyDispatcher)
             .options(num_cpus=0, max_concurrency=100_000)
-            .remote(self.verl_ext_settings, servers, rollout.get("response_length"))
+            .remote(self.verl_ext_settings, servers, rollout.get("response_length"), rollout.get("max_num_seqs"))
         )
         client = StrategyLLMClient(
             config, load_balancer_handle=load_balancer, dispatcher=self.verl_ext_dispatcher, trace=trace

@@ -12,7 +12,16 @@ from __future__ import annotations
 import uuid
 from typing import Any, Optional
 
-from verl_ext.engine.instance import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Completion, GenRequest, Instance, Telemetry
+from verl_ext.engine.instance import (
+    FINISH_ABORT,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    Completion,
+    GenRequest,
+    Instance,
+    Telemetry,
+    chunk_seed,
+)
 
 SAMPLING_KEY = "verl_sampling_params"
 KWARGS_KEY = "verl_generate_kwargs"
@@ -20,8 +29,12 @@ TOKEN_OUTPUT_KEY = "token_output"
 
 
 class ReplicaInstance(Instance):
-    def __init__(self, name: str, handle: Any, max_tokens_default: Optional[int] = None):
+    def __init__(self, name: str, handle: Any, max_tokens_default: Optional[int] = None,
+                 max_running: Optional[int] = None):
+        """``max_running``: the server's ``max_num_seqs`` (veRL's rollout config), for strategies
+        that keep each replica below the concurrency at which it would queue or preempt."""
         self.name = name
+        self.max_running = max_running
         self.handle = handle
         self.max_tokens_default = max_tokens_default
         self._engine_ids: dict[str, str] = {}
@@ -34,6 +47,9 @@ class ReplicaInstance(Instance):
         if original is None or request.sampling.max_tokens < original:
             params.pop("max_new_tokens", None)
             params["max_tokens"] = request.sampling.max_tokens
+        chunk = int(request.extra.get("chunk", 0))
+        if chunk and params.get("seed") is not None:  # chunks do not replay one random stream
+            params["seed"] = chunk_seed(int(params["seed"]), chunk)
         return params
 
     async def generate(self, request: GenRequest, on_tokens=None) -> Completion:
@@ -70,4 +86,4 @@ class ReplicaInstance(Instance):
     def telemetry(self) -> Telemetry:
         # veRL's servers expose no cheap load probe; in-flight requests are what its own load
         # balancer uses, too.
-        return Telemetry(running=self._inflight, generated_tokens=self._generated)
+        return Telemetry(running=self._inflight, generated_tokens=self._generated, max_running=self.max_running)

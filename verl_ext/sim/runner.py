@@ -21,7 +21,7 @@ from typing import Optional
 import numpy as np
 
 from verl_ext.ab.metrics import SCHEMA
-from verl_ext.ab.runner import _check_out_dir, parse_arm, run_strategy, validate_strategies, write_staged
+from verl_ext.ab.runner import _check_out_dir, make_arm, run_strategy, validate_strategies, write_staged
 from verl_ext.engine.instance import GenRequest, SamplingSpec
 from verl_ext.pipe.oracle import TRUE_LEN
 from verl_ext.pipe.strategy import make_strategy
@@ -111,11 +111,11 @@ def run_sim_ab(cfg: SimConfig, progress: bool = True, trace=None) -> dict:
     from verl_ext.sim.cost import load_cost_model
 
     cfg.validate()
+    cost = load_cost_model(cfg.preset)
     arms = []
     for label in cfg.strategies:
-        name, spec = parse_arm(label, cfg.spec_k, allow_history=True)
-        arms.append((label, make_strategy(name), spec))
-    cost = load_cost_model(cfg.preset)
+        strategy, spec = make_arm(label, cfg.spec_k, allow_history=True, cost=cost)
+        arms.append((label, strategy, spec))
     out = Path(cfg.out)
     _check_out_dir(out)
     t_load = time.perf_counter()
@@ -195,6 +195,8 @@ def run_arm(label, strategy, spec, trace, rows, history, cost, instances: int, r
     metrics = dict(arm.metrics)
     metrics["sim_seconds"] = time.perf_counter() - t
     metrics["preemptions"] = sum(i.preemptions for i in sims)
+    metrics["prefill_tokens"] = sum(i.prefill_tokens for i in sims)
+    metrics["prefix_hit_tokens"] = sum(i.prefix_hit_tokens for i in sims)
     metrics["kv_peak_fraction"] = max(i.kv_peak for i in sims) / cost.kv_capacity_tokens
     metrics["busy_fraction"] = sum(i.busy_s for i in sims) / (len(sims) * metrics["wall_s"]) if metrics["wall_s"] else None
     if spec is not None:

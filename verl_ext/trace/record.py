@@ -59,10 +59,9 @@ class RecordConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be an integer >= {low}, got {value!r}")
         if self.temperature < 0:
             raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
-        from verl_ext.ab.runner import parse_arm
-        from verl_ext.pipe.strategy import get_strategy_class
+        from verl_ext.ab.runner import make_arm
 
-        get_strategy_class(parse_arm(self.strategy, self.spec_k)[0])  # unknown -> clear error
+        make_arm(self.strategy, self.spec_k)  # unknown strategy or option -> clear error
         if self.out is not None:
             out = Path(self.out)
             if out.suffix != ".parquet":
@@ -115,6 +114,11 @@ class TimedInstance(Instance):
 
     async def abort(self, request_id: str) -> None:
         await self.inner.abort(request_id)
+
+    def __getattr__(self, name):  # optional engine features (e.g. import_drafts) pass through
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
 
     def telemetry(self) -> Telemetry:
         return self.inner.telemetry()
@@ -197,12 +201,9 @@ async def arecord_trace(cfg: RecordConfig, engine_factory=None, progress: bool =
 
 
 async def _record(cfg: RecordConfig, engine_factory, epoch_requests, score, progress: bool):
-    from verl_ext.ab.runner import run_strategy
-    from verl_ext.pipe.strategy import make_strategy
+    from verl_ext.ab.runner import make_arm, run_strategy
 
-    from verl_ext.ab.runner import parse_arm
-
-    name, spec = parse_arm(cfg.strategy, cfg.spec_k)
+    _, spec = make_arm(cfg.strategy, cfg.spec_k)
     created = await (engine_factory.create(cfg.instances, spec=spec) if spec else engine_factory.create(cfg.instances))
     instances = [TimedInstance(inst) for inst in created]
     rows: list[dict] = []
@@ -222,7 +223,7 @@ async def _record(cfg: RecordConfig, engine_factory, epoch_requests, score, prog
                 bar = tqdm(total=len(requests), desc=f"epoch {epoch}", unit="req", leave=True)
             try:
                 arm = await run_strategy(
-                    make_strategy(name), instances, requests, score, seed=cfg.seed + epoch,
+                    make_arm(cfg.strategy, cfg.spec_k)[0], instances, requests, score, seed=cfg.seed + epoch,
                     on_finish=(bar.update if bar else None),
                 )
             finally:

@@ -1,0 +1,235 @@
+"""`seer`: Algorithm 1 decisions on constructed cases, divided rollout (chunk continuation,
+admission, placement) on simulated instances, cancellation, and its configuration."""
+
+import asyncio
+
+import pytest
+
+from test_sim import _cost, _requests, _trace
+
+from verl_ext.ab.runner import make_arm, run_strategy, split_arms
+from verl_ext.engine.instance import FINISH_LENGTH, GenRequest, SamplingSpec, chunk_seed
+from verl_ext.pipe import StrategyConfigError, make_strategy
+from verl_ext.pipe.buffer import RequestBuffer
+from verl_ext.rollout.dispatcher import prompt_group_id
+from verl_ext.sim.clock import run_virtual
+from verl_ext.sim.instance import SimInstance
+from verl_ext.sim.source import TraceSource
+
+
+def _req(rid, group, max_tokens=100):
+    return GenRequest(rid, group, [1, 2, 3], SamplingSpec(max_tokens=max_tokens))
+
+
+def _buffer(**kw):
+    loop = asyncio.new_event_loop()
+    buf = RequestBuffer(**kw)
+    add = lambda rid, g, m=100: buf.add(_req(rid, g, m), loop.create_future())  # noqa: E731
+    return buf, add, loop
+
+
+def _chunk(buf, r, n, done=False):
+    """``r`` (picked) generated ``n`` more tokens; back to the buffer unless ``done``."""
+    r.tokens = list(r.tokens) + [0] * n
+    buf.progressed(r, n)
+    if done:
+        buf.finished(r)
+    else:
+        buf.requeue(r)
+
+
+def test_probes_go_first_shortest_generated_first():
+    buf, add, _ = _buffer()
+    a0, a1 = add("a0", "a"), add("a1", "a")
+    b0, b1 = add("b0", "b"), add("b1", "b")
+    assert [r.is_probe for r in (a0, a1, b0, b1)] == [True, False, True, False]
+    assert buf.pick() is a0 and buf.pick() is b0  # Q_spec before C_rest
+    _chunk(buf, a0, 10)  # a's probe back with 10 tokens, b's probe with 3
+    _chunk(buf, b0, 3)
+    assert buf.pick() is b0  # SFS: least generated first
+    assert buf.pick() is a0
+    assert buf.picks["sfs"] == 4 and buf.picks["lfs"] == 0
+
+
+def test_rest_is_longest_estimate_first_and_estimates_update():
+    buf, add, _ = _buffer()
+    a = [add(f"a{i}", "a") for i in range(3)]
+    b = [add(f"b{i}", "b") for i in range(3)]
+    c = [add(f"c{i}", "c") for i in range(2)]
+    for probe in (a[0], b[0], c[0]):
+        assert buf.pick() is probe
+    # a's probe finishes short (L_a = 20), b's long (L_b = 90), c's is still running
+    _chunk(buf, a[0], 20, done=True)
+    _chunk(buf, b[0], 90, done=True)
+    assert buf.estimate(a[1]) == 20 and buf.estimate(b[1]) == 90 and buf.estimate(c[1]) == 100
+    # unfinished group = potential long tail: original max_tokens first, then L_g descending
+    assert buf.pick() is c[1]
+    assert [buf.pick() for _ in range(2)] == [b[1], b[2]]  # FIFO within a group
+    r = buf.pick()
+    assert r is a[1]
+    # conservative update: a sibling running past the finished max raises L_g
+    _chunk(buf, r, 50)
+    assert buf.estimate(a[2]) == 50
+    assert buf.picks["sfs"] == 3 and buf.picks["lfs"] == 4
+
+
+def test_explore_picks_the_least_executed_group():
+    buf, add, _ = _buffer(explore=1.0)
+    a = [add(f"a{i}", "a") for i in range(2)]
+    b = [add(f"b{i}", "b") for i in range(2)]
+    assert buf.pick() is a[0] and buf.pick() is b[0]
+    _chunk(buf, a[0], 5, done=True)  # L_a = 5 but a has run only 5 tokens...
+    _chunk(buf, b[0], 80, done=True)  # ...and b 80: LFS would pick b, exploring picks a
+    assert buf.pick() is a[1]
+    assert buf.picks["explore"] == 1
+
+
+def test_no_context_is_fifo_over_chunks_and_unpick_restores_order():
+    buf, add, _ = _buffer(context=False)
+    rs = [add(f"r{i}", f"g{i % 2}") for i in range(3)]
+    first = buf.pick()
+    assert first is rs[0]
+    buf.unpick(first)
+    assert buf.pick() is rs[0] and buf.pick() is rs[1]
+    _chunk(buf, rs[0], 4)  # a returning chunk queues behind the waiting request
+    assert buf.pick() is rs[2] and buf.pick() is rs[0]
+    assert buf.pick() is None and buf.picks["fifo"] == 5
+
+
+def test_discard_removes_a_waiting_request():
+    buf, add, _ = _buffer()
+    a0, a1 = add("a0", "a"), add("a1", "a")
+    buf.discard(a0)
+    buf.discard(a1)
+    assert buf.waiting == 0 and buf.pick() is None
+
+
+# -- divided rollout on simulated instances ---------------------------------------------------
+def _sim(strategy, options=None, cap=4000, seqs=8, instances=3, groups=6, samples=4, hi=300):
+    tr = _trace(groups=groups, samples=samples, hi=hi, seed=5)
+    src = TraceSource(tr)
+    cost = _cost(cap=cap, seqs=seqs)
+    insts = [SimInstance(f"sim-{i}", cost, src) for i in range(instances)]
+    strat = make_strategy(strategy, options)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        return await run_strategy(strat, insts, _requests(tr, max_tokens=400), lambda r, t: 0.0,
+                                  clock=loop.time, sample_telemetry=False)
+
+    return tr, insts, strat, run_virtual(main())
+
+
+@pytest.mark.parametrize("context", [True, False])
+def test_chunks_continue_to_the_exact_response(context):
+    tr, insts, strat, arm = _sim("seer", {"chunk_size": 32, "speculative": False, "context": context})
+    for i, c in enumerate(arm.completions):  # nothing dropped, duplicated or reordered
+        assert list(c.token_ids) == tr.response(i).tolist()
+        assert c.finish_reason == "stop" and c.num_steps == len(c.token_ids)
+    m = strat.metrics()
+    assert m["requests"] == len(tr) and m["chunks"] > 2 * len(tr)
+    assert m["continuations"] == m["chunks"] - len(tr) == m["stays"] + m["migrations"]
+    # one record per chunk, merged back into one request per sample in the metrics
+    assert len(arm.pool.records) == m["chunks"] and arm.metrics["requests"] == len(tr)
+    assert arm.metrics["output_tokens"] == int(tr.response_lengths().sum())
+    # admission reserves context + whole chunk: the engines never preempt
+    assert sum(i.preemptions for i in insts) == 0
+    assert all(i.kv_peak <= i.cost.kv_capacity_tokens for i in insts)
+
+
+def test_original_max_tokens_is_kept_across_chunks():
+    tr = _trace(groups=2, samples=2, lo=200, hi=300, seed=1)
+    src = TraceSource(tr)
+    insts = [SimInstance("sim-0", _cost(), src)]
+    strat = make_strategy("seer", {"chunk_size": 16, "speculative": False})
+    reqs = _requests(tr, max_tokens=50)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        return await run_strategy(strat, insts, reqs, lambda r, t: 0.0, clock=loop.time, sample_telemetry=False)
+
+    arm = run_virtual(main())
+    for i, c in enumerate(arm.completions):
+        assert list(c.token_ids) == tr.response(i).tolist()[:50] and c.finish_reason == FINISH_LENGTH
+    assert strat.metrics()["chunks"] == 4 * len(tr)  # 16 + 16 + 16 + 2
+
+
+def test_chunks_stay_on_their_prefix_instance_unless_it_is_busier():
+    _, _, sticky, _ = _sim("seer", {"chunk_size": 32, "speculative": False, "affinity_slack": 1.0})
+    _, _, loose, _ = _sim("seer", {"chunk_size": 32, "speculative": False, "affinity_slack": -1.0})
+    assert sticky.metrics()["migrations"] == 0 and sticky.metrics()["stays"] > 0
+    assert loose.metrics()["migrations"] > 0
+
+
+def test_admission_keeps_concurrency_within_the_kv_budget():
+    # 3 instances x 500 KV tokens; a chunk reserves its context + 64 tokens
+    tr, insts, strat, arm = _sim("seer", {"chunk_size": 64, "speculative": False}, cap=500, seqs=64)
+    assert sum(i.preemptions for i in insts) == 0
+    assert all(i.kv_peak <= 500 for i in insts)
+    base = _sim("baseline", cap=500, seqs=64)[1]
+    assert sum(i.preemptions for i in base) > 0  # the same load preempts without admission control
+
+
+def test_cancelled_rollout_leaves_nothing_running():
+    tr = _trace(groups=4, samples=4, lo=200, hi=300, seed=2)
+    src = TraceSource(tr)
+    insts = [SimInstance(f"sim-{i}", _cost(), src) for i in range(2)]
+    strat = make_strategy("seer", {"chunk_size": 16, "speculative": False})
+    from verl_ext.pipe.pool import InstancePool
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        pool = InstancePool(insts, clock=loop.time)
+        task = asyncio.ensure_future(strat.rollout(_requests(tr), pool))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(1.0)
+        return pool
+
+    pool = run_virtual(main())
+    assert all(v == 0 for v in pool.inflight.values())
+    assert all(not i.running and not i.waiting for i in insts)
+
+
+def test_seeded_chunks_get_distinct_derived_seeds():
+    s = SamplingSpec(seed=7, max_tokens=100)
+    assert s.for_chunk(10, 0).seed == 7 and s.for_chunk(10, 0).max_tokens == 10
+    seeds = {s.for_chunk(10, c).seed for c in range(50)}
+    assert len(seeds) == 50 and all(0 <= x < 2**31 for x in seeds) and chunk_seed(7, 3) == s.for_chunk(1, 3).seed
+    assert SamplingSpec(max_tokens=5).for_chunk(3, 2).seed is None
+
+
+# -- configuration ---------------------------------------------------------------------------
+def test_ablation_arms_and_engine_spec():
+    assert split_arms("baseline,seer[context=false,speculative=false],seer") == [
+        "baseline", "seer[context=false,speculative=false]", "seer"]
+    strat, spec = make_arm("seer[context=false,speculative=false]")
+    assert strat.options.context is False and spec is None
+    _, spec = make_arm("seer[group_drafts=false,adaptive_draft=false,spec_k=4]")
+    assert spec.scopes == "request" and not spec.adaptive and spec.k == 4
+    _, spec = make_arm("seer", cost=_cost())
+    assert spec.scopes == "request+group" and spec.adaptive and spec.group_source == "remote"
+    assert spec.knee_tokens == _cost().draft_thresholds()["knee_tokens"] > 0
+    _, spec = make_arm("seer[dgds=false,draft_profile=h100-7b]")
+    assert spec.group_source == "local" and spec.knee_tokens > 100
+
+
+@pytest.mark.parametrize("options,match", [
+    ({"chunk_size": -1}, "chunk_size"),
+    ({"explore": 2}, "explore"),
+    ({"context": "yes"}, "context must be true or false"),
+    ({"chunk": 5}, "unknown option"),
+])
+def test_bad_options_fail_clearly(options, match):
+    with pytest.raises(StrategyConfigError, match=match):
+        make_strategy("seer", options)
+    with pytest.raises(StrategyConfigError, match="draft_profile"):
+        make_strategy("seer", {"draft_profile": "no-such-preset"}).engine_spec()
+
+
+def test_prompt_tokens_identify_the_group():
+    assert prompt_group_id([1, 2, 3]) == prompt_group_id([1, 2, 3])
+    assert prompt_group_id([1, 2, 3]) != prompt_group_id([1, 2, 3, 0])
+    assert prompt_group_id([258]) != prompt_group_id([2, 1])

