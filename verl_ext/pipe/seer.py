@@ -175,10 +175,9 @@ class _Rollout:
 
     # -- the scheduler loop -------------------------------------------------------------------------
     async def _schedule(self) -> None:
-        while self._dispatch_one():
-            pass
-        # Without ``prepare`` (inside veRL) the draft server starts beside the first chunks;
-        # chunks stream their tokens to it once it is up.
+        # Without ``prepare`` (inside veRL) the draft server starts beside the first chunks (the
+        # task runs from the first ``await`` below, after the first dispatch round); chunks
+        # stream their tokens to it once it is up.
         if self.dgds_task is None:
             self.dgds_task = asyncio.ensure_future(self.start_dgds())
         while self.buffer.waiting or self.tasks:
@@ -192,11 +191,11 @@ class _Rollout:
         if r is None:
             return False
         chunk = self._chunk_tokens(r)
-        slots = self._select(r, r.context_len + chunk)
+        need = r.context_len + chunk
+        slots = self._select(r, need)
         if slots is None:  # Algorithm 1: "no instance available in this cycle"
             self.buffer.unpick(r)
             return False
-        need = r.context_len + chunk
         slots.running += 1  # reserved now: the next pick in this cycle must see it
         slots.reserved += need
         self.tasks[r] = asyncio.ensure_future(self._run_chunk(r, slots, chunk, need))
@@ -227,13 +226,14 @@ class _Rollout:
             self.stats["stays" if r.holder == inst.name else "migrations"] += 1
         request = self._chunk_request(r, chunk)
         on_tokens = None
-        if self.dgds is not None:
-            self.dgds.serve(inst, r.request.group_id)
+        dgds = self.dgds  # the client this chunk registered with (it may start or stop meanwhile)
+        if dgds is not None:
+            dgds.serve(inst, r.request.group_id)
             offset = r.generated
             sent = [0]
 
             def on_tokens(delta, _r=r, _offset=offset, _sent=sent):
-                self.dgds.append(_r.request.group_id, _r.request.request_id, _offset + _sent[0], list(delta))
+                dgds.append(_r.request.group_id, _r.request.request_id, _offset + _sent[0], list(delta))
                 _sent[0] += len(delta)
 
         try:
@@ -246,8 +246,8 @@ class _Rollout:
         finally:
             slots.running -= 1
             slots.reserved -= need
-            if self.dgds is not None:
-                self.dgds.unserve(inst, r.request.group_id)
+            if dgds is not None:
+                dgds.unserve(inst, r.request.group_id)
             self.tasks.pop(r, None)
             self.wake.set()
         self._chunk_done(r, inst.name, chunk, completion)
