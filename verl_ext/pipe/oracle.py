@@ -18,24 +18,24 @@ from verl_ext.pipe.strategy import Strategy, StrategyConfigError, gather_or_abor
 TRUE_LEN = "true_len"
 
 
-def _true_len(request: GenRequest) -> int:
+def true_len(request: GenRequest) -> int:
     try:
         return int(request.extra[TRUE_LEN])
     except (KeyError, TypeError, ValueError):
         raise StrategyConfigError(
-            "strategy 'oracle' needs each request's true response length, which only the simulator "
-            "provides (`verl-ext ab --sim`)"
+            "oracle scheduling (strategy 'oracle', seer's lengths=oracle) needs each request's true "
+            "response length, which only the simulator provides (`verl-ext ab --sim`)"
         ) from None
 
 
 @register_strategy("oracle")
 class OracleStrategy(Strategy):
     async def submit(self, request: GenRequest, pool: InstancePool) -> Completion:
-        _true_len(request)
+        true_len(request)
         return await pool.run(pool.least_loaded(request.request_id), request)
 
     async def rollout(self, requests: Sequence[GenRequest], pool: InstancePool) -> list[Completion]:
-        lengths = [_true_len(r) for r in requests]
+        lengths = [true_len(r) for r in requests]
         order = sorted(range(len(requests)), key=lambda i: (-lengths[i], i))
         work = {name: 0 for name in pool.instances}
         coros = {}

@@ -28,8 +28,10 @@ grouped speculative decoding.
   warning and ``dgds_degraded`` in the metrics.
 
 The ablation ladder of the paper's Table 6: ``chunk_size=0`` is no division; ``context=false``
-is divided rollout alone; ``speculative=false`` turns drafting off, ``group_drafts=false`` keeps
-request-scope drafts only, ``adaptive_draft=false`` drafts ``spec_k`` tokens always.
+is divided rollout alone; ``lengths=oracle`` replaces the length estimates by the true lengths
+(the Oracle of section 6.4.1, simulator only); ``speculative=false`` turns drafting off,
+``group_drafts=false`` keeps request-scope drafts only, ``adaptive_draft=false`` drafts
+``spec_k`` tokens always.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from typing import Optional, Sequence
 
 from verl_ext.engine.instance import FINISH_ABORT, FINISH_LENGTH, Completion, GenRequest, Instance
 from verl_ext.pipe.buffer import BufferedRequest, RequestBuffer
+from verl_ext.pipe.oracle import true_len
 from verl_ext.pipe.pool import InstancePool
 from verl_ext.pipe.strategy import Strategy, StrategyConfigError, register_strategy
 
@@ -64,6 +67,9 @@ class SeerOptions:
     probes: bool = True
     #: probability of picking from the least-executed group instead of LFS
     explore: float = 0.05
+    #: "estimate" (Algorithm 1's L_g) | "oracle": exact longest-first on the true response lengths
+    #: (the paper's Oracle of section 6.4.1, a reference; only the simulator knows them)
+    lengths: str = "estimate"
     #: most chunks running per instance; 0 = the engine's max_num_seqs (telemetry)
     max_running: int = 0
     #: fraction of an instance's KV cache its running chunks may reserve (context + whole chunk)
@@ -94,6 +100,10 @@ class SeerOptions:
             raise ValueError(f"chunk_size must be >= 0 (0 = no division), got {self.chunk_size}")
         if not 0.0 <= self.explore <= 1.0:
             raise ValueError(f"explore must be in [0, 1], got {self.explore}")
+        if self.lengths not in ("estimate", "oracle"):
+            raise ValueError(f"lengths must be 'estimate' or 'oracle', got {self.lengths!r}")
+        if self.lengths == "oracle" and self.context is False:
+            raise ValueError("lengths=oracle is a context-aware order; it needs context=true")
         if self.max_running < 0:
             raise ValueError(f"max_running must be >= 0, got {self.max_running}")
         if self.kv_fraction <= 0:
@@ -143,7 +153,8 @@ class _Rollout:
         self.strategy = strategy
         self.opts = o
         self.pool = pool
-        self.buffer = RequestBuffer(context=o.context, probes=o.probes, explore=o.explore, seed=strategy.seed)
+        self.buffer = RequestBuffer(context=o.context, probes=o.probes, explore=o.explore, seed=strategy.seed,
+                                    true_length=true_len if o.lengths == "oracle" else None)
         self.slots = {name: _Slots(inst, o) for name, inst in pool.instances.items()}
         self.wake = asyncio.Event()
         self.tasks: dict[BufferedRequest, asyncio.Task] = {}
@@ -304,9 +315,10 @@ class _Rollout:
         o = self.opts
         if self.dgds is not None or not (o.speculative and o.group_drafts and o.dgds):
             return
-        targets = [i for i in self.pool.instances.values() if hasattr(i, "import_drafts")]
+        targets = [i for i in self.pool.instances.values()
+                   if hasattr(i, "import_drafts") and getattr(i, "drafting", True)]
         if not targets:
-            return  # simulator / veRL replicas: replayed or engine-local group trees
+            return  # simulator / veRL replicas: replayed or engine-local group trees; no drafter
         try:
             from verl_ext.spec.dgds import DGDSClient
 
