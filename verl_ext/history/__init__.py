@@ -1,2 +1,11 @@
-"""History workers (Ray actors on idle CPUs) keeping per-prompt suffix trees and length
-statistics between epochs (RhymeRL). Planned; nothing here is selectable yet."""
+"""History workers (RhymeRL, seed 001 sections 4.2 and 5.3): Ray actors on idle CPUs that keep each
+prompt's last rollouts (for HistoSpec drafting) and its length statistics (for HistoPipe).
+
+* ``store``: the per-prompt data, statistics and snapshots (``HistoryStore``).
+* ``worker``: the actor (``HistoryWorker``) and the driver-side client (``HistoryClient``).
+"""
+
+from verl_ext.history.store import HistoryCorrupt, HistoryStore, Trajectory, history_weight
+from verl_ext.history.worker import HistoryClient, HistoryWorker
+
+__all__ = ["HistoryClient", "HistoryCorrupt", "HistoryStore", "HistoryWorker", "Trajectory", "history_weight"]

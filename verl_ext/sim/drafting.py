@@ -41,6 +41,7 @@ from typing import Optional
 import numpy as np
 
 from verl_ext.engine.instance import GenRequest
+from verl_ext.history.store import history_weight
 from verl_ext.sim.source import Target, TraceSource
 from verl_ext.spec import SCOPE_GROUP, SCOPE_HISTORY, DraftIndex
 from verl_ext.spec.options import SpecOptions
@@ -51,8 +52,7 @@ MODES = ("auto", "cached", "lockstep", "exact")
 class ReplayDrafter:
     def __init__(self, spec: SpecOptions, source: TraceSource, mode: str = "auto", history=None):
         """``history``: (trace, rows) of the previous epoch, for the history scope; each response
-        is added to its prompt's history tree with weight reward + 0.1 (so zero-reward responses
-        still count, less)."""
+        is added to its prompt's history tree with weight ``history_weight(reward)``."""
         if mode not in MODES:
             raise ValueError(f"unknown replay mode '{mode}'; valid: {list(MODES)}")
         self.spec = spec
@@ -75,9 +75,7 @@ class ReplayDrafter:
                 raise ValueError("the history scope needs an earlier epoch in the trace")
             trace, rows = history
             for i in rows:
-                w = float(trace.reward[i])
-                w = (0.0 if np.isnan(w) else max(w, 0.0)) + 0.1
-                self.index.add_history(str(trace.prompt_uid[i]), trace.response(i), w)
+                self.index.add_history(str(trace.prompt_uid[i]), trace.response(i), history_weight(float(trace.reward[i])))
 
     @property
     def per_step(self) -> bool:

@@ -82,6 +82,7 @@ from typing import Optional
 
 import numpy as np
 
+from verl_ext.history.store import history_weight
 from verl_ext.trace.format import Trace
 
 __all__ = [
@@ -851,7 +852,7 @@ def similarity_stats(
         rows = by[(e_last, u)]
         hist = []
         if e_prev is not None and (e_prev, u) in by:
-            hist = [(trace.response(int(i)), max(float(np.nan_to_num(trace.reward[i])), 0.0) + 0.1) for i in by[(e_prev, u)]]
+            hist = [(trace.response(int(i)), history_weight(float(trace.reward[i]))) for i in by[(e_prev, u)]]
         for t in sorted(rng.choice(rows.size, size=min(targets, rows.size), replace=False).tolist()):
             i = int(rows[t])
             refs = [trace.response(int(r)) for r in rows if int(r) != i]

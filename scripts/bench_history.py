@@ -1,0 +1,103 @@
+"""History worker cost (issue 6): ingest throughput, reward-weighted tree build time per prompt,
+bytes per token held, checkpoint and restore time.
+
+Responses come from a synthetic long-response workload (``verl_ext.trace.synth``, published
+similarity: text repeats across epochs as RhymeRL reports) so that snapshot compression is
+realistic; ``--trace`` uses a recorded trace instead. One process, one thread: figures are per CPU
+core. Prints a table and writes JSON.
+
+    OMP_NUM_THREADS=1 python scripts/bench_history.py --prompts 64 --samples 16 --mean-len 4096 --out runs/bench_history.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+
+import numpy as np
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trace", default=None, help="a recorded trace (default: synthetic)")
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--samples", type=int, default=16)
+    ap.add_argument("--mean-len", type=int, default=4096)
+    ap.add_argument("--out", default="runs/bench_history.json")
+    args = ap.parse_args()
+
+    from verl_ext.history.store import Trajectory
+    from verl_ext.history.worker import HistoryWorker
+    from verl_ext.spec import DraftIndex
+    from verl_ext.sim.runner import SimConfig, load_workload
+
+    synth = dict(prompts=args.prompts, samples=args.samples, mean_len=args.mean_len, max_len=4 * args.mean_len)
+    trace = load_workload(SimConfig(trace=args.trace, synth=synth, similarity="published"))
+    epochs = sorted(set(trace.epoch.tolist()))
+    rows_by_epoch = {e: np.flatnonzero(trace.epoch == e) for e in epochs}
+
+    def rows_of(e):
+        return [(str(trace.prompt_uid[i]), int(e), int(trace.sample_index[i]), trace.response(i).astype(np.int32).tobytes(),
+                 float(trace.reward[i])) for i in rows_by_epoch[e]]
+
+    out = {"workload": {"source": args.trace or "synthetic (published similarity)", "epochs": len(epochs),
+                        "responses": int(sum(len(r) for r in rows_by_epoch.values())),
+                        "tokens": int(trace.response_lengths().sum())}}
+    with tempfile.TemporaryDirectory() as tmp:
+        w = HistoryWorker(checkpoint_dir=tmp, nice=0)
+        ingest_s, tokens = 0.0, 0
+        for e in epochs:
+            rows = rows_of(e)
+            t = time.perf_counter()
+            w.ingest(rows)
+            ingest_s += time.perf_counter() - t
+            tokens += sum(len(r[3]) // 4 for r in rows)
+            w.close_step(e)
+        uids = sorted({str(u) for u in trace.prompt_uid.tolist()})
+        last = epochs[-1] + 1
+        t = time.perf_counter()
+        served = w.serve(uids, last)
+        serve_s = time.perf_counter() - t
+        build = []
+        held = 0
+        for u in uids:
+            blobs, ws = served.get(u, ([], []))
+            idx = DraftIndex(32, 0, 32)
+            t = time.perf_counter()
+            for b, wt in zip(blobs, ws):
+                idx.add_history(u, np.frombuffer(b, np.int32), wt)
+            build.append(time.perf_counter() - t)
+            held += sum(len(b) // 4 for b in blobs)
+        st = w.stats()
+        ck = w.checkpoint()
+        t = time.perf_counter()
+        w2 = HistoryWorker(checkpoint_dir=tmp, nice=0)
+        restore_s = time.perf_counter() - t
+        assert w2.stats()["tokens_held"] == st["tokens_held"]
+    out.update({
+        "ingest_tokens_per_s": tokens / ingest_s,
+        "serve_s_all_prompts": serve_s,
+        "served_tokens": held,
+        "tree_build_ms_per_prompt_mean": 1e3 * float(np.mean(build)),
+        "tree_build_ms_per_prompt_p99": 1e3 * float(np.percentile(build, 99)),
+        "tree_build_tokens_per_s": held / sum(build),
+        "tokens_held": st["tokens_held"],
+        "bytes_per_token_held": st["bytes_held"] / max(1, st["tokens_held"]),
+        "checkpoint_bytes": ck["bytes"],
+        "checkpoint_bytes_per_token": ck["bytes"] / max(1, st["tokens_held"]),
+        "checkpoint_s": ck["seconds"],
+        "restore_s": restore_s,
+        "threads": os.environ.get("OMP_NUM_THREADS"),
+    })
+    for k, v in out.items():
+        print(f"{k:32s} {v}")
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""History workers (RhymeRL, seed 001 sections 4.2, 5.3): the per-prompt store, its statistics,
+snapshots, and the Ray actors' checkpoint/restore and failure handling."""
+
+import asyncio
+import logging
+
+import numpy as np
+import pytest
+
+from verl_ext.history.store import HistoryCorrupt, HistoryStore, Trajectory, history_weight
+from verl_ext.history.worker import HistoryClient, HistoryWorker, checkpoint_path
+
+
+def _traj(uid, step, lengths, rewards=None, base=0):
+    rewards = rewards or [1.0] * len(lengths)
+    return [Trajectory(uid, step, j, list(range(base + j, base + j + n)), r)
+            for j, (n, r) in enumerate(zip(lengths, rewards))]
+
+
+def test_serve_gives_earlier_steps_only_and_keeps_last_rollouts():
+    st = HistoryStore(keep=1)
+    st.ingest(_traj("p", 1, [3, 5]))
+    assert st.serve("p", step=1) == ([], [])  # a step never drafts from its own responses
+    toks, ws = st.serve("p", step=2)
+    assert [t.tolist() for t in toks] == [[0, 1, 2], [1, 2, 3, 4, 5]]
+    assert ws == [1.1, 1.1]
+    st.ingest(_traj("p", 2, [4], base=100))
+    st.ingest(_traj("p", 3, [2], base=200))  # keep=1: step 1 is gone, step 2 is history, 3 is open
+    assert [t.tolist() for t in st.serve("p", step=3)[0]] == [[100, 101, 102, 103]]
+    assert [t.tolist() for t in st.serve("p", step=4)[0]] == [[200, 201]]
+    assert st.counters["evicted_rollouts"] == 1
+    st.ingest(_traj("p", 1, [9]))  # older than everything kept
+    assert st.counters["stale"] == 1
+    assert st.serve("unknown", step=9) == ([], [])
+
+
+def test_keep_two_rollouts():
+    st = HistoryStore(keep=2)
+    for s in (1, 2, 3):
+        st.ingest(_traj("p", s, [s]))
+    assert [len(t) for t in st.serve("p", step=3)[0]] == [1, 2]
+    assert [len(t) for t in st.serve("p", step=4)[0]] == [2, 3]
+
+
+def test_weights_are_reward_aware():
+    assert history_weight(1.0) == pytest.approx(1.1)
+    assert history_weight(0.0) == pytest.approx(0.1)
+    assert history_weight(-3.0) == pytest.approx(0.1)
+    assert history_weight(float("nan")) == pytest.approx(0.1)
+    assert history_weight(None) == pytest.approx(0.1)
+
+
+def test_length_statistics_and_growth():
+    st = HistoryStore(keep=1)
+    st.ingest(_traj("a", 1, [10, 20, 30, 40]))
+    st.ingest(_traj("b", 1, [100, 100]))
+    st.close_step(1)
+    assert st.growth_rates() == []  # no earlier rollout to grow from
+    assert st.median_length("a", step=2) == 25.0
+    assert st.max_length("a", step=2) == 40
+    assert st.lengths(["a", "b", "c"], step=2) == {"a": (25.0, 40), "b": (100.0, 100)}
+    assert st.median_length("a", step=1) is None
+    st.ingest(_traj("a", 2, [44, 10]))
+    st.ingest(_traj("b", 2, [50, 200]))
+    assert sorted(st.close_step(2)) == [pytest.approx(1.1), pytest.approx(2.0)]
+    assert st.growth_percentile(75) == pytest.approx(np.percentile([1.1, 2.0], 75))
+    assert st.growth_percentile(75, step=2) is None  # only step 2's rates exist
+
+
+def test_memory_cap_evicts_least_recently_ingested():
+    st = HistoryStore(keep=1, max_bytes=4 * 25)
+    st.ingest(_traj("old", 1, [10]))
+    st.ingest(_traj("mid", 1, [10]))
+    st.ingest(_traj("new", 1, [10]))
+    assert "old" not in st.prompts and set(st.prompts) == {"mid", "new"}
+    assert st.bytes <= st.max_bytes
+    assert st.stats()["tokens_held"] == 20
+
+
+def test_snapshot_round_trip_and_corruption():
+    st = HistoryStore(keep=2)
+    st.ingest(_traj("p", 1, [3, 4], rewards=[1.0, None]))
+    st.ingest(_traj("q", 1, [5]))
+    st.close_step(1)
+    st.ingest(_traj("p", 2, [6]))
+    st.close_step(2)
+    blob = st.dumps()
+    back = HistoryStore.loads(blob)
+    for uid in ("p", "q"):
+        for step in (2, 3):
+            a, b = st.serve(uid, step), back.serve(uid, step)
+            assert [x.tolist() for x in a[0]] == [x.tolist() for x in b[0]] and a[1] == b[1]
+    assert back.growth_rates() == st.growth_rates() and back.bytes == st.bytes
+    assert back.prompts["p"].rollouts[0].rewards == [1.0, None]
+    bad = bytearray(blob)
+    bad[-5] ^= 0xFF
+    with pytest.raises(HistoryCorrupt, match="checksum"):
+        HistoryStore.loads(bytes(bad))
+    with pytest.raises(HistoryCorrupt, match="magic"):
+        HistoryStore.loads(blob[:10])
+    with pytest.raises(HistoryCorrupt, match="version"):
+        HistoryStore.loads(blob[:6] + (99).to_bytes(4, "little") + blob[10:])
+
+
+def test_worker_checkpoint_restore_and_corrupt_file(tmp_path, caplog):
+    w = HistoryWorker(shard=0, num_shards=1, checkpoint_dir=str(tmp_path), nice=0)
+    w.ingest([("p", 1, 0, np.arange(7, dtype=np.int32).tobytes(), 1.0)])
+    info = w.checkpoint()
+    assert info["bytes"] > 0
+    w2 = HistoryWorker(shard=0, num_shards=1, checkpoint_dir=str(tmp_path), nice=0)
+    assert w2.stats()["restored"] == 1
+    assert [np.frombuffer(b, np.int32).tolist() for b in w2.serve(["p"], 2)["p"][0]] == [list(range(7))]
+    path = checkpoint_path(str(tmp_path), 0, 1)
+    path.write_bytes(path.read_bytes()[:-3])  # truncated
+    with caplog.at_level(logging.WARNING):
+        w3 = HistoryWorker(shard=0, num_shards=1, checkpoint_dir=str(tmp_path), nice=0)
+    assert w3.stats()["restore_failures"] == 1 and w3.serve(["p"], 2) == {}
+    assert "unreadable" in caplog.text
+    assert path.with_suffix(".vxh.corrupt").exists() and not path.exists()
+
+
+def test_history_feeds_the_draft_index():
+    """What a worker serves is what the engine's drafter loads: a history draft follows."""
+    from verl_ext.spec import SCOPE_HISTORY, DraftIndex
+
+    st = HistoryStore()
+    st.ingest([Trajectory("p", 1, 0, [5, 6, 7, 8, 9, 10, 11], 1.0), Trajectory("p", 1, 1, [5, 6, 7, 1, 2], 0.0)])
+    idx = DraftIndex(32, 0, 8)
+    for toks, w in zip(*st.serve("p", step=2)):
+        idx.add_history("p", toks, w)
+    idx.start_request("r", np.asarray([1, 5, 6, 7], np.int32), history="p", scopes=SCOPE_HISTORY)
+    draft, scope = idx.propose("r", 4, scopes=SCOPE_HISTORY, min_prob=0.0)
+    assert list(draft[0])[:2] == [8, 9]  # the rewarded branch wins
+    assert scope == SCOPE_HISTORY
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    ray = pytest.importorskip("ray")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield ray
+    if started:
+        ray.shutdown()
+
+
+async def test_client_shards_and_survives_a_killed_worker(ray_session, tmp_path, caplog):
+    ray = ray_session
+    client = HistoryClient(num_shards=2, checkpoint_dir=str(tmp_path), num_cpus=0.5, timeout_s=20.0,
+                           namespace_prefix="test_history_kill").start()
+    try:
+        uids = [f"p{i}" for i in range(8)]
+        shards = {client.shard(u) for u in uids}
+        assert shards == {0, 1}
+        trajs = [t for u in uids for t in _traj(u, 1, [3, 4 + int(u[1:])])]
+        assert await client.ingest(trajs) == 16
+        assert (await client.lengths(uids, step=2))["p5"] == (6.0, 9)
+        assert len((await client.serve(uids, step=2))["p3"][0]) == 2
+        assert len(await client.checkpoint()) == 2
+        await client.ingest(_traj("late", 2, [5]))  # after the checkpoint: lost with the worker
+        victim = client.shard("p0")
+        pid = await client.shards[victim].ping.remote()
+        ray.kill(client.shards[victim], no_restart=False)
+        with caplog.at_level(logging.WARNING):
+            served = await client.serve(uids, step=2)
+            for _ in range(100):  # Ray restarts the actor from its checkpoint
+                served = await client.serve(uids, step=2)
+                if all(u in served for u in uids):
+                    break
+                await asyncio.sleep(0.2)
+        assert all(u in served for u in uids), "the restarted worker did not restore its checkpoint"
+        assert client.metrics()["failures"] >= 1 and "going on without history" in caplog.text
+        assert await client.shards[victim].ping.remote() != pid
+        stats = await client.stats()
+        assert stats["restored"] >= 1
+    finally:
+        await client.stop()
