@@ -75,6 +75,8 @@ import numbers
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import Sequence
+
 import numpy as np
 
 #: JSON sections that ``from_dict`` accepts and ignores (provenance, not model fields)
@@ -182,6 +184,34 @@ class CostModel:
         ok = np.asarray(self.step_time(1, kv_tokens, 0, ks)) <= 2.0 * plain * (1 + 1e-12)
         k_single = int(ks[ok].max()) if ok.any() else 1
         return {"knee_tokens": knee, "k_single": k_single, "kv_tokens": int(kv_tokens)}
+
+    def spec_batch_cutoffs(self, draft: int = 2, kv_tokens: int = DRAFT_THRESHOLD_KV_TOKENS,
+                           rates: Sequence[float] = tuple(i / 20 for i in range(1, 20))) -> tuple:
+        """HistoSpec's batch-size cut-off table (RhymeRL, seed 001 section 5.4): for each
+        acceptance rate ``a`` (accepted / drafted tokens), the largest batch ``B`` (at most
+        ``max_num_seqs``) at which drafting ``draft`` tokens per request still emits at least as
+        fast as plain decoding, each request holding ``kv_tokens`` of context::
+
+            (1 + a * draft) * step_time(B, B * kv, 0, 0) >= step_time(B, B * kv, 0, B * draft)
+
+        ``draft`` is the smallest draft the AIMD window makes (its start): above the cut-off even
+        that costs more than it yields. Returns ``((a, B), ...)`` ascending in ``a``; ``B = 0``
+        where drafting never pays."""
+        if draft < 1:
+            raise ValueError(f"draft must be >= 1, got {draft}")
+        b = np.arange(1, int(self.max_num_seqs) + 1, dtype=np.float64)
+        kv = b * float(kv_tokens)
+        plain = np.asarray(self.step_time(b, kv, 0, 0))
+        spec = np.asarray(self.step_time(b, kv, 0, b * draft))
+        out = []
+        for a in rates:
+            if not 0.0 <= a <= 1.0:
+                raise ValueError(f"acceptance rates must be in [0, 1], got {a}")
+            ok = (1.0 + a * draft) * plain >= spec * (1 - 1e-12)
+            # the largest B such that every batch up to it pays (step cost grows with B)
+            bad = np.flatnonzero(~ok)
+            out.append((float(a), int(b[bad[0] - 1]) if bad.size and bad[0] > 0 else (0 if bad.size else int(b[-1]))))
+        return tuple(out)
 
     # -- (de)serialisation --------------------------------------------------------------------
     def to_dict(self) -> dict:

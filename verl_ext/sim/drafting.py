@@ -70,6 +70,8 @@ class ReplayDrafter:
         self._listeners: list = []  # instances told when a response finishes (adaptive drafting)
         self._rows: dict[str, np.ndarray] = {}
         self._ends: dict[str, int] = {}
+        self._aimd = spec.aimd_windows()  # exact mode's per-request windows (replay keeps its own)
+        self._aimd_at: dict[str, tuple[int, int]] = {}  # key -> (position observed at, window before)
         if self.mask & SCOPE_HISTORY:
             if history is None:
                 raise ValueError("the history scope needs an earlier epoch in the trace")
@@ -118,7 +120,8 @@ class ReplayDrafter:
     def _replay(self, keys, rows, starts, ends, max_steps=-1):
         s = self.spec
         return self.index.replay(keys, rows, starts, ends, s.k, scopes=self.mask, min_match=s.min_match,
-                                 max_match=s.max_match, min_prob=s.min_prob, max_steps=max_steps)
+                                 max_match=s.max_match, min_prob=s.min_prob, max_steps=max_steps,
+                                 aimd_start=s.aimd_start if s.aimd else 0, aimd_step=s.aimd_step)
 
     # -- cached and lockstep: a whole schedule per request --------------------------------
     def schedule(self, key: str, request: GenRequest, target: Target) -> tuple[np.ndarray, np.ndarray]:
@@ -216,6 +219,12 @@ class ReplayDrafter:
         drafted = np.empty(len(keys), dtype=np.int64)
         positions = positions.tolist()
         ks = [s.k] * len(keys) if caps is None else [min(int(c), s.k) for c in caps]
+        windows = None
+        if self._aimd is not None:  # a re-planned step (same position) uses the window it had
+            at = self._aimd_at.get
+            windows = [a[1] if (a := at(key)) is not None and a[0] == pos else self._aimd.get(key)
+                       for key, pos in zip(keys, positions)]
+            ks = [min(k, w) for k, w in zip(ks, windows)]
         for key, pos in zip(keys, positions):  # the batch's tokens so far, before any proposal
             self._sync(key, pos)
         for j, (key, pos) in enumerate(zip(keys, positions)):
@@ -232,6 +241,9 @@ class ReplayDrafter:
             acc = len(nxt) if same.all() else int(np.argmin(same))
             emitted[j] = min(acc + 1, left)
             drafted[j] = len(toks)
+            if windows is not None and self._aimd_at.get(key, (-1,))[0] != pos:
+                self._aimd_at[key] = (pos, windows[j])
+                self._aimd.observe(key, len(toks), acc)
         return emitted, drafted
 
     def _sync(self, key: str, pos: int) -> None:
@@ -245,6 +257,9 @@ class ReplayDrafter:
             self._sync(key, pos)
             del self._rows[key], self._ends[key]
             self.index.finish(key)
+            if self._aimd is not None:
+                self._aimd.drop(key)
+                self._aimd_at.pop(key, None)
 
 
 _FORKED: Optional[ReplayDrafter] = None  # the drafter a forked precompute worker replays with

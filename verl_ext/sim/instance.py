@@ -34,6 +34,8 @@ It models one vLLM engine's continuous batching in virtual time (``verl_ext.sim.
   shared drafter). ``B`` is constant within a plan; a finish of a sibling on another instance
   ends the current plan at the next step boundary, so ``f`` is current at every step. Replayed
   schedules are split to the cap (``verl_ext.sim.drafting.split_schedule``, an approximation);
+  HistoSpec's batch-size cut-off (``SpecOptions.batch_cutoffs``) zeroes every cap of a plan whose
+  batch exceeds the cut-off for the instance's acceptance rate so far;
   ``exact`` proposes at most the cap. The KV headroom of a step is ``1 + cap`` per request
   (admission and preemption use the largest total the caps can reach at that batch size).
 
@@ -124,6 +126,9 @@ class SimInstance(Instance):
         self._plan_caps: Optional[np.ndarray] = None  # the current plan's draft caps (adaptive)
         if self._adaptive_f:
             drafter.attach(self)
+        # HistoSpec's batch-size cut-off: read with this instance's acceptance so far
+        self._cutoff = spec.batch_cutoff() if spec is not None else None
+        self.cutoff_plans = 0  # plans (runs of steps) without drafts because of the cut-off
 
     # -- the Instance contract ----------------------------------------------------------------
     async def generate(self, request: GenRequest, on_tokens=None) -> Completion:
@@ -308,7 +313,7 @@ class SimInstance(Instance):
         """A response of ``group`` finished somewhere (the drafter tells; adaptive drafting): if
         that changes the draft caps of the running batch, end the current plan at the next step."""
         if self._timer is not None and self._groups.get(group) and self._plan_caps is not None:
-            if not np.array_equal(self._caps(), self._plan_caps):
+            if not np.array_equal(self._draft_caps(), self._plan_caps):
                 self._touch()
 
     def _evict(self) -> None:
@@ -403,7 +408,9 @@ class SimInstance(Instance):
             tau = cost.step_time(B, self._kv + B * s, 0, 0)
             E = D = split = None
         else:
-            caps = self._caps() if self._adaptive else None
+            caps = self._draft_caps()
+            if self._cutoff is not None and caps is not None and not caps.any():
+                self.cutoff_plans += 1
             self._plan_caps = caps
             split = None
             if self.drafter.per_step:
@@ -438,6 +445,18 @@ class SimInstance(Instance):
                 E, D = E[:, :1], D[:, :1]
         self._tcum = np.concatenate([[0.0], np.cumsum(tau)])
         self._plan = (E, D, P0, split)
+
+    def _draft_caps(self) -> Optional[np.ndarray]:
+        """This step's draft caps: adaptive caps (or None: ``k`` each), all zero when the batch is
+        above HistoSpec's cut-off for this instance's acceptance rate so far."""
+        caps = self._caps() if self._adaptive else None
+        if self._cutoff is not None:
+            B = len(self.running)
+            rate = self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
+            most = self._cutoff.max_batch(rate)
+            if most is not None and B > most:
+                return np.zeros(B, dtype=np.int64)
+        return caps
 
     def _caps(self) -> np.ndarray:
         """Most draft tokens per running request this step (adaptive drafting)."""

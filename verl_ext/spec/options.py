@@ -40,6 +40,13 @@ class SpecOptions:
     profiled cost model, ``CostModel.draft_thresholds``; 0 = no batch threshold), shared out with
     weight ``1 + sibling_boost * (finished fraction of the request's group)``, at most ``k`` each.
 
+    AIMD draft window (RhymeRL section 5.4, ``verl_ext.spec.aimd``): with ``aimd`` on, each
+    request drafts at most its window, which starts at ``aimd_start``, grows by ``aimd_step`` after
+    a fully accepted draft (up to ``k``) and resets to ``aimd_start`` on any rejection.
+    ``batch_cutoffs``: HistoSpec's ``((acceptance rate, max batch), ...)`` table
+    (``CostModel.spec_batch_cutoffs``, ``verl_ext.spec.cutoff``); an engine whose batch exceeds the
+    cut-off for its measured acceptance rate does not draft that step. Empty: no cut-off.
+
     ``group_source``: where group trees come from. ``"local"``: each engine builds them from the
     requests it runs itself. ``"remote"``: from the grouped draft server (``verl_ext.spec.dgds``),
     which aggregates the group's responses from every engine; the engine's own requests then do
@@ -57,6 +64,10 @@ class SpecOptions:
     knee_tokens: int = 0
     sibling_boost: float = 1.0
     group_source: str = "local"
+    aimd: bool = False
+    aimd_start: int = 2
+    aimd_step: int = 2
+    batch_cutoffs: tuple = ()
 
     def __post_init__(self):
         scope_mask(self.scopes)
@@ -76,6 +87,29 @@ class SpecOptions:
             raise ValueError(f"spec group_source must be 'local' or 'remote', got {self.group_source!r}")
         if self.max_bytes < 0:
             raise ValueError(f"spec max_bytes must be >= 0 (0 = no cap), got {self.max_bytes}")
+        if not 1 <= self.aimd_start <= self.k:
+            raise ValueError(f"spec aimd_start must be in [1, k={self.k}], got {self.aimd_start}")
+        if self.aimd_step < 0:
+            raise ValueError(f"spec aimd_step must be >= 0, got {self.aimd_step}")
+        from verl_ext.spec.cutoff import check_cutoffs
+
+        object.__setattr__(self, "batch_cutoffs", check_cutoffs(self.batch_cutoffs))
+
+    def batch_cutoff(self):
+        """A fresh ``BatchCutoff`` for these options, or None without a table."""
+        if not self.batch_cutoffs:
+            return None
+        from verl_ext.spec.cutoff import BatchCutoff
+
+        return BatchCutoff(self.batch_cutoffs)
+
+    def aimd_windows(self):
+        """A fresh ``AimdWindows`` for these options, or None without ``aimd``."""
+        if not self.aimd:
+            return None
+        from verl_ext.spec.aimd import AimdWindows
+
+        return AimdWindows(self.aimd_start, self.aimd_step, self.k)
 
     @property
     def mask(self) -> int:

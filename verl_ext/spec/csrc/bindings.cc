@@ -276,10 +276,12 @@ PYBIND11_MODULE(_suffix, m) {
       .def("replay",
            [](DraftIndex& s, const std::vector<std::string>& keys, py::sequence rows,
               const std::vector<int64_t>& starts, const std::vector<int64_t>& ends, int k,
-              int scopes, int min_match, int max_match, float min_prob, int64_t max_steps) {
+              int scopes, int min_match, int max_match, float min_prob, int64_t max_steps,
+              int aimd_start, int aimd_step) {
              const size_t n = keys.size();
              if (static_cast<size_t>(py::len(rows)) != n || starts.size() != n || ends.size() != n)
                throw py::value_error("replay: keys, rows, starts and ends differ in length");
+             if (aimd_start < 0 || aimd_step < 0) throw py::value_error("aimd_start and aimd_step must be >= 0");
              std::vector<Tokens> held(n);
              std::vector<const int32_t*> ptrs(n);
              std::vector<size_t> st(n), en(n);
@@ -293,7 +295,7 @@ PYBIND11_MODULE(_suffix, m) {
              }
              std::vector<std::vector<int32_t>> emitted, drafted;
              s.replay(keys, ptrs, st, en, k, scopes, params(min_match, max_match, min_prob),
-                      max_steps, &emitted, &drafted);
+                      max_steps, &emitted, &drafted, AimdParams{aimd_start, aimd_step});
              py::list out(n);
              for (size_t i = 0; i < n; ++i) {
                py::array_t<int32_t> e(emitted[i].size()), d(drafted[i].size());
@@ -305,11 +307,12 @@ PYBIND11_MODULE(_suffix, m) {
            },
            py::arg("keys"), py::arg("rows"), py::arg("starts"), py::arg("ends"), py::arg("k"),
            py::arg("scopes") = 7, py::arg("min_match") = 1, py::arg("max_match") = 16,
-           py::arg("min_prob") = 0.3f, py::arg("max_steps") = -1,
+           py::arg("min_prob") = 0.3f, py::arg("max_steps") = -1, py::arg("aimd_start") = 0,
+           py::arg("aimd_step") = 2,
            "Exact-match replay for the simulator: each request decodes along its row from start "
-           "to end (at most max_steps steps; < 0: no limit), drafting up to k tokens per step; "
-           "returns [(emitted per step, drafted per step)] (see DraftIndex::replay in "
-           "draft_index.h).")
+           "to end (at most max_steps steps; < 0: no limit), drafting up to k tokens per step "
+           "(aimd_start > 0: up to its AIMD window, RhymeRL section 5.4); returns [(emitted per "
+           "step, drafted per step)] (see DraftIndex::replay in draft_index.h).")
       .def("propose_paths",
            [](const DraftIndex& s, int scope, const std::string& key, py::handle context, int k,
               int num_paths, int min_match, int max_match, float min_prob) {

@@ -372,8 +372,10 @@ void DraftIndex::replay(const std::vector<std::string>& reqs,
                         const std::vector<size_t>& starts, const std::vector<size_t>& ends, int k,
                         int scopes, const DraftParams& p, int64_t max_steps,
                         std::vector<std::vector<int32_t>>* emitted,
-                        std::vector<std::vector<int32_t>>* drafted) {
+                        std::vector<std::vector<int32_t>>* drafted, const AimdParams& aimd) {
   const size_t n = reqs.size();
+  if (aimd.start < 0 || aimd.step < 0)
+    throw std::invalid_argument("replay: AIMD start and step must be >= 0");
   if (rows.size() != n || starts.size() != n || ends.size() != n)
     throw std::invalid_argument("replay: reqs, rows, starts and ends differ in length");
   if (k < 0 || k > max_draft_)
@@ -382,6 +384,7 @@ void DraftIndex::replay(const std::vector<std::string>& reqs,
   emitted->assign(n, {});
   drafted->assign(n, {});
   std::vector<size_t> pos(starts);
+  std::vector<int> window(n, aimd.start > 0 ? std::min(aimd.start, k) : k);
   std::vector<size_t> live;
   for (size_t i = 0; i < n; ++i) {
     if (starts[i] > ends[i]) throw std::invalid_argument("replay: a start is past its end");
@@ -392,7 +395,7 @@ void DraftIndex::replay(const std::vector<std::string>& reqs,
     // A step drafts for the whole batch first, then emits: a step's tokens become visible to
     // other requests (group trees) from the next step on, as with a real engine.
     props.clear();
-    for (size_t i : live) props.push_back(propose(reqs[i], rows[i], pos[i], k, scopes, p));
+    for (size_t i : live) props.push_back(propose(reqs[i], rows[i], pos[i], window[i], scopes, p));
     size_t kept = 0;
     for (size_t j = 0; j < live.size(); ++j) {
       const size_t i = live[j];
@@ -406,6 +409,8 @@ void DraftIndex::replay(const std::vector<std::string>& reqs,
       pos[i] += emit;
       (*emitted)[i].push_back(static_cast<int32_t>(emit));
       (*drafted)[i].push_back(static_cast<int32_t>(d.size()));
+      if (aimd.start > 0 && !d.empty())
+        window[i] = acc == d.size() ? std::min(window[i] + aimd.step, k) : std::min(aimd.start, k);
       if (pos[i] < ends[i]) live[kept++] = i;
     }
     live.resize(kept);

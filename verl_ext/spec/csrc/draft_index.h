@@ -29,6 +29,14 @@ struct DraftParams {
   float min_prob = 0.3f;   // stop when the cumulative probability drops below this
 };
 
+// RhymeRL's AIMD draft window (seed 001 section 5.4): a request's window starts at `start`
+// tokens, grows by `step` after every step whose whole draft was accepted (up to the step's k),
+// and falls back to `start` when any drafted token is rejected. start = 0: no window.
+struct AimdParams {
+  int start = 0;
+  int step = 2;
+};
+
 struct TreeEntry {
   std::unique_ptr<SuffixTree> tree;
   uint64_t tick = 0;
@@ -110,12 +118,13 @@ class DraftIndex {
   // step on (each round proposes for every request, then emits). The requests advance in
   // lockstep, one step each per round, for at most max_steps rounds (< 0: until
   // every request reaches its end). Outputs per request and step: tokens emitted and tokens
-  // drafted. Unknown requests get no steps.
+  // drafted. Unknown requests get no steps. With `aimd.start > 0` each request drafts at most
+  // its AIMD window (<= k) per step.
   void replay(const std::vector<std::string>& reqs, const std::vector<const int32_t*>& rows,
               const std::vector<size_t>& starts, const std::vector<size_t>& ends, int k,
               int scopes, const DraftParams& p, int64_t max_steps,
               std::vector<std::vector<int32_t>>* emitted,
-              std::vector<std::vector<int32_t>>* drafted);
+              std::vector<std::vector<int32_t>>* drafted, const AimdParams& aimd = AimdParams());
   // Direct access to one tree, for tests and multi-path drafting.
   const SuffixTree* tree(int scope, const std::string& key) const;
 
