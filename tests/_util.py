@@ -50,3 +50,67 @@ class ScriptedInstance(Instance):
 
 def requests(n, max_tokens=4):
     return [GenRequest(f"r{i}", f"g{i // 2}", [1, 2], SamplingSpec(max_tokens=max_tokens)) for i in range(n)]
+
+
+# ---- the engine-side suffix proposer, driven like vLLM's runner (no engine) ---------------------
+def make_proposer(**opts):
+    """A ``SuffixProposer`` for ``SpecOptions(**opts)`` with a stand-in vLLM config."""
+    import pytest
+
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from verl_ext.spec.options import SpecOptions
+    from verl_ext.spec.vllm_proposer import SuffixProposer
+
+    o = SpecOptions(**opts)
+    cfg = SimpleNamespace(
+        speculative_config=SimpleNamespace(num_speculative_tokens=o.k),
+        additional_config={"verl_ext_spec": {k: v for k, v in o.to_dict().items() if k != "k"}},
+        model_config=SimpleNamespace(max_model_len=4096),
+    )
+    return SuffixProposer(cfg)
+
+
+class ProposerBatch:
+    """Drives ``SuffixProposer.propose`` like vLLM's runner: rows of prompt + generated tokens."""
+
+    def __init__(self, proposer):
+        self.p = proposer
+        self.rows: dict = {}
+        self.new, self.finished = [], set()
+
+    def add(self, rid, prompt, group, history=None):
+        from types import SimpleNamespace
+
+        self.rows[rid] = list(prompt)
+        ident = {"group_id": group, **({"prompt_key": history} if history is not None else {})}
+        sp = SimpleNamespace(temperature=0.0, extra_args={"verl_ext": ident})
+        self.new.append(SimpleNamespace(req_id=rid, prompt_token_ids=list(prompt), sampling_params=sp))
+
+    def finish(self, rid):
+        del self.rows[rid]
+        self.finished.add(rid)
+
+    def step(self, emit=None, emitted_counts=False):
+        """Append ``emit[rid]`` tokens to the rows, then propose; returns {rid: draft}. With
+        ``emitted_counts`` the runner reports ``len(emit[rid])`` tokens sampled for each row (what
+        the AIMD window and the batch cut-off learn from); otherwise one token each."""
+        import numpy as np
+        from types import SimpleNamespace
+
+        emit = emit or {}
+        for rid, toks in emit.items():
+            self.rows[rid].extend(toks)
+        ids = list(self.rows)
+        width = max(len(r) for r in self.rows.values()) + 8
+        mat = np.zeros((len(ids), width), np.int32)
+        for i, rid in enumerate(ids):
+            mat[i, : len(self.rows[rid])] = self.rows[rid]
+        runner = SimpleNamespace(input_batch=SimpleNamespace(req_ids=ids))
+        sched = SimpleNamespace(finished_req_ids=self.finished, scheduled_new_reqs=self.new)
+        self.p.bind_step(runner, sched)
+        sampled = [list(emit.get(r, [0])) for r in ids] if emitted_counts else [[0]] * len(ids)
+        drafts = self.p.propose(sampled, np.array([len(self.rows[r]) for r in ids]), mat)
+        self.new, self.finished = [], set()
+        return dict(zip(ids, drafts))

@@ -10,13 +10,13 @@ import os
 import subprocess
 import sys
 import time
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from verl_ext.spec import SCOPE_GROUP, DraftIndex
 from verl_ext.spec.dgds import DGDSClient, GroupDraftServer, shard_of
+from _util import ProposerBatch as _Batch, make_proposer as _proposer  # noqa: E402
 
 DEPTH = 12
 
@@ -334,55 +334,7 @@ async def test_stalled_shard_times_out_and_degrades(ray_session, caplog):
         ray.kill(handle)
 
 
-# ---- the engine-side proposer, with a fake runner -------------------------------------------
-def _proposer(**opts):
-    pytest.importorskip("vllm")
-    from verl_ext.spec.options import SpecOptions
-    from verl_ext.spec.vllm_proposer import SuffixProposer
-
-    o = SpecOptions(**opts)
-    cfg = SimpleNamespace(
-        speculative_config=SimpleNamespace(num_speculative_tokens=o.k),
-        additional_config={"verl_ext_spec": {k: v for k, v in o.to_dict().items() if k != "k"}},
-        model_config=SimpleNamespace(max_model_len=4096),
-    )
-    return SuffixProposer(cfg)
-
-
-class _Batch:
-    """Drives ``SuffixProposer.propose`` like vLLM's runner: rows of prompt + generated tokens."""
-
-    def __init__(self, proposer):
-        self.p = proposer
-        self.rows: dict[str, list] = {}
-        self.new, self.finished = [], set()
-
-    def add(self, rid, prompt, group):
-        self.rows[rid] = list(prompt)
-        sp = SimpleNamespace(temperature=0.0, extra_args={"verl_ext": {"group_id": group}})
-        self.new.append(SimpleNamespace(req_id=rid, prompt_token_ids=list(prompt), sampling_params=sp))
-
-    def finish(self, rid):
-        del self.rows[rid]
-        self.finished.add(rid)
-
-    def step(self, emit=None):
-        """Append ``emit[rid]`` tokens to the rows, then propose; returns {rid: draft}."""
-        for rid, toks in (emit or {}).items():
-            self.rows[rid].extend(toks)
-        ids = list(self.rows)
-        width = max(len(r) for r in self.rows.values()) + 8
-        mat = np.zeros((len(ids), width), np.int32)
-        for i, rid in enumerate(ids):
-            mat[i, : len(self.rows[rid])] = self.rows[rid]
-        runner = SimpleNamespace(input_batch=SimpleNamespace(req_ids=ids))
-        sched = SimpleNamespace(finished_req_ids=self.finished, scheduled_new_reqs=self.new)
-        self.p.bind_step(runner, sched)
-        drafts = self.p.propose([[0]] * len(ids), np.array([len(self.rows[r]) for r in ids]), mat)
-        self.new, self.finished = [], set()
-        return dict(zip(ids, drafts))
-
-
+# ---- the engine-side proposer, with a fake runner (tests/_util.py) ------------------------
 def test_proposer_remote_groups_and_adaptive_caps():
     p = _proposer(scopes="request+group", k=8, max_depth=DEPTH, group_source="remote", adaptive=True,
                   knee_tokens=12, sibling_boost=3.0)

@@ -159,3 +159,127 @@ def test_two_tier_respects_training_time_and_bad_input():
         plan_allocation([5, 1], 4, tau)
     with pytest.raises(ValueError, match="at least"):
         plan_allocation([1, 2, 3], 2, tau)
+
+
+def test_vllm_proposer_aimd_window_and_cutoff():
+    """The engine-side proposer (driven like vLLM's runner) drafts from history within each
+    request's AIMD window, learns acceptance from what the engine emitted, and stops drafting for
+    a batch above the cut-off."""
+    from _util import ProposerBatch, make_proposer
+
+    hist = list(range(100, 200))
+    p = make_proposer(scopes="history", k=16, min_match=3, max_match=7, min_prob=0.0, aimd=True,
+                      batch_cutoffs=[(0.0, 1), (0.5, 64)])
+    assert p.rpc("add_history", "q", [hist], [1.0]) == 1
+    b = ProposerBatch(p)
+    b.add("a", [1, 2] + hist[:3], "g", history="q")
+    d = b.step()
+    assert d["a"] == hist[3:5]  # window 2
+    d = b.step({"a": hist[3:6]}, emitted_counts=True)  # both accepted (+ bonus): window 4
+    assert d["a"] == hist[6:10]
+    d = b.step({"a": hist[6:11]}, emitted_counts=True)  # all 4 accepted: window 6
+    assert d["a"] == hist[11:17]
+    d = b.step({"a": hist[11:13] + [7]}, emitted_counts=True)  # rejected after 2: back to 2
+    assert len(d["a"]) <= 2
+    assert p.cutoff.rate is not None and 0.5 < p.cutoff.rate < 1.0
+    # a second request joins; with a low measured rate the batch of 2 is above the cut-off (1)
+    p.cutoff.rate = 0.1
+    b.add("c", [3] + hist[:3], "g", history="q")
+    d = b.step({"a": [8]}, emitted_counts=True)
+    assert d == {"a": [], "c": []} and p.cutoff.off_steps == 1
+    b.finish("c")
+    d = b.step({"a": [9]}, emitted_counts=True)  # alone again: below the cut-off, drafting resumes
+    assert p.cutoff.off_steps == 1
+
+
+# -- the `rhyme` strategy in the simulator ----------------------------------------------------------
+def _two_epoch_trace(groups=8, samples=4, outlier=("p0", 1, 900)):
+    """Epoch 0 and 1 of ``groups`` prompts whose lengths rank the same in both epochs (prompt g
+    answers in ~(g + 1) * 20 tokens); in epoch 1 one response is an outlier."""
+    from verl_ext.trace.format import Trace
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for e in (0, 1):
+        for g in range(groups):
+            for j in range(samples):
+                n = (g + 1) * 20 + int(rng.integers(0, 5))
+                if e == 1 and (f"p{g}", j) == outlier[:2]:
+                    n = outlier[2]
+                rows.append(dict(epoch=e, step=e, prompt_uid=f"p{g}", sample_index=j, prompt_ids=[1, 2, 3, g],
+                                 response_ids=rng.integers(0, 50, n).tolist(), reward=1.0, finish_reason="stop"))
+    return Trace.from_rows(rows)
+
+
+def _sim_rhyme(tr, epoch, options=None, instances=4):
+    from verl_ext.sim.runner import build_requests, run_arm, select_epoch
+    from verl_ext.pipe import make_strategy
+    from test_sim import _cost
+
+    e, rows, history = select_epoch(tr, epoch)
+    reqs = build_requests(tr, rows, 2000)
+    strategy = make_strategy("rhyme", {"histospec": False, **(options or {})})
+    arm = run_arm("rhyme", strategy, None, tr, rows, history, _cost(), instances, "auto", reqs)
+    return strategy, arm, reqs
+
+
+def test_rhyme_first_epoch_dispatches_like_baseline():
+    tr = _two_epoch_trace()
+    strategy, arm, reqs = _sim_rhyme(tr, 0)
+    m = strategy.metrics()
+    assert m["histopipe_active"] == 0 and m["migrations"] == 0 and m["unknown_prompts"] == 8
+    assert sum(r["output_tokens"] for r in arm.records) == int(tr.response_lengths()[tr.epoch == 0].sum())
+
+
+def test_rhyme_blocks_alternation_and_outlier_migration():
+    tr = _two_epoch_trace()
+    strategy, arm, reqs = _sim_rhyme(tr, 1, {"ranking_groups": 4, "two_tier": False, "recheck_tokens": 50})
+    m = strategy.metrics()
+    assert m["histopipe_active"] == 1 and m["ranking_groups"] == 4
+    assert [m[f"rank{g}_instances"] for g in range(4)] == [1, 1, 1, 1]
+    # step 2 (even): descending, so the shortest ranking group (p0, p1) takes the last instance
+    first = {}
+    for rec in arm.records:
+        first.setdefault(rec["request_id"], rec["instance"])
+    assert {first[f"p{g}-s{j}"] for g in (0, 1) for j in range(4)} == {"sim-3"}
+    assert {first[f"p{g}-s{j}"] for g in (6, 7) for j in range(4)} == {"sim-0"}
+    # the outlier (900 tokens where its ranking group's longest was ~44) moved once, when it was
+    # the last of its group still running, and lost no token
+    assert m["migrations"] == 1
+    moved = [rec for rec in arm.records if rec["request_id"] == "p0-s1"]
+    assert len({rec["instance"] for rec in moved}) == 2
+    i = int(np.flatnonzero((tr.epoch == 1) & (tr.prompt_uid == "p0") & (tr.sample_index == 1))[0])
+    assert sum(rec["output_tokens"] for rec in moved) == len(tr.response(i)) == 900
+    assert sum(r["output_tokens"] for r in arm.records) == int(tr.response_lengths()[tr.epoch == 1].sum())
+    # odd step: ascending
+    strategy.begin_step(3)
+    import asyncio
+
+    from verl_ext.pipe.pool import InstancePool
+    from verl_ext.sim.instance import SimInstance
+
+    from test_sim import _cost
+
+    pool = InstancePool([SimInstance(f"sim-{k}", _cost(), None, None) for k in range(4)])
+    plan = asyncio.run(strategy._make_plan(reqs, pool))
+    assert [b[0].name for b in plan.blocks] == ["sim-0", "sim-1", "sim-2", "sim-3"]
+
+
+def test_rhyme_two_tier_gives_long_groups_more_instances():
+    tr = _two_epoch_trace(groups=8, outlier=("none", 0, 0))
+    strategy, arm, _ = _sim_rhyme(tr, 1, {"ranking_groups": 2}, instances=6)
+    m = strategy.metrics()
+    assert m["rank0_instances"] + m["rank1_instances"] == 6
+    assert m["rank1_instances"] > m["rank0_instances"]
+
+
+def test_rhyme_bad_options_are_clear():
+    from verl_ext.pipe import make_strategy
+    from verl_ext.pipe.strategy import StrategyConfigError
+
+    with pytest.raises(StrategyConfigError, match="alpha"):
+        make_strategy("rhyme", {"alpha": 0})
+    with pytest.raises(StrategyConfigError, match="unknown option"):
+        make_strategy("rhyme", {"beta": 2})
+    with pytest.raises(StrategyConfigError, match="profile"):
+        make_strategy("rhyme", {"profile": "/nonexistent.json"}).engine_spec()

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from verl_ext.engine.instance import GenRequest
+from verl_ext.pipe.chunks import Chunked
 
 
 @dataclass(eq=False)
@@ -66,17 +67,30 @@ class BufferedRequest:
     is_probe: bool
     seq: int  # arrival order
     future: asyncio.Future
-    tokens: list = field(default_factory=list)
-    logprobs: Optional[list] = None
-    steps: Optional[int] = 0
-    chunks: int = 0
+    gen: Chunked = None  # tokens, logprobs, steps and chunks so far
     holder: Optional[str] = None  # instance that holds this request's KV (its last chunk's)
     state: str = "pending"  # pending | running | done
     extra: dict = field(default_factory=dict)
 
+    def __post_init__(self):
+        if self.gen is None:
+            self.gen = Chunked(self.request)
+
+    @property
+    def tokens(self) -> list:
+        return self.gen.tokens
+
+    @tokens.setter
+    def tokens(self, value: list) -> None:
+        self.gen.tokens = value
+
+    @property
+    def chunks(self) -> int:
+        return self.gen.chunks
+
     @property
     def generated(self) -> int:
-        return len(self.tokens)
+        return len(self.gen.tokens)
 
     @property
     def ori_max_tokens(self) -> int:
@@ -84,7 +98,7 @@ class BufferedRequest:
 
     @property
     def remaining(self) -> int:
-        return self.ori_max_tokens - len(self.tokens)
+        return self.gen.remaining
 
     @property
     def context_len(self) -> int:

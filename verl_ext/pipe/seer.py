@@ -37,12 +37,11 @@ is divided rollout alone; ``lengths=oracle`` replaces the length estimates by th
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
-from verl_ext.engine.instance import FINISH_ABORT, FINISH_LENGTH, Completion, GenRequest, Instance
+from verl_ext.engine.instance import Completion, GenRequest, Instance
 from verl_ext.pipe.buffer import BufferedRequest, RequestBuffer
 from verl_ext.pipe.oracle import true_len
 from verl_ext.pipe.pool import InstancePool
@@ -52,7 +51,6 @@ logger = logging.getLogger(__name__)
 
 #: engines that report no ``max_running`` take at most this many chunks at once
 DEFAULT_MAX_RUNNING = 256
-CHUNK_KEY = "chunk"
 
 
 @dataclass(frozen=True)
@@ -235,7 +233,7 @@ class _Rollout:
         if r.chunks:
             self.stats["continuations"] += 1
             self.stats["stays" if r.holder == inst.name else "migrations"] += 1
-        request = self._chunk_request(r, chunk)
+        request = r.gen.next_request(chunk)
         on_tokens = None
         dgds = self.dgds  # the client this chunk registered with (it may start or stop meanwhile)
         if dgds is not None:
@@ -263,33 +261,12 @@ class _Rollout:
             self.wake.set()
         self._chunk_done(r, inst.name, chunk, completion)
 
-    def _chunk_request(self, r: BufferedRequest, chunk: int) -> GenRequest:
-        req = r.request
-        if r.chunks == 0 and chunk == req.sampling.max_tokens:
-            return req
-        return dataclasses.replace(
-            req,
-            prompt_ids=list(req.prompt_ids) + list(r.tokens),
-            sampling=req.sampling.for_chunk(chunk, r.chunks),
-            extra={**req.extra, CHUNK_KEY: r.chunks},
-        )
-
     def _chunk_done(self, r: BufferedRequest, instance: str, chunk: int, c: Completion) -> None:
-        n = len(c.token_ids)
-        r.tokens = c.token_ids if r.chunks == 0 else r.tokens + c.token_ids
-        if c.logprobs is not None and (r.logprobs is not None or r.chunks == 0):
-            r.logprobs = list(c.logprobs) if r.chunks == 0 else r.logprobs + list(c.logprobs)
-        else:
-            r.logprobs = None
-        r.steps = None if r.steps is None or c.num_steps is None else r.steps + c.num_steps
-        r.chunks += 1
+        r.gen.add(c)
         r.holder = instance
         r.extra = c.extra
-        self.buffer.progressed(r, n)
-        # Continue only when the chunk ended on its own max_tokens and budget is left. A shorter
-        # "length" (the model's context limit) or a stop/abort ends the request.
-        more = c.finish_reason == FINISH_LENGTH and n == chunk and r.remaining > 0
-        if more:
+        self.buffer.progressed(r, len(c.token_ids))
+        if r.gen.more(chunk, c):
             self.buffer.requeue(r)
             return
         self.buffer.finished(r)
@@ -299,10 +276,7 @@ class _Rollout:
             if g.finished == g.members and not g.pending:  # the whole group is done: free its tree
                 self.drops.append(asyncio.ensure_future(self.dgds.drop([g.group_id])))
         if not r.future.done():
-            r.future.set_result(
-                Completion(r.request.request_id, r.tokens, c.finish_reason, logprobs=r.logprobs, num_steps=r.steps,
-                           extra={**c.extra, "chunks": r.chunks})
-            )
+            r.future.set_result(r.gen.result(c))
 
     def _fail(self, r: BufferedRequest, exc: BaseException) -> None:
         self.buffer.discard(r)

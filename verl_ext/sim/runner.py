@@ -152,6 +152,20 @@ def run_sim_ab(cfg: SimConfig, progress: bool = True, trace=None) -> dict:
     return summary
 
 
+def trace_history(trace, epoch: int):
+    """A ``HistoryStore`` holding the trace's rollouts of the epochs before ``epoch``, one training
+    step per epoch (step = epoch + 1), with each epoch's growth rates recorded."""
+    from verl_ext.history.store import HistoryStore, Trajectory
+
+    store = HistoryStore(keep=1, max_bytes=0x7FFFFFFFFFFFFFFF)
+    for e in [e for e in trace.epochs() if e < epoch]:
+        idx = np.flatnonzero(trace.epoch == e)
+        store.ingest(Trajectory(str(trace.prompt_uid[i]), e + 1, int(trace.sample_index[i]), trace.response(i),
+                                float(trace.reward[i])) for i in idx)
+        store.close_step(e + 1)
+    return store
+
+
 def run_arm(label, strategy, spec, trace, rows, history, cost, instances: int, replay: str, requests,
             seed: int = 0, progress: bool = False, record_timeline: bool = True) -> SimArm:
     """One strategy (with its drafting options ``spec`` or None) over trace ``rows`` on
@@ -161,10 +175,19 @@ def run_arm(label, strategy, spec, trace, rows, history, cost, instances: int, r
     from verl_ext.sim.drafting import make_drafter
     from verl_ext.sim.instance import SimInstance
     from verl_ext.sim.source import TraceSource
+    from verl_ext.spec import SCOPE_HISTORY
 
     t = time.perf_counter()
     source = TraceSource(trace, rows)
+    if spec is not None and history is None and hasattr(strategy, "set_history") and spec.mask == SCOPE_HISTORY:
+        spec = None  # a history-driven strategy's first epoch: nothing to draft from yet
     drafter = make_drafter(spec, source, replay, history)
+    if hasattr(strategy, "set_history"):  # history-driven strategies (rhyme): earlier epochs' rollouts
+        from verl_ext.pipe.rhyme import LocalHistory
+
+        epoch = int(trace.epoch[rows[0]]) if len(rows) else 0
+        strategy.set_history(LocalHistory(trace_history(trace, epoch)))
+        strategy.begin_step(epoch + 1)
     sims = [SimInstance(f"sim-{i}", cost, source, drafter, record_timeline) for i in range(instances)]
     rewards = {i: float(trace.reward[i]) for i in rows.tolist()}
     lengths = trace.response_lengths()

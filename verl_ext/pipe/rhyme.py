@@ -1,0 +1,385 @@
+"""``rhyme``: RhymeRL's rollout (seed 001): HistoSpec drafting from last epoch's responses and
+HistoPipe scheduling from last epoch's lengths.
+
+* **History.** The strategy reads per-prompt history (median and longest response length of the
+  prompt's last rollout, last epoch's growth rates) from a history provider: the history workers'
+  ``HistoryClient`` (``verl_ext.history``) inside veRL, a local ``HistoryStore`` in A/B runs over
+  epochs, the trace's previous epoch in the simulator (``set_history``). Without any history (the
+  first epoch) HistoPipe is off and requests are dispatched like ``baseline``; it turns on by
+  itself once history exists (``metrics()["histopipe_active"]``).
+* **HistoSpec (section 5).** ``engine_spec`` asks for engines that draft from the prompt's history
+  tree (reward-weighted branch priority, ``verl_ext.spec``), prefix match from 7 down to 3
+  tokens, AIMD window 2 (+2, up to ``spec_k`` = 32, reset on rejection), and the profiled
+  batch-size cut-off (``CostModel.spec_batch_cutoffs``). Engines that take drafter RPCs get the
+  histories of the prompts their ranking group serves when a step is planned.
+* **HistoPipe (section 6, ``verl_ext.pipe.histopipe``).** Tier 1: prompts ranked by historical
+  median length into ``ranking_groups`` equal groups. Tier 2: instances per ranking group by the
+  binary search of Figure 12 with ``tau`` from the cost model (without one: instances in
+  proportion to the groups' historical tokens). Alternation: ranking groups take the instance
+  blocks in ascending order on odd steps and descending on even steps. Within its block a request
+  goes to the least-loaded instance.
+* **Intra-step migration (section 6.3).** A request first runs up to its ranking group's length
+  threshold ``beta x`` (longest historical response in the group), ``beta`` = max(1.1, 75th
+  percentile of last epoch's growth rates). If it is still going, and it is among the last
+  ``alpha`` (10%) of its group's requests still running, it continues on the least-loaded instance
+  of the whole pool (prompt + tokens re-prefilled there, ``verl_ext.pipe.chunks``); otherwise it
+  continues where it is, re-checked every ``recheck_tokens``. Sampling stays exact (a continuation
+  is the same request with a longer prompt). Inter-step migration (deferring a sample to the next
+  step) changes which step trains on the sample; it is not implemented (it would need veRL's
+  one-step-off-policy mode).
+
+Knob ladder of the paper's Figure 14: ``histopipe=false`` (HistoSpec only), ``two_tier=false``
+(equal instance blocks), ``histospec=false`` (no drafting), ``migration=false``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from verl_ext.engine.instance import Completion, GenRequest, Instance
+from verl_ext.pipe.chunks import Chunked
+from verl_ext.pipe.histopipe import (
+    MIGRATE_ALPHA,
+    group_time,
+    migration_beta,
+    migration_threshold,
+    plan_allocation,
+    rank_boundaries,
+    ranking_group,
+    should_migrate,
+    worker_order,
+)
+from verl_ext.pipe.pool import InstancePool
+from verl_ext.pipe.strategy import Strategy, StrategyConfigError, gather_or_abort, register_strategy
+
+logger = logging.getLogger(__name__)
+
+#: how long ``submit`` collects a step's requests before planning it (veRL sends them together)
+PLAN_WINDOW_S = 0.05
+
+
+@dataclass(frozen=True)
+class RhymeOptions:
+    """Knobs of ``rollout=rhyme`` (``custom.verl_ext.options``); defaults follow the paper."""
+
+    #: HistoSpec: draft from the prompt's history tree
+    histospec: bool = True
+    #: HistoPipe: ranking groups on instance blocks (false: dispatch like baseline)
+    histopipe: bool = True
+    #: tier 2 by Figure 12's search (false: equal blocks)
+    two_tier: bool = True
+    #: intra-step migration of outliers
+    migration: bool = True
+    #: ranking groups; 0 = min(8, instances)
+    ranking_groups: int = 0
+    #: migration: the last fraction of a ranking group's requests that may migrate
+    alpha: float = MIGRATE_ALPHA
+    #: migration: re-check a request past its threshold every this many tokens
+    recheck_tokens: int = 1024
+    #: the last training step's time, seconds (tier 2's t0 floor; 0 = none)
+    t_train_s: float = 0.0
+    #: HistoSpec: most draft tokens per step (the AIMD window's ceiling)
+    spec_k: int = 32
+    aimd_start: int = 2
+    aimd_step: int = 2
+    min_match: int = 3
+    max_match: int = 7
+    #: HistoSpec: switch drafting off above the profiled batch size for the acceptance rate
+    batch_cutoff: bool = True
+    #: cost model (preset name or profile JSON) for tau and the cut-off on real engines;
+    #: "" = the simulator's own, and no cut-off / proportional tier 2 on real engines
+    profile: str = ""
+
+    def __post_init__(self):
+        for name in ("histospec", "histopipe", "two_tier", "migration", "batch_cutoff"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.ranking_groups < 0:
+            raise ValueError(f"ranking_groups must be >= 0 (0 = automatic), got {self.ranking_groups}")
+        if not 0.0 < self.alpha <= 1.0:
+            raise ValueError(f"alpha must be in (0, 1], got {self.alpha}")
+        if self.recheck_tokens < 1:
+            raise ValueError(f"recheck_tokens must be >= 1, got {self.recheck_tokens}")
+        if self.t_train_s < 0:
+            raise ValueError(f"t_train_s must be >= 0, got {self.t_train_s}")
+        if not 1 <= self.spec_k <= 128:
+            raise ValueError(f"spec_k must be in [1, 128], got {self.spec_k}")
+        if not 1 <= self.aimd_start <= self.spec_k:
+            raise ValueError(f"aimd_start must be in [1, spec_k], got {self.aimd_start}")
+        if not 1 <= self.min_match <= self.max_match:
+            raise ValueError(f"need 1 <= min_match <= max_match, got {self.min_match}, {self.max_match}")
+
+
+class LocalHistory:
+    """The history provider interface over a ``HistoryStore`` in this process (the same async
+    methods as ``HistoryClient``)."""
+
+    def __init__(self, store):
+        self.store = store
+
+    async def lengths(self, uids, step=None) -> dict:
+        return self.store.lengths(uids, step)
+
+    async def growth_percentile(self, q: float = 75.0, step=None):
+        return self.store.growth_percentile(q, step)
+
+    async def serve(self, uids, step=None) -> dict:
+        return {u: v for u in uids if (v := self.store.serve(u, step))[0]}
+
+
+@dataclass
+class _Plan:
+    """One step's HistoPipe plan."""
+
+    step: int
+    boundaries: list  # ranking group length boundaries
+    blocks: list  # ranking group -> [Instance]
+    max_hist: list  # ranking group -> longest historical response (None if unknown)
+    beta: float
+    lengths: dict  # uid -> (median, max)
+    size: list = field(default_factory=list)  # requests per ranking group
+    running: list = field(default_factory=list)  # unfinished requests per ranking group
+
+    def group_of(self, uid: str) -> Optional[int]:
+        h = self.lengths.get(uid)
+        return None if h is None else ranking_group(h[0], self.boundaries)
+
+
+@register_strategy("rhyme")
+class RhymeStrategy(Strategy):
+    Options = RhymeOptions
+
+    def __init__(self, options=None):
+        super().__init__(options)
+        self.history = None
+        self.step = 0
+        self._cost = None
+        self._plan: Optional[_Plan] = None
+        self._plan_step: Optional[int] = None  # the step self._plan was made for (None: none yet)
+        self._planning: Optional[asyncio.Future] = None
+        self._batch: list = []
+        self._served: dict = {}  # instance name -> uids whose history it holds
+        self._m = {"migrations": 0, "migration_checks": 0, "histopipe_active": 0, "history_prompts": 0,
+                   "unknown_prompts": 0, "served_histories": 0, "history_failures": 0}
+
+    # -- inputs -------------------------------------------------------------------------------
+    def set_history(self, history) -> None:
+        """The history provider: ``lengths(uids, step)``, ``growth_percentile(q, step)`` and
+        ``serve(uids, step)`` coroutines (``HistoryClient``, ``LocalHistory``), or None."""
+        self.history = history
+
+    def begin_step(self, step: int) -> None:
+        """The training step the next requests belong to (1-based; odd = ascending order)."""
+        self.step = int(step)
+
+    def engine_spec(self, cost=None):
+        o = self.options
+        self._cost = cost
+        if o.profile:
+            from verl_ext.sim.cost import load_cost_model
+
+            try:
+                self._cost = load_cost_model(o.profile)
+            except (OSError, ValueError) as exc:
+                raise StrategyConfigError(f"strategy 'rhyme': profile: {exc}") from exc
+        if not o.histospec:
+            return None
+        from verl_ext.spec.options import SpecOptions
+
+        cutoffs = self._cost.spec_batch_cutoffs(o.aimd_start) if (o.batch_cutoff and self._cost is not None) else ()
+        return SpecOptions(scopes="history", k=o.spec_k, min_match=o.min_match, max_match=o.max_match, min_prob=0.0,
+                           aimd=True, aimd_start=o.aimd_start, aimd_step=o.aimd_step, batch_cutoffs=cutoffs)
+
+    # -- planning ------------------------------------------------------------------------------
+    async def _make_plan(self, requests: Sequence[GenRequest], pool: InstancePool) -> Optional[_Plan]:
+        o = self.options
+        if not o.histopipe or self.history is None:
+            return None
+        uids = sorted({r.group_id for r in requests})
+        try:
+            lengths = await self.history.lengths(uids, self.step or None)
+            growth = await self.history.growth_percentile(75.0, self.step or None)
+        except Exception as exc:  # a history worker problem costs the plan, never the rollout
+            self._m["history_failures"] += 1
+            logger.warning("rhyme: no history for this step (%s: %s); dispatching like baseline", type(exc).__name__, exc)
+            return None
+        self._m["history_prompts"] = len(lengths)
+        self._m["unknown_prompts"] = len(uids) - len(lengths)
+        if not lengths:
+            return None  # first epoch: HistoPipe off
+        instances = sorted(pool.instances.values(), key=lambda i: i.name)
+        n = o.ranking_groups or min(8, len(instances))
+        n = max(1, min(n, len(instances), len(lengths)))
+        medians = {u: v[0] for u, v in lengths.items()}
+        boundaries = rank_boundaries(medians.values(), n)
+        members: list[list[str]] = [[] for _ in range(n)]
+        for u, m in medians.items():
+            members[ranking_group(m, boundaries)].append(u)
+        per_prompt = _samples_per_prompt(requests)
+        plan_wks = self._allocate(members, medians, per_prompt, requests, len(instances))
+        order = worker_order(self.step or 1, n)  # slot j serves ranking group order[j]
+        blocks: list[list[Instance]] = [[] for _ in range(n)]
+        at = 0
+        for g in order:
+            blocks[g] = instances[at: at + plan_wks[g]]
+            at += plan_wks[g]
+        max_hist = [max((lengths[u][1] for u in members[g]), default=None) for g in range(n)]
+        plan = _Plan(self.step, boundaries, blocks, max_hist, migration_beta(growth), lengths,
+                     size=[0] * n, running=[0] * n)
+        self._m["histopipe_active"] = 1
+        self._m["ranking_groups"] = n
+        self._m["beta"] = plan.beta
+        for g in range(n):
+            self._m[f"rank{g}_instances"] = len(blocks[g])
+        if o.histospec:
+            await self._serve_histories(plan, members)
+        return plan
+
+    def _allocate(self, members, medians, per_prompt: float, requests, wks: int) -> list[int]:
+        """Instances per ranking group: Figure 12 with the cost model's tau, else in proportion to
+        the groups' historical tokens (at least one each)."""
+        n = len(members)
+        work = [sum(medians[u] for u in members[g]) * per_prompt for g in range(n)]
+        if self.options.two_tier and self._cost is not None and all(members):
+            lens = [sum(medians[u] for u in m) / len(m) for m in members]  # representative lengths
+            prompt_len = sum(len(r.prompt_ids) for r in requests) / max(1, len(requests))
+            count = sum(len(m) for m in members) * per_prompt / n  # ranking groups are equal-sized
+            cost = self._cost
+
+            def tau(length, k):
+                return group_time(cost, count, length, k, prompt_len)
+
+            try:
+                plan, _, _ = plan_allocation(lens, wks, tau, t_train=self.options.t_train_s)
+                return plan
+            except ValueError as exc:
+                logger.warning("rhyme: tier-2 search failed (%s); instances in proportion to work", exc)
+        if not self.options.two_tier:
+            work = [1.0] * n
+        return _proportional(work, wks)
+
+    async def _serve_histories(self, plan: _Plan, members) -> None:
+        """Give engines that take drafter RPCs the histories of their ranking group's prompts."""
+        for g, block in enumerate(plan.blocks):
+            targets = [i for i in block if hasattr(i, "drafter_call") and getattr(i, "drafting", False)]
+            if not targets:
+                continue
+            try:
+                hist = await self.history.serve(members[g], self.step or None)
+            except Exception as exc:
+                self._m["history_failures"] += 1
+                logger.warning("rhyme: history drafts unavailable (%s: %s)", type(exc).__name__, exc)
+                return
+            for inst in targets:
+                have = self._served.setdefault(inst.name, set())
+                for uid, (toks, ws) in hist.items():
+                    if uid in have:
+                        continue
+                    try:
+                        await inst.drafter_call("add_history", uid, [t.tolist() for t in toks], list(ws))
+                        have.add(uid)
+                        self._m["served_histories"] += 1
+                    except Exception as exc:  # drafting is an optimisation
+                        self._m["history_failures"] += 1
+                        logger.warning("rhyme: could not load history into %s (%s)", inst.name, exc)
+                        break
+
+    # -- dispatch ------------------------------------------------------------------------------
+    async def rollout(self, requests: Sequence[GenRequest], pool: InstancePool) -> list[Completion]:
+        """A whole step at once (A/B runs, the simulator): planned from all its prompts."""
+        if self._plan_step != self.step:
+            self._plan = await self._make_plan(requests, pool)
+            self._plan_step = self.step
+        for r in requests:
+            self._count(r)
+        return await gather_or_abort([self._run(r, pool, self._plan) for r in requests])
+
+    async def submit(self, request: GenRequest, pool: InstancePool) -> Completion:
+        """One request at a time (veRL's agent loops): the step's first request opens a window of
+        ``plan_window_s`` in which the step's other requests arrive (veRL sends them together);
+        the plan is made from all of them. Later requests of unknown prompts go least-loaded."""
+        if self._plan_step != self.step:
+            if self._planning is None:
+                self._batch = []
+                self._planning = asyncio.ensure_future(self._plan_after_window(pool, self.step))
+            self._batch.append(request)
+            await asyncio.shield(self._planning)
+        self._count(request)
+        return await self._run(request, pool, self._plan)
+
+    async def _plan_after_window(self, pool: InstancePool, step: int) -> None:
+        try:
+            await asyncio.sleep(PLAN_WINDOW_S)
+            self._plan = await self._make_plan(self._batch, pool)
+        finally:
+            self._plan_step = step
+            self._planning = None
+
+    def _count(self, r: GenRequest) -> None:
+        plan = self._plan
+        g = plan.group_of(r.group_id) if plan is not None else None
+        if g is not None:
+            plan.running[g] += 1
+            plan.size[g] = max(plan.size[g], plan.running[g])
+
+    def _pick(self, block: Sequence[Instance], pool: InstancePool) -> Instance:
+        return min(block, key=lambda i: (pool.inflight[i.name], i.name))
+
+    async def _run(self, r: GenRequest, pool: InstancePool, plan: Optional[_Plan]) -> Completion:
+        g = plan.group_of(r.group_id) if plan is not None else None
+        if g is None or not plan.blocks[g]:
+            return await pool.run(pool.least_loaded(r.request_id), r)
+        try:
+            inst = self._pick(plan.blocks[g], pool)
+            top = plan.max_hist[g]
+            if not self.options.migration or top is None:
+                return await pool.run(inst, r)
+            st = Chunked(r)
+            chunk = min(migration_threshold(top, plan.beta) - 1, st.remaining)
+            migrated = False
+            while True:
+                c = await pool.run(inst, st.next_request(chunk))
+                st.add(c)
+                if not st.more(chunk, c):
+                    return st.result(c)
+                if not migrated:
+                    self._m["migration_checks"] += 1
+                    if should_migrate(st.generated, top, plan.beta, plan.running[g], plan.size[g], self.options.alpha):
+                        others = [i for i in pool.instances.values() if i is not inst]
+                        if others:
+                            inst = self._pick(others, pool)
+                        migrated = True
+                        self._m["migrations"] += 1
+                chunk = st.remaining if migrated else min(self.options.recheck_tokens, st.remaining)
+        finally:
+            plan.running[g] -= 1
+
+    def metrics(self) -> dict[str, float]:
+        return {k: float(v) for k, v in self._m.items()}
+
+
+def _samples_per_prompt(requests: Sequence[GenRequest]) -> float:
+    groups = {r.group_id for r in requests}
+    return len(requests) / max(1, len(groups))
+
+
+def _proportional(work: Sequence[float], wks: int) -> list[int]:
+    """``wks`` instances in proportion to ``work``, at least one each (largest remainders)."""
+    n = len(work)
+    if wks < n:
+        raise ValueError(f"{n} ranking groups need at least {n} instances, have {wks}")
+    total = sum(work)
+    if total <= 0:
+        work, total = [1.0] * n, float(n)
+    extra = wks - n
+    share = [extra * w / total for w in work]
+    plan = [1 + math.floor(s) for s in share]
+    left = wks - sum(plan)
+    for i in sorted(range(n), key=lambda i: -(share[i] - math.floor(share[i])))[:left]:
+        plan[i] += 1
+    return plan
+
