@@ -68,27 +68,33 @@ def test_batch_cutoff_table_and_runtime():
     from verl_ext.sim.cost import load_cost_model
 
     cost = load_cost_model("h100-7b")
-    table = cost.spec_batch_cutoffs(draft=2)
-    rates = [a for a, _ in table]
-    batches = [b for _, b in table]
-    assert rates == sorted(rates) and batches == sorted(batches)  # better acceptance: larger batches pay
-    assert batches[0] < batches[-1] <= cost.max_num_seqs
-    a, most = table[2]  # the cut-off is exact: one more request and drafting stops paying
+    table = cost.spec_batch_cutoffs(draft=2, contexts=(256, 4096))
+    for c in (256, 4096):
+        rows = [(a, b) for cc, a, b in table if cc == c]
+        assert [b for _, b in rows] == sorted(b for _, b in rows)  # better acceptance: larger batches pay
+        assert rows[-1][1] <= cost.max_num_seqs
+    short = dict(((a, b) for c, a, b in table if c == 256))
+    long = dict(((a, b) for c, a, b in table if c == 4096))
+    assert all(long[a] >= short[a] for a in short) and long != short  # memory-bound steps: drafting pays longer
+    a, most = 0.15, long[0.15]  # the cut-off is exact: one more request and drafting stops paying
     b = np.array([most, most + 1], dtype=float)
     plain, spec = cost.step_time(b, b * 4096, 0, 0), cost.step_time(b, b * 4096, 0, 2 * b)
     gain = (1 + a * 2) * plain / spec
     assert gain[0] >= 1 - 1e-9 and (most == cost.max_num_seqs or gain[1] < 1)
-    cut = BatchCutoff([(0.1, 4), (0.5, 16)])
+    cut = BatchCutoff([(0, 0.1, 4), (0, 0.5, 16), (1000, 0.1, 40), (1000, 0.5, 160)])
     assert cut.allows(1000)  # nothing measured yet: draft, to measure
     cut.observe(drafted=100, accepted=30)
     assert cut.rate == pytest.approx(0.3)
-    assert cut.allows(4) and not cut.allows(5) and cut.off_steps == 1
+    assert cut.allows(4, context=500) and not cut.allows(5, context=500) and cut.off_steps == 1
+    assert cut.allows(40, context=1000) and not cut.allows(41, context=5000)
     for _ in range(200):
         cut.observe(100, 90)
-    assert cut.max_batch() == 16
-    assert BatchCutoff([(0.2, 8)]).max_batch(rate=0.1) == 0  # below the table: never draft
+    assert cut.max_batch(context=10) == 16 and cut.max_batch(context=2000) == 160
+    assert BatchCutoff([(0, 0.2, 8)]).max_batch(rate=0.1) == 0  # below the table: never draft
     with pytest.raises(ValueError):
-        SpecOptions(batch_cutoffs=[(1.5, 3)])
+        SpecOptions(batch_cutoffs=[(0, 1.5, 3)])
+    with pytest.raises(ValueError, match="triples"):
+        SpecOptions(batch_cutoffs=[(0.5, 3)])
 
 
 # -- HistoPipe --------------------------------------------------------------------------------------
@@ -169,7 +175,7 @@ def test_vllm_proposer_aimd_window_and_cutoff():
 
     hist = list(range(100, 200))
     p = make_proposer(scopes="history", k=16, min_match=3, max_match=7, min_prob=0.0, aimd=True,
-                      batch_cutoffs=[(0.0, 1), (0.5, 64)])
+                      batch_cutoffs=[(0, 0.0, 1), (0, 0.5, 64)])
     assert p.rpc("add_history", "q", [hist], [1.0]) == 1
     b = ProposerBatch(p)
     b.add("a", [1, 2] + hist[:3], "g", history="q")

@@ -86,6 +86,8 @@ _LIMIT_FIELDS = ("kv_capacity_tokens", "max_num_seqs", "max_batched_tokens")
 _PRESET_PACKAGE = "verl_ext.sim"  # presets/*.json is package data of verl_ext.sim
 #: context (KV tokens) at which ``CostModel.draft_thresholds`` compares a lone request's steps
 DRAFT_THRESHOLD_KV_TOKENS = 4096
+#: context lengths (KV tokens per request) at which HistoSpec's batch cut-off is tabulated
+SPEC_CUTOFF_CONTEXTS = (256, 1024, 4096, 16384, 65536)
 
 
 class PresetError(ValueError):
@@ -185,32 +187,34 @@ class CostModel:
         k_single = int(ks[ok].max()) if ok.any() else 1
         return {"knee_tokens": knee, "k_single": k_single, "kv_tokens": int(kv_tokens)}
 
-    def spec_batch_cutoffs(self, draft: int = 2, kv_tokens: int = DRAFT_THRESHOLD_KV_TOKENS,
+    def spec_batch_cutoffs(self, draft: int = 2, contexts: Sequence[int] = SPEC_CUTOFF_CONTEXTS,
                            rates: Sequence[float] = tuple(i / 20 for i in range(1, 20))) -> tuple:
-        """HistoSpec's batch-size cut-off table (RhymeRL, seed 001 section 5.4): for each
-        acceptance rate ``a`` (accepted / drafted tokens), the largest batch ``B`` (at most
-        ``max_num_seqs``) at which drafting ``draft`` tokens per request still emits at least as
-        fast as plain decoding, each request holding ``kv_tokens`` of context::
+        """HistoSpec's batch-size cut-off table (RhymeRL, seed 001 section 5.4): for each context
+        length ``c`` (KV tokens per request) and acceptance rate ``a`` (accepted / drafted tokens),
+        the largest batch ``B`` (at most ``max_num_seqs``) at which drafting ``draft`` tokens per
+        request still emits at least as fast as plain decoding::
 
-            (1 + a * draft) * step_time(B, B * kv, 0, 0) >= step_time(B, B * kv, 0, B * draft)
+            (1 + a * draft) * step_time(B, B * c, 0, 0) >= step_time(B, B * c, 0, B * draft)
 
         ``draft`` is the smallest draft the AIMD window makes (its start): above the cut-off even
-        that costs more than it yields. Returns ``((a, B), ...)`` ascending in ``a``; ``B = 0``
-        where drafting never pays."""
+        that costs more than it yields. Longer contexts make steps more memory-bound, so drafting
+        pays at larger batches. Returns ``((c, a, B), ...)`` sorted; ``B = 0`` where drafting
+        never pays."""
         if draft < 1:
             raise ValueError(f"draft must be >= 1, got {draft}")
         b = np.arange(1, int(self.max_num_seqs) + 1, dtype=np.float64)
-        kv = b * float(kv_tokens)
-        plain = np.asarray(self.step_time(b, kv, 0, 0))
-        spec = np.asarray(self.step_time(b, kv, 0, b * draft))
         out = []
-        for a in rates:
-            if not 0.0 <= a <= 1.0:
-                raise ValueError(f"acceptance rates must be in [0, 1], got {a}")
-            ok = (1.0 + a * draft) * plain >= spec * (1 - 1e-12)
-            # the largest B such that every batch up to it pays (step cost grows with B)
-            bad = np.flatnonzero(~ok)
-            out.append((float(a), int(b[bad[0] - 1]) if bad.size and bad[0] > 0 else (0 if bad.size else int(b[-1]))))
+        for c in contexts:
+            kv = b * float(c)
+            plain = np.asarray(self.step_time(b, kv, 0, 0))
+            spec = np.asarray(self.step_time(b, kv, 0, b * draft))
+            for a in rates:
+                if not 0.0 <= a <= 1.0:
+                    raise ValueError(f"acceptance rates must be in [0, 1], got {a}")
+                ok = (1.0 + a * draft) * plain >= spec * (1 - 1e-12)
+                bad = np.flatnonzero(~ok)  # the largest B such that every batch up to it pays
+                most = int(b[-1]) if not bad.size else (int(b[bad[0] - 1]) if bad[0] > 0 else 0)
+                out.append((int(c), float(a), most))
         return tuple(out)
 
     # -- (de)serialisation --------------------------------------------------------------------

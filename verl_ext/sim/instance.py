@@ -453,7 +453,7 @@ class SimInstance(Instance):
         if self._cutoff is not None:
             B = len(self.running)
             rate = self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
-            most = self._cutoff.max_batch(rate)
+            most = self._cutoff.max_batch(rate, self._kv / max(1, B))
             if most is not None and B > most:
                 return np.zeros(B, dtype=np.int64)
         return caps

@@ -43,9 +43,10 @@ class SpecOptions:
     AIMD draft window (RhymeRL section 5.4, ``verl_ext.spec.aimd``): with ``aimd`` on, each
     request drafts at most its window, which starts at ``aimd_start``, grows by ``aimd_step`` after
     a fully accepted draft (up to ``k``) and resets to ``aimd_start`` on any rejection.
-    ``batch_cutoffs``: HistoSpec's ``((acceptance rate, max batch), ...)`` table
+    ``batch_cutoffs``: HistoSpec's ``((context, acceptance rate, max batch), ...)`` table
     (``CostModel.spec_batch_cutoffs``, ``verl_ext.spec.cutoff``); an engine whose batch exceeds the
-    cut-off for its measured acceptance rate does not draft that step. Empty: no cut-off.
+    cut-off for its batch's mean context and its measured acceptance rate does not draft that
+    step. Empty: no cut-off.
 
     ``group_source``: where group trees come from. ``"local"``: each engine builds them from the
     requests it runs itself. ``"remote"``: from the grouped draft server (``verl_ext.spec.dgds``),

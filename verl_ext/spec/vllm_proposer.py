@@ -130,7 +130,7 @@ class SuffixProposer:
             self._observe(req_ids, emitted)
             if self.aimd is not None:
                 np.minimum(ks, self.aimd.get_many(req_ids), out=ks)
-            if self.cutoff is not None and not self.cutoff.allows(b):
+            if self.cutoff is not None and not self.cutoff.allows(b, float(lens.mean())):
                 ks[:] = 0
         if self.adaptive and b:
             caps = self._caps(req_ids, b)
