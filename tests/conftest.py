@@ -49,3 +49,15 @@ async def spec_engine(model_dir):
     (inst,) = await factory.create(1)
     yield inst
     await inst.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    """A local Ray for the tests of Ray actors (draft server, history workers), per module."""
+    ray = pytest.importorskip("ray")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield ray
+    if started:
+        ray.shutdown()

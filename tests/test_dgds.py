@@ -166,17 +166,6 @@ async def test_client_needs_ray_or_handles():
 
 
 # ---- against real Ray actors -----------------------------------------------------------------
-@pytest.fixture(scope="module")
-def ray_session():
-    ray = pytest.importorskip("ray")
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    yield ray
-    if started:
-        ray.shutdown()
-
-
 class FakeInstance:
     """Instance-like: ``import_drafts`` into a real DraftIndex (what the engine's drafter does)."""
 

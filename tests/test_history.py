@@ -134,17 +134,6 @@ def test_history_feeds_the_draft_index():
     assert scope == SCOPE_HISTORY
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    ray = pytest.importorskip("ray")
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    yield ray
-    if started:
-        ray.shutdown()
-
-
 async def test_client_shards_and_survives_a_killed_worker(ray_session, tmp_path, caplog):
     ray = ray_session
     client = HistoryClient(num_shards=2, checkpoint_dir=str(tmp_path), num_cpus=0.5, timeout_s=20.0,

@@ -162,6 +162,7 @@ class RhymeStrategy(Strategy):
         self._plan_step: Optional[int] = None  # the step self._plan was made for (None: none yet)
         self._planning: Optional[asyncio.Future] = None
         self._batch: list = []
+        self._warned_no_history = False
         self._served: dict = {}  # instance name -> uids whose history it holds
         self._m = {"migrations": 0, "migration_checks": 0, "histopipe_active": 0, "history_prompts": 0,
                    "unknown_prompts": 0, "served_histories": 0, "history_failures": 0}
@@ -197,6 +198,10 @@ class RhymeStrategy(Strategy):
     # -- planning ------------------------------------------------------------------------------
     async def _make_plan(self, requests: Sequence[GenRequest], pool: InstancePool) -> Optional[_Plan]:
         o = self.options
+        if self.history is None and not self._warned_no_history:
+            self._warned_no_history = True
+            logger.warning("rhyme: no history provider (set_history was not called); requests are dispatched "
+                           "like baseline and HistoSpec has no history to draft from")
         if not o.histopipe or self.history is None:
             return None
         uids = sorted({r.group_id for r in requests})
