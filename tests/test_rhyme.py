@@ -289,3 +289,50 @@ def test_rhyme_bad_options_are_clear():
         make_strategy("rhyme", {"beta": 2})
     with pytest.raises(StrategyConfigError, match="profile"):
         make_strategy("rhyme", {"profile": "/nonexistent.json"}).engine_spec()
+
+
+def test_rhyme_serves_each_block_its_prompts_histories():
+    """A step's plan loads, with one drafter RPC per engine, the history of the prompts of the
+    engine's ranking group (and only those) into drafting engines; a failing engine costs drafts
+    only."""
+    import asyncio
+
+    from _util import make_proposer
+    from verl_ext.engine.instance import GenRequest, SamplingSpec
+    from verl_ext.history.store import HistoryStore, Trajectory
+    from verl_ext.pipe import make_strategy
+    from verl_ext.pipe.pool import InstancePool
+    from verl_ext.pipe.rhyme import LocalHistory
+
+    class Drafting:  # the drafter-RPC side of VLLMInstance, over a real proposer
+        drafting = True
+
+        def __init__(self, name, fail=False):
+            self.name, self.fail, self.calls = name, fail, 0
+            self.proposer = make_proposer(scopes="history", k=8)
+
+        async def drafter_call(self, op, *args):
+            self.calls += 1
+            if self.fail:
+                raise RuntimeError("engine gone")
+            return self.proposer.rpc(op, *args)
+
+    store = HistoryStore()
+    for g in range(4):
+        store.ingest([Trajectory(f"p{g}", 1, j, list(range(10 * (g + 1) + j)), 1.0) for j in range(2)])
+    insts = [Drafting("e0"), Drafting("e1"), Drafting("e2", fail=True), Drafting("e3")]
+    strategy = make_strategy("rhyme", {"ranking_groups": 4, "two_tier": False})
+    strategy.set_history(LocalHistory(store))
+    strategy.begin_step(3)  # odd: ascending, ranking group g on instance e<g>
+    reqs = [GenRequest(f"p{g}-s{j}", f"p{g}", [1], SamplingSpec(max_tokens=8), sample_index=j) for g in range(4) for j in range(2)]
+    pool = InstancePool(insts)
+    plan = asyncio.run(strategy._make_plan(reqs, pool))
+    assert [b[0].name for b in plan.blocks] == ["e0", "e1", "e2", "e3"]
+    assert [i.calls for i in insts] == [1, 1, 1, 1]
+    for g in (0, 1, 3):
+        st = insts[g].proposer.rpc("stats")
+        assert st["histories"] == 1, (g, st)
+    m = strategy.metrics()
+    assert m["served_histories"] == 3 and m["history_failures"] == 1
+    asyncio.run(strategy._serve_histories(plan, [[f"p{g}"] for g in range(4)]))  # already loaded: no new RPCs
+    assert [i.calls for i in insts] == [1, 1, 2, 1]

@@ -281,17 +281,17 @@ class RhymeStrategy(Strategy):
                 return
             for inst in targets:
                 have = self._served.setdefault(inst.name, set())
-                for uid, (toks, ws) in hist.items():
-                    if uid in have:
-                        continue
-                    try:
-                        await inst.drafter_call("add_history", uid, [t.tolist() for t in toks], list(ws))
-                        have.add(uid)
-                        self._m["served_histories"] += 1
-                    except Exception as exc:  # drafting is an optimisation
-                        self._m["history_failures"] += 1
-                        logger.warning("rhyme: could not load history into %s (%s)", inst.name, exc)
-                        break
+                new = [(u, [t.tolist() for t in toks], list(ws)) for u, (toks, ws) in hist.items() if u not in have]
+                if not new:
+                    continue
+                try:  # one RPC per engine and step
+                    await inst.drafter_call("add_histories", new)
+                except Exception as exc:  # drafting is an optimisation
+                    self._m["history_failures"] += 1
+                    logger.warning("rhyme: could not load history into %s (%s: %s)", inst.name, type(exc).__name__, exc)
+                    continue
+                have.update(u for u, _, _ in new)
+                self._m["served_histories"] += len(new)
 
     # -- dispatch ------------------------------------------------------------------------------
     async def rollout(self, requests: Sequence[GenRequest], pool: InstancePool) -> list[Completion]:

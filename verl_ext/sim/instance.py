@@ -34,8 +34,9 @@ It models one vLLM engine's continuous batching in virtual time (``verl_ext.sim.
   shared drafter). ``B`` is constant within a plan; a finish of a sibling on another instance
   ends the current plan at the next step boundary, so ``f`` is current at every step. Replayed
   schedules are split to the cap (``verl_ext.sim.drafting.split_schedule``, an approximation);
-  HistoSpec's batch-size cut-off (``SpecOptions.batch_cutoffs``) zeroes every cap of a plan whose
-  batch exceeds the cut-off for the instance's acceptance rate so far;
+  HistoSpec's batch-size cut-off (``SpecOptions.batch_cutoffs``, the engine's ``BatchCutoff``
+  fed with each plan's drafted and accepted tokens) zeroes every cap of a plan whose batch
+  exceeds the cut-off for its mean context and the measured acceptance rate;
   ``exact`` proposes at most the cap. The KV headroom of a step is ``1 + cap`` per request
   (admission and preemption use the largest total the caps can reach at that batch size).
 
@@ -279,6 +280,8 @@ class SimInstance(Instance):
             self.drafts += per_step_drafts
             self.draft_tokens += dtot
             self.accepted_tokens += total - B * steps
+            if self._cutoff is not None:  # the acceptance rate the engine's cut-off measures
+                self._cutoff.observe(dtot, total - B * steps)
         return done
 
     def _advance_split(self, steps: int, W: int, caps, step, piece, pieces) -> None:
@@ -452,8 +455,7 @@ class SimInstance(Instance):
         caps = self._caps() if self._adaptive else None
         if self._cutoff is not None:
             B = len(self.running)
-            rate = self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
-            most = self._cutoff.max_batch(rate, self._kv / max(1, B))
+            most = self._cutoff.max_batch(context=self._kv / max(1, B))
             if most is not None and B > most:
                 return np.zeros(B, dtype=np.int64)
         return caps
