@@ -334,5 +334,12 @@ def test_rhyme_serves_each_block_its_prompts_histories():
         assert st["histories"] == 1, (g, st)
     m = strategy.metrics()
     assert m["served_histories"] == 3 and m["history_failures"] == 1
-    asyncio.run(strategy._serve_histories(plan, [[f"p{g}"] for g in range(4)]))  # already loaded: no new RPCs
+    asyncio.run(strategy._serve_histories([(plan.blocks[g], [f"p{g}"]) for g in range(4)]))  # loaded: no new RPCs
     assert [i.calls for i in insts] == [1, 1, 2, 1]
+    # HistoSpec without HistoPipe: every drafting engine gets every prompt of the step
+    alone = make_strategy("rhyme", {"histopipe": False})
+    alone.set_history(LocalHistory(store))
+    alone.begin_step(2)
+    fresh = [Drafting("f0"), Drafting("f1")]
+    assert asyncio.run(alone._make_plan(reqs, InstancePool(fresh))) is None
+    assert [f.proposer.rpc("stats")["histories"] for f in fresh] == [4, 4]

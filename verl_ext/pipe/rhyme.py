@@ -202,9 +202,13 @@ class RhymeStrategy(Strategy):
             self._warned_no_history = True
             logger.warning("rhyme: no history provider (set_history was not called); requests are dispatched "
                            "like baseline and HistoSpec has no history to draft from")
-        if not o.histopipe or self.history is None:
+        if self.history is None:
             return None
         uids = sorted({r.group_id for r in requests})
+        if not o.histopipe:  # HistoSpec alone: every drafting engine gets the step's histories
+            if o.histospec:
+                await self._serve_histories([(list(pool.instances.values()), uids)])
+            return None
         try:
             lengths = await self.history.lengths(uids, self.step or None)
             growth = await self.history.growth_percentile(75.0, self.step or None)
@@ -241,7 +245,7 @@ class RhymeStrategy(Strategy):
         for g in range(n):
             self._m[f"rank{g}_instances"] = len(blocks[g])
         if o.histospec:
-            await self._serve_histories(plan, members)
+            await self._serve_histories(list(zip(blocks, members)))
         return plan
 
     def _allocate(self, members, medians, per_prompt: float, requests, wks: int) -> list[int]:
@@ -267,14 +271,15 @@ class RhymeStrategy(Strategy):
             work = [1.0] * n
         return _proportional(work, wks)
 
-    async def _serve_histories(self, plan: _Plan, members) -> None:
-        """Give engines that take drafter RPCs the histories of their ranking group's prompts."""
-        for g, block in enumerate(plan.blocks):
+    async def _serve_histories(self, assignments) -> None:
+        """Give engines that take drafter RPCs the histories of the prompts they will serve:
+        ``assignments`` is [(instances, uids)], one pair per ranking group's block."""
+        for block, uids in assignments:
             targets = [i for i in block if hasattr(i, "drafter_call") and getattr(i, "drafting", False)]
             if not targets:
                 continue
             try:
-                hist = await self.history.serve(members[g], self.step or None)
+                hist = await self.history.serve(uids, self.step or None)
             except Exception as exc:
                 self._m["history_failures"] += 1
                 logger.warning("rhyme: history drafts unavailable (%s: %s)", type(exc).__name__, exc)
