@@ -24,7 +24,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from verl_ext.spec import DraftIndex  # noqa: E402
-from verl_ext.spec.dgds import DGDSClient  # noqa: E402
+from verl_ext.spec.dgds import DGDSClient, import_deltas  # noqa: E402
 
 
 class Importer:
@@ -34,13 +34,8 @@ class Importer:
         self.refused = 0
 
     async def import_drafts(self, blobs):
-        out = []
-        for b in blobs:
-            try:
-                out.append(self.index.import_group(b))
-            except ValueError:
-                out.append(-1)
-                self.refused += 1
+        out = import_deltas(self.index, blobs)
+        self.refused += sum(n < 0 for n in out)
         return out
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from verl_ext.spec import SCOPE_GROUP, DraftIndex
-from verl_ext.spec.dgds import DGDSClient, GroupDraftServer, shard_of
+from verl_ext.spec.dgds import DGDSClient, GroupDraftServer, import_deltas, shard_of
 from _util import ProposerBatch as _Batch, make_proposer as _proposer  # noqa: E402
 
 DEPTH = 12
@@ -176,13 +176,7 @@ class FakeInstance:
 
     async def import_drafts(self, blobs):
         self.calls += 1
-        out = []
-        for b in blobs:
-            try:
-                out.append(self.index.import_group(b))
-            except ValueError:
-                out.append(-1)
-        return out
+        return import_deltas(self.index, blobs)
 
 
 async def _wait_for(cond, timeout=10.0):

@@ -42,16 +42,6 @@ def ranking_group(length: float, boundaries: Sequence[float]) -> int:
     return bisect.bisect_right(boundaries, float(length))
 
 
-def rank_prompts(lengths: dict, n: int) -> list[list]:
-    """Tier 1: the prompts of ``lengths`` ({uid: historical length}) in ``n`` equal ranking groups,
-    ascending (ties broken by uid, so the split is deterministic)."""
-    if n < 1:
-        raise ValueError(f"need >= 1 ranking groups, got {n}")
-    order = sorted(lengths, key=lambda u: (lengths[u], str(u)))
-    cuts = [round(i * len(order) / n) for i in range(n + 1)]
-    return [order[cuts[i]:cuts[i + 1]] for i in range(n)]
-
-
 def worker_order(step: int, n: int) -> list[int]:
     """Which ranking group each of the ``n`` worker slots serves at ``step`` (1-based): ascending
     on odd steps, descending on even steps."""

@@ -52,7 +52,7 @@ from verl_ext.spec._suffix import DraftIndex
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DGDSClient", "GroupDraftServer", "shard_of"]
+__all__ = ["DGDSClient", "GroupDraftServer", "import_deltas", "shard_of"]
 
 Update = tuple  # (group, seq, start, tokens, closed)
 
@@ -63,6 +63,18 @@ def shard_of(group: str, num_shards: int) -> int:
         return 0
     digest = hashlib.blake2b(str(group).encode("utf-8"), digest_size=8).digest()
     return int.from_bytes(digest, "little") % int(num_shards)
+
+
+def import_deltas(index: DraftIndex, blobs) -> list[int]:
+    """Import group delta ``blobs`` into ``index``: tokens applied per blob, -1 for a blob the index
+    refuses (e.g. a delta against a tree it evicted: the server resends it in full)."""
+    out = []
+    for blob in blobs:
+        try:
+            out.append(int(index.import_group(bytes(blob))))
+        except (ValueError, KeyError, RuntimeError, MemoryError):
+            out.append(-1)
+    return out
 
 
 def _tokens(tokens) -> np.ndarray:

@@ -40,6 +40,7 @@ import numpy as np
 
 from verl_ext.spec._suffix import SCOPE_GROUP, SCOPE_HISTORY, DraftIndex
 from verl_ext.spec.adaptive import draft_caps
+from verl_ext.spec.dgds import import_deltas
 from verl_ext.spec.options import MAX_K, SpecOptions, scope_mask
 
 def drafts_sampled_requests() -> bool:
@@ -234,12 +235,7 @@ class SuffixProposer:
         if op == "load":
             return self.index.load(args[0])
         if op == "import_groups":  # ([group delta blobs]) -> tokens applied per blob, -1 = refused
-            out = []
-            for blob in args[0]:
-                try:
-                    out.append(int(self.index.import_group(bytes(blob))))
-                except (ValueError, KeyError, RuntimeError, MemoryError):
-                    out.append(-1)  # e.g. a delta against a tree this engine evicted: resend in full
+            out = import_deltas(self.index, args[0])
             self.import_calls += 1
             self.imported_tokens += sum(n for n in out if n > 0)
             self.import_refused += sum(n < 0 for n in out)
