@@ -29,7 +29,6 @@ def main() -> None:
     ap.add_argument("--out", default="runs/bench_history.json")
     args = ap.parse_args()
 
-    from verl_ext.history.store import Trajectory
     from verl_ext.history.worker import HistoryWorker
     from verl_ext.spec import DraftIndex
     from verl_ext.sim.runner import SimConfig, load_workload

@@ -58,7 +58,8 @@ def test_length_statistics_and_growth():
     assert st.growth_rates() == []  # no earlier rollout to grow from
     assert st.median_length("a", step=2) == 25.0
     assert st.max_length("a", step=2) == 40
-    assert st.lengths(["a", "b", "c"], step=2) == {"a": (25.0, 40), "b": (100.0, 100)}
+    # (median, max, median of samples 0 and 2, of samples 1 and 3)
+    assert st.lengths(["a", "b", "c"], step=2) == {"a": (25.0, 40, 20.0, 30.0), "b": (100.0, 100, 100.0, 100.0)}
     assert st.median_length("a", step=1) is None
     st.ingest(_traj("a", 2, [44, 10]))
     st.ingest(_traj("b", 2, [50, 200]))
@@ -144,7 +145,7 @@ async def test_client_shards_and_survives_a_killed_worker(ray_session, tmp_path,
         assert shards == {0, 1}
         trajs = [t for u in uids for t in _traj(u, 1, [3, 4 + int(u[1:])])]
         assert await client.ingest(trajs) == 16
-        assert (await client.lengths(uids, step=2))["p5"] == (6.0, 9)
+        assert (await client.lengths(uids, step=2))["p5"] == (6.0, 9, 3.0, 9.0)
         assert len((await client.serve(uids, step=2))["p3"][0]) == 2
         assert len(await client.checkpoint()) == 2
         await client.ingest(_traj("late", 2, [5]))  # after the checkpoint: lost with the worker

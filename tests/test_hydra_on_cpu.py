@@ -9,7 +9,9 @@ import pytest
 from _util import compose_verl
 
 from verl_ext.config import VerlExtSettings, option_names
+from verl_ext.config.settings import HistorySettings
 from verl_ext.pipe import available_strategies
+from verl_ext.spec import SCOPE_HISTORY
 
 STRATEGIES = option_names()
 
@@ -56,12 +58,44 @@ def test_default_config_untouched():
         ({"verl_ext": {"strategy": "baseline", "options": {"x": 1}}}, "unknown option"),
         ({"verl_ext": {"strategy": "baseline", "seed": "one"}}, "seed must be an integer"),
         ({"verl_ext": "baseline"}, "must be a mapping"),
+        ({"verl_ext": {"strategy": "rhyme", "history": {"workers": 2}}}, "history: unknown key"),
+        ({"verl_ext": {"strategy": "rhyme", "history": {"shards": 0}}}, "shards must be an integer >= 1"),
+        ({"verl_ext": {"strategy": "rhyme", "history": {"timeout_s": 0}}}, "timeout_s must be a number > 0"),
+        ({"verl_ext": {"strategy": "rhyme", "history": {"checkpoint_dir": " "}}}, "checkpoint_dir must be"),
         ({}, "missing"),
     ],
 )
 def test_malformed_settings(custom, match):
     with pytest.raises(ValueError, match=match):
         VerlExtSettings.from_custom(custom)
+
+
+def test_rhyme_knobs_reach_the_engines_drafter(tmp_path):
+    """rollout=rhyme: the strategy's drafting knobs flow into veRL's engine_kwargs, which the vLLM
+    drafter accepts; the history workers' checkpoints default under veRL's checkpoint dir."""
+    from verl.utils.config import omega_conf_to_dataclass
+
+    from verl_ext.rollout.manager import runs_verl_ext_drafter
+    from verl_ext.spec.options import SpecOptions
+
+    opts = "actor_rollout_ref.rollout.custom.verl_ext.options"
+    cfg = compose_verl(["rollout@actor_rollout_ref.rollout=rhyme", "actor_rollout_ref.rollout.name=vllm",
+                        f"{opts}.spec_k=16", f"{opts}.min_match=2", f"{opts}.profile=h100-7b",
+                        f"trainer.default_local_dir={tmp_path}"])
+    assert runs_verl_ext_drafter(cfg.actor_rollout_ref.rollout)
+    vllm = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout).engine_kwargs["vllm"]
+    assert vllm["speculative_config"]["num_speculative_tokens"] == 16
+    spec = SpecOptions.from_dict({**vllm["additional_config"]["verl_ext_spec"], "k": 16})  # what the drafter does
+    assert spec.mask == SCOPE_HISTORY and spec.aimd and spec.min_match == 2 and spec.max_match == 7
+    assert spec.batch_cutoffs  # computed from the profile
+    settings = VerlExtSettings.from_custom(cfg.actor_rollout_ref.rollout.custom)
+    assert settings.history.resolve_dir(cfg.trainer.default_local_dir) == str(tmp_path / "verl_ext_history")
+    assert HistorySettings(checkpoint_dir=None).resolve_dir(str(tmp_path)) is None
+    # baseline starts no drafter; seer does
+    assert not runs_verl_ext_drafter(compose_verl(["rollout@actor_rollout_ref.rollout=baseline",
+                                                   "actor_rollout_ref.rollout.name=vllm"]).actor_rollout_ref.rollout)
+    assert runs_verl_ext_drafter(compose_verl(["rollout@actor_rollout_ref.rollout=seer",
+                                               "actor_rollout_ref.rollout.name=vllm"]).actor_rollout_ref.rollout)
 
 
 def _main_ppo(*args):

@@ -4,6 +4,8 @@ agent-loop workers, single-turn agent loop, `GlobalRequestLoadBalancer` and `LLM
 only the GPU inference servers are replaced by Ray actors with deterministic outputs.
 """
 
+import time
+
 import numpy as np
 import pytest
 
@@ -20,19 +22,45 @@ class FakeServer:
     def __init__(self, name):
         self.name = name
         self.calls = 0
+        self.sampling = []  # the sampling params of every request
+        self.rpcs = []  # collective_rpc calls
 
     async def generate(self, prompt_ids, sampling_params, request_id, image_data=None, video_data=None,
                        audio_data=None, mm_processor_kwargs=None, priority=0, kv_transfer_params=None):
         from verl.workers.rollout.replica import TokenOutput
 
         self.calls += 1
+        self.sampling.append((list(prompt_ids), dict(sampling_params)))
         k = 1 + sum(prompt_ids) % 5
         tokens = [(prompt_ids[-1] + i) % 1000 + 1 for i in range(k)]
         return TokenOutput(token_ids=tokens[: sampling_params.get("max_tokens", k)], log_probs=[-0.5] * len(tokens),
                            stop_reason="completed", extra_fields={"server": self.name})
 
+    async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):  # vLLMHttpServer's signature
+        self.rpcs.append((method, args))
+
     def num_calls(self):
         return self.calls
+
+    def seen(self):
+        return self.sampling, self.rpcs
+
+
+def _batch(k):
+    from verl import DataProto
+
+    prompts = [f"What is {i} + {i}?" for i in range(k)]
+    return DataProto.from_dict(
+        non_tensors={
+            "raw_prompt": np.array([[{"role": "user", "content": p}] for p in prompts], dtype=object),
+            "uid": np.array([f"uid-{i}" for i in range(k)], dtype=object),
+            "agent_name": np.array(["single_turn_agent"] * k, dtype=object),
+            "data_source": np.array(["arith"] * k, dtype=object),
+            "reward_model": np.array([{"ground_truth": "0"}] * k, dtype=object),
+            "extra_info": np.array([{}] * k, dtype=object),
+            "index": np.arange(k),
+        }
+    )
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +71,6 @@ def ray_local():
 
 
 def test_manager_generate_sequences_v0(ray_local, model_dir):
-    from verl import DataProto
     from verl.workers.rollout.llm_server import LLMServerClient
     from verl.workers.rollout.router import get_router_handle
 
@@ -62,20 +89,8 @@ def test_manager_generate_sequences_v0(ray_local, model_dir):
     manager = VerlExtAgentLoopManager.create(config=config, llm_client=LLMServerClient(config, load_balancer_handle=lb))
     assert type(manager).__name__ == "VerlExtAgentLoopManagerV0"
 
-    prompts = [f"What is {i} + {i}?" for i in range(4)]
-    uids = np.array([f"uid-{i}" for i in range(4)], dtype=object)
-    batch = DataProto.from_dict(
-        non_tensors={
-            "raw_prompt": np.array([[{"role": "user", "content": p}] for p in prompts], dtype=object),
-            "uid": uids,
-            "agent_name": np.array(["single_turn_agent"] * 4, dtype=object),
-            "data_source": np.array(["arith"] * 4, dtype=object),
-            "reward_model": np.array([{"ground_truth": "0"}] * 4, dtype=object),
-            "extra_info": np.array([{}] * 4, dtype=object),
-            "index": np.arange(4),
-        }
-    )
-    gen = batch.repeat(repeat_times=n, interleave=True)  # what veRL's V0 trainer does
+    uids = [f"uid-{i}" for i in range(4)]
+    gen = _batch(4).repeat(repeat_times=n, interleave=True)  # what veRL's V0 trainer does
     out = manager.generate_sequences(gen)
 
     # order and uids: the output keeps the interleaved input order
@@ -91,9 +106,76 @@ def test_manager_generate_sequences_v0(ray_local, model_dir):
     # every request went through the strategy dispatcher, spread over both servers
     calls = ray.get([s.num_calls.remote() for s in servers.values()])
     assert sum(calls) == 4 * n and min(calls) > 0
+    # no drafter configured: veRL's sampling params go through untouched, and no RPCs
+    for sampling, rpcs in ray.get([s.seen.remote() for s in servers.values()]):
+        assert rpcs == [] and all("extra_args" not in params for _, params in sampling)
     timing = out.meta_info["timing"]
     assert timing["verl_ext/requests"] == 4 * n
     assert timing["verl_ext/output_tokens"] == float(mask.sum())
+
+
+def test_manager_rhyme_feeds_history_and_serves_it_next_epoch(ray_local, model_dir, tmp_path):
+    """rollout=rhyme on veRL's V0 path: step 1 (no history) feeds the history workers; step 2 (the
+    same prompts, next epoch) plans HistoPipe from their lengths and loads each server's drafter
+    with the step-1 responses of the prompts it serves, keyed like the requests."""
+    from verl.workers.rollout.llm_server import LLMServerClient
+    from verl.workers.rollout.router import get_router_handle
+
+    from verl_ext.rollout.dispatcher import prompt_group_id
+    from verl_ext.rollout.manager import VerlExtAgentLoopManager
+
+    n = 3
+    config = compose_verl(
+        ["rollout@actor_rollout_ref.rollout=rhyme", f"actor_rollout_ref.model.path={model_dir}",
+         "actor_rollout_ref.rollout.name=vllm", f"actor_rollout_ref.rollout.n={n}",
+         "actor_rollout_ref.rollout.agent.num_workers=2", "actor_rollout_ref.rollout.prompt_length=128",
+         "actor_rollout_ref.rollout.response_length=16", "trainer.use_v1=false",
+         f"trainer.default_local_dir={tmp_path}", "data.return_raw_chat=true"],
+    )
+    servers = {f"s{i}": FakeServer.remote(f"s{i}") for i in range(2)}
+    lb = get_router_handle(servers=servers, router_config_path=None, full_determinism=False)
+    manager = VerlExtAgentLoopManager.create(config=config, llm_client=LLMServerClient(config, load_balancer_handle=lb))
+
+    def run(step):
+        gen = _batch(4).repeat(repeat_times=n, interleave=True)
+        gen.meta_info["global_steps"] = step
+        return manager.generate_sequences(gen)
+
+    out1 = run(1)
+    m1 = out1.meta_info["timing"]
+    assert m1["verl_ext/rhyme/histopipe_active"] == 0  # first epoch: no history
+    seen = ray.get([s.seen.remote() for s in servers.values()])
+    assert all(rpcs == [] for _, rpcs in seen)
+    # every request names its group and history key for the drafter
+    for prompts, params in (x for sampling, _ in seen for x in sampling):
+        assert params["extra_args"]["verl_ext"] == {"group_id": prompt_group_id(prompts),
+                                                   "prompt_key": prompt_group_id(prompts)}
+    responses = {}
+    mask = out1.batch["response_mask"].bool()
+    for row in range(len(out1)):
+        p = out1.batch["prompts"][row][out1.batch["attention_mask"][row][: out1.batch["prompts"].shape[1]].bool()]
+        responses.setdefault(prompt_group_id(p.tolist()), []).append(out1.batch["responses"][row][mask[row]].tolist())
+
+    out2 = run(2)
+    m2 = out2.meta_info["timing"]
+    assert m2["verl_ext/rhyme/histopipe_active"] == 1 and m2["verl_ext/rhyme/history_prompts"] == 4
+    assert m2["verl_ext/history/failures"] == 0 and m2["verl_ext/history/ingested"] >= 4 * n
+    loaded = {}
+    for _, rpcs in ray.get([s.seen.remote() for s in servers.values()]):
+        assert [m for m, _ in rpcs] == ["verl_ext_drafter"]  # one call per server and step
+        (op, items), = (args for _, args in rpcs)
+        assert op == "add_histories"
+        for key, toks, weights in items:
+            loaded[key] = sorted(toks)
+            assert weights == [pytest.approx(0.1)] * n  # unscored responses: the floor weight
+    assert loaded == {k: sorted(v) for k, v in responses.items()}
+    # step 1 was checkpointed when step 2 began
+    ckpt = tmp_path / "verl_ext_history" / "history-0-of-1.vxh"
+    for _ in range(100):
+        if ckpt.exists():
+            break
+        time.sleep(0.1)
+    assert ckpt.stat().st_size > 0
 
 
 def test_manager_rejects_bad_settings(ray_local, model_dir):

@@ -12,6 +12,7 @@ from verl_ext.pipe.histopipe import (
     migration_threshold,
     plan_allocation,
     rank_boundaries,
+    rank_correlation,
     ranking_group,
     should_migrate,
     worker_order,
@@ -197,9 +198,10 @@ def test_vllm_proposer_aimd_window_and_cutoff():
 
 
 # -- the `rhyme` strategy in the simulator ----------------------------------------------------------
-def _two_epoch_trace(groups=8, samples=4, outlier=("p0", 1, 900)):
+def _two_epoch_trace(groups=8, samples=4, outlier=("p0", 1, 900), ranked=True):
     """Epoch 0 and 1 of ``groups`` prompts whose lengths rank the same in both epochs (prompt g
-    answers in ~(g + 1) * 20 tokens); in epoch 1 one response is an outlier."""
+    answers in ~(g + 1) * 20 tokens); in epoch 1 one response is an outlier. ``ranked=False``:
+    every response length is drawn from one distribution (no prompt predicts anything)."""
     from verl_ext.trace.format import Trace
 
     rng = np.random.default_rng(0)
@@ -207,7 +209,7 @@ def _two_epoch_trace(groups=8, samples=4, outlier=("p0", 1, 900)):
     for e in (0, 1):
         for g in range(groups):
             for j in range(samples):
-                n = (g + 1) * 20 + int(rng.integers(0, 5))
+                n = (g + 1) * 20 + int(rng.integers(0, 5)) if ranked else int(rng.integers(20, 400))
                 if e == 1 and (f"p{g}", j) == outlier[:2]:
                     n = outlier[2]
                 rows.append(dict(epoch=e, step=e, prompt_uid=f"p{g}", sample_index=j, prompt_ids=[1, 2, 3, g],
@@ -269,6 +271,49 @@ def test_rhyme_blocks_alternation_and_outlier_migration():
     assert [b[0].name for b in plan.blocks] == ["sim-0", "sim-1", "sim-2", "sim-3"]
 
 
+def test_rank_correlation():
+    assert rank_correlation([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert rank_correlation([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    # ties take their mean rank: ranks (0, 1.5, 1.5, 3) vs (0, 1, 2, 3)
+    assert rank_correlation([1, 5, 5, 9], [1, 2, 3, 4]) == pytest.approx(4.5 / math.sqrt(4.5 * 5))
+    assert rank_correlation([1, 2], [2, 1]) is None and rank_correlation([3, 3, 3], [1, 2, 3]) is None
+    with pytest.raises(ValueError, match="paired"):
+        rank_correlation([1, 2, 3], [1, 2])
+
+
+def test_rhyme_tracks_rank_accuracy_and_falls_back_where_ranks_predict_nothing():
+    """Stable ranks: HistoPipe plans (split-half evidence first, then the step's measured
+    accuracy). Ranks that predict nothing: it sits the step out, and the rollout is complete."""
+    import asyncio
+
+    from verl_ext.pipe.pool import InstancePool
+    from verl_ext.sim.instance import SimInstance
+
+    from test_sim import _cost
+
+    tr = _two_epoch_trace(groups=16, outlier=("none", 0, 0))
+    strategy, arm, reqs = _sim_rhyme(tr, 1, {"ranking_groups": 4})
+    m = strategy.metrics()
+    assert m["histopipe_active"] == 1 and m["histopipe_fallbacks"] == 0
+    assert m["rank_corr_observed"] == 0 and m["rank_corr"] > 0.9  # split-half within epoch 0
+    strategy.begin_step(3)  # the next plan reads how epoch 1's lengths followed the prediction
+    pool = InstancePool([SimInstance(f"sim-{k}", _cost(), None, None) for k in range(4)])
+    assert asyncio.run(strategy._make_plan(reqs, pool)) is not None
+    assert strategy.metrics()["rank_corr_observed"] == 1 and strategy.metrics()["rank_corr"] > 0.9
+
+    noisy = _two_epoch_trace(groups=16, outlier=("none", 0, 0), ranked=False)
+    strategy, arm, reqs = _sim_rhyme(noisy, 1, {"ranking_groups": 4})
+    m = strategy.metrics()
+    assert m["histopipe_active"] == 0 and m["histopipe_fallbacks"] == 1 and m["rank_corr"] < 0.2
+    assert sum(r["output_tokens"] for r in arm.records) == int(noisy.response_lengths()[noisy.epoch == 1].sum())
+    # measured accuracy is as poor: it stays out; with the check off, HistoPipe plans anyway
+    strategy.begin_step(3)
+    assert asyncio.run(strategy._make_plan(reqs, pool)) is None
+    assert strategy.metrics()["rank_corr_observed"] == 1 and strategy.metrics()["histopipe_fallbacks"] == 2
+    strategy, _, _ = _sim_rhyme(noisy, 1, {"ranking_groups": 4, "min_rank_corr": -1.0})
+    assert strategy.metrics()["histopipe_active"] == 1
+
+
 def test_rhyme_two_tier_gives_long_groups_more_instances():
     tr = _two_epoch_trace(groups=8, outlier=("none", 0, 0))
     strategy, arm, _ = _sim_rhyme(tr, 1, {"ranking_groups": 2}, instances=6)
@@ -286,7 +331,9 @@ def test_rhyme_bad_options_are_clear():
     with pytest.raises(StrategyConfigError, match="unknown option"):
         make_strategy("rhyme", {"beta": 2})
     with pytest.raises(StrategyConfigError, match="profile"):
-        make_strategy("rhyme", {"profile": "/nonexistent.json"}).engine_spec()
+        make_strategy("rhyme", {"profile": "/nonexistent.json"})
+    with pytest.raises(StrategyConfigError, match="min_rank_corr"):
+        make_strategy("rhyme", {"min_rank_corr": 2})
 
 
 def test_rhyme_serves_each_block_its_prompts_histories():

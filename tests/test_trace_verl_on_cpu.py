@@ -237,13 +237,15 @@ def test_v1_rows():
 
 
 def test_v1_worker_hook(monkeypatch):
-    """The V1 worker removes the info from the output before veRL stores it, and reports rows then `done`."""
+    """The V1 worker removes the info from the output before veRL stores it, feeds the history
+    workers (through the dispatcher), and reports trace rows then `done`."""
     import asyncio
 
     pytest.importorskip("transfer_queue")
     from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
     from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopWorkerTQ
 
+    from verl_ext.rollout.dispatcher import prompt_group_id
     from verl_ext.trace._verl_v1 import TracingAgentLoopWorkerTQ
 
     base = AgentLoopWorkerTQ.__ray_actor_class__
@@ -272,8 +274,12 @@ def test_v1_worker_hook(monkeypatch):
     class Collector:
         add, done = Remote("add"), Remote("done")
 
+    class Dispatcher:
+        ingest = Remote("ingest")
+
     class Client:
         verl_ext_trace = (Collector(), TraceSettings(dir="/x", every=1), 8)
+        verl_ext_history = Dispatcher()
 
     worker = object.__new__(TracingAgentLoopWorkerTQ)
     worker.llm_client = Client()
@@ -282,7 +288,11 @@ def test_v1_worker_hook(monkeypatch):
     asyncio.run(worker._agent_loop_postprocess(out, False, uid="u1", session_id=2, global_steps=5))
     assert seen["extra"] == {"k": 1}  # TransferQueue never sees the trace info
     asyncio.run(worker._run_prompt({"uid": "u1", "global_steps": 5}, {}, {"validate": False, "step": 5}))
-    assert [c[0] for c in calls] == ["add", "done"]
+    assert [c[0] for c in calls] == ["ingest", "add", "done"]
+    # the history feed: (prompt key, sample, response, reward after veRL's post-processing)
+    _, step, items = calls.pop(0)
+    (key, sample, response, reward), = items
+    assert (step, key, sample, response.tolist(), reward) == (5, prompt_group_id([1, 2]), 2, [3, 4], 1.0)
     _, step, uid, rows = calls[0]
     assert (step, uid) == (5, "u1") and rows[0]["reward"] == 1.0 and rows[0]["sample_index"] == 2
     assert rows[0]["response_ids"] == [3, 4] and rows[0]["finish_reason"] == "stop"

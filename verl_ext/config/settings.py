@@ -7,13 +7,13 @@ here instead, failing with a clear message on anything malformed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from importlib import resources
 from typing import Any, Mapping, Optional
 
 from verl_ext.pipe.strategy import StrategyConfigError, get_strategy_class, parse_options
 
-_KEYS = ("strategy", "options", "seed", "trace")
+_KEYS = ("strategy", "options", "seed", "trace", "history")
 _TRACE_KEYS = ("dir", "every")
 
 
@@ -60,11 +60,71 @@ class TraceSettings:
 
 
 @dataclass(frozen=True)
+class HistorySettings:
+    """``custom.verl_ext.history``: the history workers (``verl_ext.history``), started only for
+    strategies that read history (``rhyme``).
+
+    ``shards``: worker actors (prompts sharded by a hash of their key); ``keep``: rollouts kept per
+    prompt; ``max_bytes``: memory cap per shard (least recently ingested prompts evicted);
+    ``checkpoint_dir``: where shards checkpoint and restore from (``auto`` =
+    ``<trainer.default_local_dir>/verl_ext_history``; null = no checkpoints);
+    ``checkpoint_every``: checkpoint every this many training steps; ``num_cpus``: Ray CPUs per
+    worker (no GPU); ``nice``: OS niceness the workers give themselves; ``timeout_s``: the most any
+    history call may take before the rollout goes on without history.
+    """
+
+    shards: int = 1
+    keep: int = 1
+    max_bytes: int = 1 << 30
+    checkpoint_dir: Optional[str] = "auto"
+    checkpoint_every: int = 1
+    num_cpus: float = 1.0
+    nice: int = 10
+    timeout_s: float = 30.0
+
+    @classmethod
+    def parse(cls, raw: Any) -> "HistorySettings":
+        if raw is None:
+            return cls()
+        if not isinstance(raw, dict):
+            raise StrategyConfigError(f"custom.verl_ext.history must be a mapping like {{shards: 1}}, got {raw!r}")
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(set(raw) - set(names))
+        if unknown:
+            raise StrategyConfigError(f"custom.verl_ext.history: unknown key(s) {unknown}; valid keys: {names}")
+        out = cls(**raw)
+        for name, low in (("shards", 1), ("keep", 1), ("max_bytes", 0), ("checkpoint_every", 1), ("nice", 0)):
+            v = getattr(out, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < low:
+                raise StrategyConfigError(f"custom.verl_ext.history.{name} must be an integer >= {low}, got {v!r}")
+        for name in ("num_cpus", "timeout_s"):
+            v = getattr(out, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
+                raise StrategyConfigError(f"custom.verl_ext.history.{name} must be a number > 0, got {v!r}")
+        d = out.checkpoint_dir
+        if d is not None and (not isinstance(d, str) or not d.strip()):
+            raise StrategyConfigError(f"custom.verl_ext.history.checkpoint_dir must be a path, 'auto' or null, got {d!r}")
+        return out
+
+    def resolve_dir(self, default_local_dir: Optional[str]) -> Optional[str]:
+        """The absolute checkpoint directory (``auto`` under veRL's checkpoint dir), or None."""
+        import os
+
+        d = self.checkpoint_dir
+        if d == "auto":
+            if not default_local_dir:
+                return None
+            d = os.path.join(str(default_local_dir), "verl_ext_history")
+        return None if d is None else os.path.abspath(os.path.expanduser(d))
+
+
+@dataclass(frozen=True)
 class VerlExtSettings:
     strategy: str = "baseline"
     options: dict = field(default_factory=dict)
     seed: int = 0
     trace: TraceSettings = field(default_factory=TraceSettings)
+    history: HistorySettings = field(default_factory=HistorySettings)
 
     @classmethod
     def from_custom(cls, custom: Optional[Mapping[str, Any]]) -> "VerlExtSettings":
@@ -93,7 +153,8 @@ class VerlExtSettings:
         # fails when the manager is built, not in the middle of the first rollout.
         parse_options(get_strategy_class(strategy).Options, options, f"strategy '{strategy}'")
         trace = TraceSettings.parse(raw.get("trace"))
-        return cls(strategy=strategy, options=options, seed=seed, trace=trace)
+        history = HistorySettings.parse(raw.get("history"))
+        return cls(strategy=strategy, options=options, seed=seed, trace=trace, history=history)
 
 
 def _to_dict(node: Any) -> Any:

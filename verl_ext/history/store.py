@@ -213,13 +213,17 @@ class HistoryStore:
         r = self._last(uid, step)
         return None if r is None else int(max(r.lengths))
 
-    def lengths(self, uids: Iterable[str], step: Optional[int] = None) -> dict[str, tuple[float, int]]:
-        """{uid: (median, max)} of the prompts that have history before ``step``."""
+    def lengths(self, uids: Iterable[str], step: Optional[int] = None) -> dict[str, tuple]:
+        """{uid: (median, max, median of the even samples, median of the odd samples)} of the
+        prompts that have history before ``step``; the two half medians (equal for one sample)
+        let HistoPipe measure how reproducible a rank is (split-half reliability)."""
         out = {}
         for u in uids:
             r = self._last(u, step)
             if r is not None:
-                out[str(u)] = (float(np.median(r.lengths)), int(max(r.lengths)))
+                ls = r.lengths
+                odd = ls[1::2] or ls
+                out[str(u)] = (float(np.median(ls)), int(max(ls)), float(np.median(ls[0::2])), float(np.median(odd)))
         return out
 
     def growth_rates(self, step: Optional[int] = None) -> list[float]:

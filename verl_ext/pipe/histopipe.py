@@ -3,6 +3,7 @@
 * **Ranking (section 6.2).** Prompts are ranked by their historical response length (the median
   of the prompt's group in its last rollout) and split into ``N`` equal ranking groups
   (``rank_boundaries`` / ``ranking_group``).
+  ``rank_correlation`` measures whether those ranks predict anything (Spearman).
 * **Alternation (section 6.2).** On odd steps ranking groups go to workers ``0..N-1`` in ascending
   order of length, on even steps in descending order (``worker_order``).
 * **Migration thresholds (section 6.3).** A rollout migrates when it is among the last ``alpha``
@@ -40,6 +41,38 @@ def rank_boundaries(lengths: Sequence[float], n: int) -> list[float]:
 def ranking_group(length: float, boundaries: Sequence[float]) -> int:
     """The ranking group (0 = shortest) of a prompt whose historical length is ``length``."""
     return bisect.bisect_right(boundaries, float(length))
+
+
+def rank_correlation(xs: Sequence[float], ys: Sequence[float]) -> Optional[float]:
+    """Spearman's rank correlation of paired lengths (ties get their mean rank); None for fewer
+    than 3 pairs or when either side is constant. HistoPipe's check that historical ranks predict
+    the next rollout's (section 6.1 reports them stable; small models at temperature 1 are not)."""
+    if len(xs) != len(ys):
+        raise ValueError(f"rank_correlation needs paired values, got {len(xs)} and {len(ys)}")
+    if len(xs) < 3:
+        return None
+    rx, ry = _ranks(xs), _ranks(ys)
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    sxy = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    sxx = sum((a - mx) ** 2 for a in rx)
+    syy = sum((b - my) ** 2 for b in ry)
+    if sxx == 0 or syy == 0:
+        return None
+    return sxy / math.sqrt(sxx * syy)
+
+
+def _ranks(xs: Sequence[float]) -> list[float]:
+    order = sorted(range(len(xs)), key=lambda i: xs[i])
+    ranks = [0.0] * len(xs)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2.0
+        i = j + 1
+    return ranks
 
 
 def worker_order(step: int, n: int) -> list[int]:

@@ -18,6 +18,12 @@ HistoPipe scheduling from last epoch's lengths.
   proportion to the groups' historical tokens). Alternation: ranking groups take the instance
   blocks in ascending order on odd steps and descending on even steps. Within its block a request
   goes to the least-loaded instance.
+* **Weak-signal fallback.** Where historical ranks barely predict the next rollout (small models
+  at temperature 1), pinning ranking groups to blocks only unbalances the instances. Before each
+  plan the strategy measures the Spearman correlation between the last planned step's predicted
+  and produced lengths (before any such step: between the two halves of each prompt's history);
+  below ``min_rank_corr`` HistoPipe sits the step out (least-loaded dispatch; HistoSpec still
+  drafts), and it comes back when the correlation does (``metrics()["rank_corr"]``).
 * **Intra-step migration (section 6.3).** A request first runs up to its ranking group's length
   threshold ``beta x`` (longest historical response in the group), ``beta`` = max(1.1, 75th
   percentile of last epoch's growth rates). If it is still going, and it is among the last
@@ -40,6 +46,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+import numpy as np
+
 from verl_ext.engine.instance import Completion, GenRequest, Instance
 from verl_ext.pipe.chunks import Chunked
 from verl_ext.pipe.histopipe import (
@@ -49,6 +57,7 @@ from verl_ext.pipe.histopipe import (
     migration_threshold,
     plan_allocation,
     rank_boundaries,
+    rank_correlation,
     ranking_group,
     should_migrate,
     worker_order,
@@ -60,6 +69,8 @@ logger = logging.getLogger(__name__)
 
 #: how long ``submit`` collects a step's requests before planning it (veRL sends them together)
 PLAN_WINDOW_S = 0.05
+#: fewest prompts a rank-correlation check needs to count
+MIN_RANK_PAIRS = 8
 
 
 @dataclass(frozen=True)
@@ -93,6 +104,10 @@ class RhymeOptions:
     #: cost model (preset name or profile JSON) for tau and the cut-off on real engines;
     #: "" = the simulator's own, and no cut-off / proportional tier 2 on real engines
     profile: str = ""
+    #: HistoPipe sits a step out (least-loaded dispatch) when historical ranks predicted lengths
+    #: worse than this Spearman correlation: measured on the previous step's prompts, or before
+    #: that, split-half within the history (-1 = never)
+    min_rank_corr: float = 0.2
 
     def __post_init__(self):
         for name in ("histospec", "histopipe", "two_tier", "migration", "batch_cutoff"):
@@ -112,6 +127,8 @@ class RhymeOptions:
             raise ValueError(f"aimd_start must be in [1, spec_k], got {self.aimd_start}")
         if not 1 <= self.min_match <= self.max_match:
             raise ValueError(f"need 1 <= min_match <= max_match, got {self.min_match}, {self.max_match}")
+        if not -1.0 <= self.min_rank_corr <= 1.0:
+            raise ValueError(f"min_rank_corr must be in [-1, 1] (-1 = never fall back), got {self.min_rank_corr}")
 
 
 class LocalHistory:
@@ -152,20 +169,23 @@ class _Plan:
 @register_strategy("rhyme")
 class RhymeStrategy(Strategy):
     Options = RhymeOptions
+    uses_history = True
 
     def __init__(self, options=None):
         super().__init__(options)
         self.history = None
         self.step = 0
-        self._cost = None
+        self._cost = self._load_profile()
         self._plan: Optional[_Plan] = None
         self._plan_step: Optional[int] = None  # the step self._plan was made for (None: none yet)
         self._planning: Optional[asyncio.Future] = None
         self._batch: list = []
         self._warned_no_history = False
         self._served: dict = {}  # instance name -> uids whose history it holds
-        self._m = {"migrations": 0, "migration_checks": 0, "histopipe_active": 0, "history_prompts": 0,
-                   "unknown_prompts": 0, "served_histories": 0, "history_failures": 0}
+        self._predicted: dict = {}  # uid -> historical median length, for the step being rolled out
+        self._observed: dict = {}  # uid -> [response lengths] of that step
+        self._m = {"migrations": 0, "migration_checks": 0, "histopipe_active": 0, "histopipe_fallbacks": 0,
+                   "history_prompts": 0, "unknown_prompts": 0, "served_histories": 0, "history_failures": 0}
 
     # -- inputs -------------------------------------------------------------------------------
     def set_history(self, history) -> None:
@@ -177,16 +197,21 @@ class RhymeStrategy(Strategy):
         """The training step the next requests belong to (1-based; odd = ascending order)."""
         self.step = int(step)
 
-    def engine_spec(self, cost=None):
-        o = self.options
-        self._cost = cost
-        if o.profile:
-            from verl_ext.sim.cost import load_cost_model
+    def _load_profile(self):
+        if not self.options.profile:
+            return None
+        from verl_ext.sim.cost import load_cost_model
 
-            try:
-                self._cost = load_cost_model(o.profile)
-            except (OSError, ValueError) as exc:
-                raise StrategyConfigError(f"strategy 'rhyme': profile: {exc}") from exc
+        try:
+            return load_cost_model(self.options.profile)
+        except (OSError, ValueError) as exc:
+            raise StrategyConfigError(f"strategy 'rhyme': profile: {exc}") from exc
+
+    def engine_spec(self, cost=None):
+        """``cost``: the instances' cost model (the simulator's), used unless ``profile`` is set."""
+        o = self.options
+        if not o.profile:
+            self._cost = cost
         if not o.histospec:
             return None
         from verl_ext.spec.options import SpecOptions
@@ -218,8 +243,19 @@ class RhymeStrategy(Strategy):
             return None
         self._m["history_prompts"] = len(lengths)
         self._m["unknown_prompts"] = len(uids) - len(lengths)
+        corr = self._rank_reliability(lengths)
+        self._predicted = {u: v[0] for u, v in lengths.items()}
+        self._observed = {}
+        self._m["histopipe_active"] = 0
         if not lengths:
             return None  # first epoch: HistoPipe off
+        if corr is not None and corr < o.min_rank_corr:
+            self._m["histopipe_fallbacks"] += 1
+            logger.info("rhyme: step %d: historical ranks predict lengths poorly (Spearman %.2f < %.2f); "
+                        "HistoPipe sits this step out", self.step, corr, o.min_rank_corr)
+            if o.histospec:
+                await self._serve_histories([(list(pool.instances.values()), uids)])
+            return None
         instances = sorted(pool.instances.values(), key=lambda i: i.name)
         n = o.ranking_groups or min(8, len(instances))
         n = max(1, min(n, len(instances), len(lengths)))
@@ -247,6 +283,23 @@ class RhymeStrategy(Strategy):
         if o.histospec:
             await self._serve_histories(list(zip(blocks, members)))
         return plan
+
+    def _rank_reliability(self, lengths: dict) -> Optional[float]:
+        """How well historical ranks predict lengths: Spearman between the last planned step's
+        predictions and what its requests produced (at least ``MIN_RANK_PAIRS`` prompts), else
+        between the two halves of each prompt's history (split-half). None: no evidence."""
+        pairs = [(self._predicted[u], float(np.median(ls))) for u, ls in self._observed.items()
+                 if ls and u in self._predicted]
+        if len(pairs) >= MIN_RANK_PAIRS:
+            corr, source = rank_correlation(*zip(*pairs)), 1
+        else:
+            halves = [(v[2], v[3]) for v in lengths.values() if len(v) >= 4]
+            corr = rank_correlation(*zip(*halves)) if len(halves) >= MIN_RANK_PAIRS else None
+            source = 0
+        if corr is not None:
+            self._m["rank_corr"] = corr
+            self._m["rank_corr_observed"] = source
+        return corr
 
     def _allocate(self, members, medians, per_prompt: float, requests, wks: int) -> list[int]:
         """Instances per ranking group: Figure 12 with the cost model's tau, else in proportion to
@@ -306,7 +359,7 @@ class RhymeStrategy(Strategy):
             self._plan_step = self.step
         for r in requests:
             self._count(r)
-        return await gather_or_abort([self._run(r, pool, self._plan) for r in requests])
+        return await gather_or_abort([self._run_observed(r, pool, self._plan) for r in requests])
 
     async def submit(self, request: GenRequest, pool: InstancePool) -> Completion:
         """One request at a time (veRL's agent loops): the step's first request opens a window of
@@ -319,7 +372,7 @@ class RhymeStrategy(Strategy):
             self._batch.append(request)
             await asyncio.shield(self._planning)
         self._count(request)
-        return await self._run(request, pool, self._plan)
+        return await self._run_observed(request, pool, self._plan)
 
     async def _plan_after_window(self, pool: InstancePool, step: int) -> None:
         try:
@@ -335,6 +388,12 @@ class RhymeStrategy(Strategy):
         if g is not None:
             plan.running[g] += 1
             plan.size[g] = max(plan.size[g], plan.running[g])
+
+    async def _run_observed(self, r: GenRequest, pool: InstancePool, plan: Optional[_Plan]) -> Completion:
+        c = await self._run(r, pool, plan)
+        if r.group_id in self._predicted:  # the rank check's evidence for the next step
+            self._observed.setdefault(r.group_id, []).append(len(c.token_ids))
+        return c
 
     def _pick(self, block: Sequence[Instance], pool: InstancePool) -> Instance:
         return min(block, key=lambda i: (pool.inflight[i.name], i.name))

@@ -53,6 +53,9 @@ class Strategy(abc.ABC):
 
     name: ClassVar[str] = ""
     Options: ClassVar[type] = NoOptions
+    #: whether the strategy reads per-prompt history (``set_history``); inside veRL the
+    #: dispatcher then starts the history workers and feeds them every finished trajectory
+    uses_history: ClassVar[bool] = False
 
     def __init__(self, options: Optional[Mapping[str, Any]] = None):
         self.options = parse_options(self.Options, options, f"strategy '{self.name}'")
@@ -77,6 +80,13 @@ class Strategy(abc.ABC):
 
     async def close(self) -> None:
         """Release what ``prepare`` or the rollouts started (idempotent)."""
+
+    def begin_step(self, step: int) -> None:
+        """The training step (veRL's ``global_steps``) the next requests belong to."""
+
+    def set_history(self, history) -> None:
+        """The history provider (``verl_ext.history.HistoryClient`` or a stand-in with the same
+        coroutines), for strategies with ``uses_history``."""
 
     def engine_spec(self, cost=None):
         """Speculative drafting this strategy wants its engines started with

@@ -10,15 +10,21 @@ output order are veRL's own). Only the step "which server, and when" changes: in
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import logging
 from collections import OrderedDict
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
+
+import numpy as np
 
 from verl_ext.config.settings import VerlExtSettings
 from verl_ext.engine.instance import GenRequest, SamplingSpec
 from verl_ext.pipe.pool import InstancePool
 from verl_ext.pipe.strategy import make_strategy
 from verl_ext.rollout.replica_instance import KWARGS_KEY, SAMPLING_KEY, TOKEN_OUTPUT_KEY, ReplicaInstance
+
+logger = logging.getLogger(__name__)
 
 
 def _lb_server_handles(load_balancer) -> dict:
@@ -65,14 +71,26 @@ def prompt_group_id(prompt_ids) -> str:
 
 
 class StrategyDispatcher:
-    """Plain class; ``ray.remote(StrategyDispatcher)`` makes it an async actor."""
+    """Plain class; ``ray.remote(StrategyDispatcher)`` makes it an async actor.
+
+    For strategies that read history (``Strategy.uses_history``, e.g. ``rhyme``) it also owns the
+    history workers' client (``verl_ext.history``): the manager calls ``begin_step`` before each
+    training step's rollout and the agent-loop side sends every finished trajectory to
+    ``ingest``. History is keyed by ``prompt_group_id`` (veRL's ``uid`` is a fresh uuid every
+    step, so it cannot find a prompt's previous epoch). A history failure costs drafts and
+    length estimates only, never a request.
+    """
 
     def __init__(self, settings: VerlExtSettings, servers: dict, max_tokens_default: Optional[int] = None,
-                 max_num_seqs: Optional[int] = None):
+                 max_num_seqs: Optional[int] = None, drafting: bool = False, history_dir: Optional[str] = None):
+        """``drafting``: the servers run verl_ext's vLLM drafter (requests then carry their group
+        and prompt key, and the strategy may load drafter state over ``collective_rpc``).
+        ``history_dir``: the history workers' checkpoint directory (None: no checkpoints)."""
         self.settings = settings
         self.strategy = make_strategy(settings.strategy, settings.options)
         self.pool = InstancePool(
-            [ReplicaInstance(str(sid), h, max_tokens_default, max_num_seqs) for sid, h in servers.items()],
+            [ReplicaInstance(str(sid), h, max_tokens_default, max_num_seqs, drafting=drafting)
+             for sid, h in servers.items()],
             seed=settings.seed,
         )
         # veRL's server caps max_tokens at the rollout's response_length when it is absent
@@ -80,6 +98,68 @@ class StrategyDispatcher:
         self._requests = 0
         self._output_tokens = 0
         self._group_sizes: OrderedDict[str, int] = OrderedDict()  # group id -> samples seen
+        self.history = None
+        self._step: Optional[int] = None
+        self._ingests: set = set()  # ingest calls still running
+        self._checkpoint: Optional[asyncio.Task] = None
+        if self.strategy.uses_history:
+            self.history = self._start_history(history_dir)
+            self.strategy.set_history(self.history)
+
+    def _start_history(self, history_dir: Optional[str]):
+        import uuid
+
+        from verl_ext.history import HistoryClient
+        from verl_ext.history.worker import ACTOR_PREFIX
+
+        h = self.settings.history
+        # actor names: a trainer restarted on a live cluster finds its own workers (same checkpoint
+        # directory); two trainers on one cluster never share theirs
+        tag = hashlib.blake2b((history_dir or uuid.uuid4().hex).encode(), digest_size=4).hexdigest()
+        try:
+            return HistoryClient(num_shards=h.shards, keep=h.keep, max_bytes=h.max_bytes, checkpoint_dir=history_dir,
+                                 num_cpus=h.num_cpus, nice=h.nice, timeout_s=h.timeout_s,
+                                 namespace_prefix=f"{ACTOR_PREFIX}_{tag}").start()
+        except Exception as exc:  # no history workers: the strategy runs without history
+            logger.error("verl_ext: could not start the history workers (%s: %s); '%s' runs without history",
+                         type(exc).__name__, exc, self.settings.strategy)
+            return None
+
+    async def begin_step(self, step: int) -> None:
+        """Training step ``step`` starts: close the previous step in the history (growth rates),
+        checkpoint it every ``history.checkpoint_every`` steps, and tell the strategy."""
+        step = int(step)
+        if step == self._step:
+            return
+        prev, self._step = self._step, step
+        if self.history is not None and prev is not None:
+            await self._drain_ingests()
+            await self.history.close_step(prev)
+            every = self.settings.history.checkpoint_every
+            if self.history.worker_args.get("checkpoint_dir") and prev % every == 0:
+                if self._checkpoint is None or self._checkpoint.done():
+                    self._checkpoint = asyncio.ensure_future(self.history.checkpoint())
+        self.strategy.begin_step(step)
+
+    async def ingest(self, step: int, items: Sequence[tuple]) -> int:
+        """Finished trajectories of step ``step`` for the history workers: ``items`` are
+        ``(prompt_key, sample_index, response_ids, reward)`` (reward None or NaN when unscored)."""
+        if self.history is None or not items:
+            return 0
+        from verl_ext.history import Trajectory
+
+        rows = [Trajectory(str(k), int(step), int(i), np.asarray(r, dtype=np.int32),
+                           None if rw is None or not np.isfinite(rw) else float(rw)) for k, i, r, rw in items]
+        task = asyncio.ensure_future(self.history.ingest(rows))
+        self._ingests.add(task)
+        try:
+            return await task
+        finally:
+            self._ingests.discard(task)
+
+    async def _drain_ingests(self) -> None:
+        if self._ingests:
+            await asyncio.wait(list(self._ingests), timeout=self.settings.history.timeout_s)
 
     async def generate(self, request_id: str, prompt_ids: list[int], sampling_params: dict, **kwargs: Any):
         """Same arguments as veRL's ``server.generate`` (plus the caller's sticky ``request_id``)."""
@@ -118,6 +198,8 @@ class StrategyDispatcher:
         }
         for name, count in self.pool.inflight.items():
             out[f"verl_ext/inflight/{name}"] = float(count)
+        if self.history is not None:
+            out.update({f"verl_ext/history/{k}": float(v) for k, v in self.history.metrics().items()})
         if reset:
             self._requests = self._output_tokens = 0
         return out

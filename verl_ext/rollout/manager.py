@@ -11,6 +11,12 @@ Both subclasses keep veRL's agent loops and workers. The only change is the LLM 
 the workers: ``StrategyLLMClient`` sends each ``generate`` to the ``StrategyDispatcher`` actor,
 where the selected strategy picks the server and the timing. If the dispatcher dies, the client
 logs an error once and falls back to veRL's own load balancer, so a rollout is never lost.
+
+Strategies that read history (``rhyme``): before each training rollout the manager tells the
+dispatcher the step (``begin_step``), and every finished trajectory goes to the history workers
+through the dispatcher's ``ingest``: from the V0 output ``DataProto`` here, from the agent-loop
+workers' post-processing in V1 (``verl_ext.trace._verl_v1``), where the manager never sees the
+outputs. Validation rollouts feed nothing.
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ from verl.utils.ray_utils import auto_await
 from verl.workers.rollout.llm_server import LLMServerClient
 
 from verl_ext.config.settings import VerlExtSettings
-from verl_ext.rollout.dispatcher import StrategyDispatcher, server_handles_from_load_balancer
+from verl_ext.pipe.strategy import get_strategy_class
+from verl_ext.rollout.dispatcher import StrategyDispatcher, prompt_group_id, server_handles_from_load_balancer
 from verl_ext.trace import verl_hook
 
 logger = logging.getLogger(__name__)
@@ -35,12 +42,14 @@ logger = logging.getLogger(__name__)
 class StrategyLLMClient(LLMServerClient):
     """``LLMServerClient`` whose requests are scheduled by verl_ext's dispatcher."""
 
-    def __init__(self, config, load_balancer_handle=None, dispatcher=None, trace=None, **kwargs):
+    def __init__(self, config, load_balancer_handle=None, dispatcher=None, trace=None, history=False, **kwargs):
         super().__init__(config, load_balancer_handle=load_balancer_handle, **kwargs)
         self._dispatcher = dispatcher
         self._dispatcher_failed = False
         #: (V1 collector handle or None, TraceSettings, response_length) when traces are recorded
         self.verl_ext_trace = trace
+        #: the dispatcher, when finished trajectories feed the history workers (V1 workers read it)
+        self.verl_ext_history = dispatcher if history else None
 
     async def generate(self, request_id, *, prompt_ids, sampling_params, **kwargs: Any):
         if self.verl_ext_trace is None:
@@ -71,6 +80,29 @@ class StrategyLLMClient(LLMServerClient):
         return output
 
 
+def runs_verl_ext_drafter(rollout) -> bool:
+    """Whether veRL starts its vLLM servers with verl_ext's suffix drafter (``engine_kwargs``)."""
+    if rollout.get("name") != "vllm":
+        return False
+    spec = ((rollout.get("engine_kwargs") or {}).get("vllm") or {}).get("speculative_config") or {}
+    return str(spec.get("model", "")).startswith("verl_ext.")
+
+
+def _check_drafter_config(settings: VerlExtSettings, rollout) -> None:
+    """Warn where the strategy's options and the engines' drafter settings disagree (the engines
+    read theirs from ``engine_kwargs`` at start-up)."""
+    if not runs_verl_ext_drafter(rollout):
+        return
+    spec = ((rollout.engine_kwargs.vllm.get("additional_config") or {}).get("verl_ext_spec") or {})
+    if settings.options.get("batch_cutoff") is False and spec.get("cutoff_profile"):
+        logger.warning("verl_ext: options.batch_cutoff=false, but the engines compute a batch cut-off from "
+                       "engine_kwargs.vllm.additional_config.verl_ext_spec.cutoff_profile=%s; set that to '' "
+                       "to draft at every batch size", spec.get("cutoff_profile"))
+    if settings.options.get("histospec") is False or settings.options.get("speculative") is False:
+        logger.warning("verl_ext: drafting is off in the strategy's options, but the engines still start "
+                       "verl_ext's drafter (engine_kwargs.vllm.speculative_config); remove it to decode plainly")
+
+
 class _VerlExtManagerMixin:
     """Builds the dispatcher and swaps the workers' LLM client; the rest is veRL's manager."""
 
@@ -86,20 +118,39 @@ class _VerlExtManagerMixin:
         if load_balancer is None:
             raise RuntimeError("verl_ext needs veRL's LLMServerClient with a load balancer handle")
         servers = server_handles_from_load_balancer(load_balancer)
+        _check_drafter_config(self.verl_ext_settings, rollout)
+        self.verl_ext_history = get_strategy_class(self.verl_ext_settings.strategy).uses_history
+        history_dir = None
+        if self.verl_ext_history:
+            trainer = config.get("trainer") or {}
+            history_dir = self.verl_ext_settings.history.resolve_dir(trainer.get("default_local_dir"))
         self.verl_ext_dispatcher = (
             ray.remote(StrategyDispatcher)
             .options(num_cpus=0, max_concurrency=100_000)
-            .remote(self.verl_ext_settings, servers, rollout.get("response_length"), rollout.get("max_num_seqs"))
+            .remote(self.verl_ext_settings, servers, rollout.get("response_length"), rollout.get("max_num_seqs"),
+                    drafting=runs_verl_ext_drafter(rollout), history_dir=history_dir)
         )
         client = StrategyLLMClient(
-            config, load_balancer_handle=load_balancer, dispatcher=self.verl_ext_dispatcher, trace=trace
+            config, load_balancer_handle=load_balancer, dispatcher=self.verl_ext_dispatcher, trace=trace,
+            history=self.verl_ext_history,
         )
         logger.warning(
-            "verl_ext: rollout strategy '%s' over %d server(s)", self.verl_ext_settings.strategy, len(servers)
+            "verl_ext: rollout strategy '%s' over %d server(s)%s", self.verl_ext_settings.strategy, len(servers),
+            f"; history workers checkpoint to {history_dir}" if history_dir else "",
         )
         super().__init__(config, client, teacher_client, reward_loop_worker_handles)
-        if trace is not None:  # after veRL's __init__, which sets the worker class
+        if trace is not None or (self.verl_ext_history and self._verl_ext_flavour == "v1"):
+            # after veRL's __init__, which sets the worker class; V1 workers feed the history
             self.agent_loop_workers_class = ray.remote(self._verl_ext_worker_cls())
+
+    def _verl_ext_begin_step(self, step, validate: bool) -> None:
+        """Tell the dispatcher which training step the next requests belong to (history strategies)."""
+        if not self.verl_ext_history or validate or step is None:
+            return
+        try:
+            ray.get(self.verl_ext_dispatcher.begin_step.remote(int(step)), timeout=self.verl_ext_settings.history.timeout_s * 3)
+        except Exception as exc:  # the strategy then plans with the previous step's view
+            logger.error("verl_ext: could not start step %s in the dispatcher (%s: %s)", step, type(exc).__name__, exc)
 
     def _verl_ext_setup_trace(self, config):
         """Trace recording (``custom.verl_ext.trace``): None when off; see ``verl_ext.trace.verl_hook``."""
@@ -142,12 +193,27 @@ class VerlExtAgentLoopManagerV0(_VerlExtManagerMixin, AgentLoopManager):
 
     @auto_await
     async def generate_sequences(self, prompts):
+        meta = prompts.meta_info or {}
+        validate = bool(meta.get("validate", False))
+        self._verl_ext_begin_step(meta.get("global_steps"), validate)
         output = await super().generate_sequences(prompts)
+        if self.verl_ext_history and not validate:
+            self._verl_ext_feed_history(meta.get("global_steps"), prompts, output)
         # veRL's V0 trainer merges meta_info["timing"] into the step's logged metrics.
         output.meta_info.setdefault("timing", {}).update(self.verl_ext_metrics())
         if self.verl_ext_trace_recorder is not None:
             self.verl_ext_trace_recorder.record(prompts, output)  # never raises
         return output
+
+    def _verl_ext_feed_history(self, step, prompts, output) -> None:
+        """Send the step's trajectories to the history workers (through the dispatcher; not awaited)."""
+        try:
+            t = verl_hook.trace_from_dataproto(output, int(step if step is not None else -1), prompts=prompts)
+            items = [(prompt_group_id(t.prompt(i)), int(t.sample_index[i]), t.response(i), float(t.reward[i]))
+                     for i in range(len(t))]
+            self.verl_ext_dispatcher.ingest.remote(int(step if step is not None else -1), items)
+        except Exception as exc:  # history is an optimisation: never break a step
+            logger.error("verl_ext: could not feed this step to the history workers (%s: %s)", type(exc).__name__, exc)
 
 
 @functools.cache
@@ -167,6 +233,10 @@ def _v1_cls():
         def generate_sequences(self, prompts):
             if self.verl_ext_trace_collector is not None:
                 self._verl_ext_expect(prompts)
+            if self.verl_ext_history:
+                keys = set(prompts.keys())
+                validate = "validate" in keys and bool(prompts["validate"])
+                self._verl_ext_begin_step(int(prompts["global_steps"]) if "global_steps" in keys else None, validate)
             return super().generate_sequences(prompts)
 
         def _verl_ext_expect(self, prompts) -> None:

@@ -5,6 +5,11 @@ veRL's servers expose ``generate(prompt_ids, sampling_params, request_id, ...) -
 sampling dict travels in ``GenRequest.extra["verl_sampling_params"]`` and is passed through
 unchanged, except ``max_tokens`` when a strategy generates the request in chunks, so routing
 through verl_ext never changes what the engine samples.
+
+When the servers run verl_ext's vLLM drafter (``drafting``), each request also carries its group
+and prompt key in ``SamplingParams.extra_args["verl_ext"]`` (read only by the drafter, for group
+and history drafts), and ``drafter_call`` reaches the drafter through veRL's public
+``vLLMHttpServer.collective_rpc`` (which returns nothing: calls are fire-and-check, errors raise).
 """
 
 from __future__ import annotations
@@ -30,10 +35,12 @@ TOKEN_OUTPUT_KEY = "token_output"
 
 class ReplicaInstance(Instance):
     def __init__(self, name: str, handle: Any, max_tokens_default: Optional[int] = None,
-                 max_running: Optional[int] = None):
+                 max_running: Optional[int] = None, drafting: bool = False):
         """``max_running``: the server's ``max_num_seqs`` (veRL's rollout config), for strategies
-        that keep each replica below the concurrency at which it would queue or preempt."""
+        that keep each replica below the concurrency at which it would queue or preempt.
+        ``drafting``: the server is vLLM with verl_ext's drafter (see the module docstring)."""
         self.name = name
+        self.drafting = drafting
         self.max_running = max_running
         self.handle = handle
         self.max_tokens_default = max_tokens_default
@@ -50,7 +57,17 @@ class ReplicaInstance(Instance):
         chunk = int(request.extra.get("chunk", 0))
         if chunk and params.get("seed") is not None:  # chunks do not replay one random stream
             params["seed"] = chunk_seed(int(params["seed"]), chunk)
+        if self.drafting:
+            extra_args = dict(params.get("extra_args") or {})
+            extra_args["verl_ext"] = {"group_id": request.group_id, "prompt_key": request.group_id}
+            params["extra_args"] = extra_args
         return params
+
+    async def drafter_call(self, op: str, *args) -> None:
+        """Call the servers' drafter (``verl_ext.spec.vllm_proposer`` RPC ops) on every worker."""
+        if not self.drafting:
+            raise RuntimeError(f"server {self.name} runs no verl_ext drafter")
+        await self.handle.collective_rpc.remote("verl_ext_drafter", args=(op, *args))
 
     async def generate(self, request: GenRequest, on_tokens=None) -> Completion:
         engine_id = uuid.uuid4().hex  # veRL sends a fresh id per turn, too

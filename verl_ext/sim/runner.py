@@ -24,7 +24,6 @@ from verl_ext.ab.metrics import SCHEMA
 from verl_ext.ab.runner import _check_out_dir, make_arm, run_strategy, validate_strategies, write_staged
 from verl_ext.engine.instance import GenRequest, SamplingSpec
 from verl_ext.pipe.oracle import TRUE_LEN
-from verl_ext.pipe.strategy import make_strategy
 from verl_ext.sim.defaults import DEFAULT_INSTANCES, DEFAULT_PRESET, DEFAULT_SYNTH
 
 
@@ -179,10 +178,10 @@ def run_arm(label, strategy, spec, trace, rows, history, cost, instances: int, r
 
     t = time.perf_counter()
     source = TraceSource(trace, rows)
-    if spec is not None and history is None and hasattr(strategy, "set_history") and spec.mask == SCOPE_HISTORY:
+    if spec is not None and history is None and strategy.uses_history and spec.mask == SCOPE_HISTORY:
         spec = None  # a history-driven strategy's first epoch: nothing to draft from yet
     drafter = make_drafter(spec, source, replay, history)
-    if hasattr(strategy, "set_history"):  # history-driven strategies (rhyme): earlier epochs' rollouts
+    if strategy.uses_history:  # history-driven strategies (rhyme): earlier epochs' rollouts
         from verl_ext.pipe.rhyme import LocalHistory
 
         epoch = int(trace.epoch[rows[0]]) if len(rows) else 0

@@ -46,7 +46,9 @@ class SpecOptions:
     ``batch_cutoffs``: HistoSpec's ``((context, acceptance rate, max batch), ...)`` table
     (``CostModel.spec_batch_cutoffs``, ``verl_ext.spec.cutoff``); an engine whose batch exceeds the
     cut-off for its batch's mean context and its measured acceptance rate does not draft that
-    step. Empty: no cut-off.
+    step. Empty: no cut-off. ``cutoff_profile``: a cost-model preset name or profile JSON path
+    (``verl-ext profile``) to compute that table from (``CostModel.spec_batch_cutoffs`` at a
+    draft of ``aimd_start`` tokens) when ``batch_cutoffs`` is empty; "" = none.
 
     ``group_source``: where group trees come from. ``"local"``: each engine builds them from the
     requests it runs itself. ``"remote"``: from the grouped draft server (``verl_ext.spec.dgds``),
@@ -69,6 +71,7 @@ class SpecOptions:
     aimd_start: int = 2
     aimd_step: int = 2
     batch_cutoffs: tuple = ()
+    cutoff_profile: str = ""
 
     def __post_init__(self):
         scope_mask(self.scopes)
@@ -94,7 +97,15 @@ class SpecOptions:
             raise ValueError(f"spec aimd_step must be >= 0, got {self.aimd_step}")
         from verl_ext.spec.cutoff import check_cutoffs
 
-        object.__setattr__(self, "batch_cutoffs", check_cutoffs(self.batch_cutoffs))
+        cutoffs = self.batch_cutoffs
+        if self.cutoff_profile and not cutoffs:
+            from verl_ext.sim.cost import load_cost_model
+
+            try:
+                cutoffs = load_cost_model(self.cutoff_profile).spec_batch_cutoffs(self.aimd_start)
+            except (OSError, ValueError) as exc:
+                raise ValueError(f"spec cutoff_profile: {exc}") from exc
+        object.__setattr__(self, "batch_cutoffs", check_cutoffs(cutoffs))
 
     def batch_cutoff(self):
         """A fresh ``BatchCutoff`` for these options, or None without a table."""

@@ -1,8 +1,10 @@
-"""V1 (TransferQueue) agent-loop worker that reports trace rows; see ``verl_ext.trace.verl_hook``.
+"""V1 (TransferQueue) agent-loop worker that reports finished trajectories: trace rows (see
+``verl_ext.trace.verl_hook``) and the history workers' feed (``StrategyDispatcher.ingest``).
 
-Imported only when the V1 manager records traces (it needs veRL's V1 module and TransferQueue).
-The collector handle and trace settings travel on the worker's LLM client
-(``StrategyLLMClient.verl_ext_trace``), which veRL passes to every worker.
+Imported only when the V1 manager records traces or feeds history (it needs veRL's V1 module and
+TransferQueue). The collector handle, trace settings and dispatcher handle travel on the worker's
+LLM client (``StrategyLLMClient.verl_ext_trace`` / ``verl_ext_history``), which veRL passes to
+every worker.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import logging
 
 from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopWorkerTQ
 
-from verl_ext.trace.verl_hook import TRACE_KEY, v1_rows
+from verl_ext.trace.verl_hook import TRACE_KEY, history_items, v1_rows
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +30,12 @@ class TracingAgentLoopWorkerTQ(_Base):
         outputs = output if isinstance(output, list) else [output]
         infos = [o.extra_fields.pop(TRACE_KEY, None) for o in outputs]  # keep it out of TransferQueue
         result = await super()._agent_loop_postprocess(output, validate, **kwargs)
+        history = getattr(self.llm_client, "verl_ext_history", None)
+        if history is not None and not validate and outputs:
+            try:  # after veRL's post-processing, which computed the reward
+                history.ingest.remote(int(kwargs.get("global_steps", -1)), history_items(outputs, kwargs))
+            except Exception as exc:  # history is an optimisation: never break a rollout
+                logger.error("verl_ext: could not feed the history workers (%s: %s)", type(exc).__name__, exc)
         tracing = self._verl_ext_trace()
         if tracing is not None and not validate and outputs:
             collector, settings, response_length = tracing

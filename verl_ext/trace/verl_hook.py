@@ -361,5 +361,18 @@ def v1_rows(outputs: Sequence[Any], infos: Sequence[Optional[dict]], kwargs: dic
     return rows
 
 
+def history_items(outputs: Sequence[Any], kwargs: dict) -> list[tuple]:
+    """``StrategyDispatcher.ingest`` items for one V1 agent-loop session (after veRL's postprocess):
+    ``(prompt key, sample index, response ids, reward or None)``."""
+    from verl_ext.rollout.dispatcher import prompt_group_id
+
+    sample = int(kwargs.get("session_id", 0))
+    return [
+        (prompt_group_id(out.prompt_ids), sample, np.asarray(out.response_ids, dtype=np.int32),
+         None if out.reward_score is None else float(out.reward_score))
+        for out in outputs
+    ]
+
+
 def now() -> float:
     return time.time()
