@@ -45,12 +45,14 @@ def test_ab_end_to_end(tmp_path, model_dir):
 @pytest.mark.engine
 def test_ab_with_drafting_on_and_off(tmp_path, model_dir):
     """A `+spec` arm runs the same strategy on engines with the suffix drafter and reports
-    tokens per step and draft acceptance."""
+    tokens per step and draft acceptance. Over two epochs, `rhyme` drafts nothing in the first
+    (no history) and from the first epoch's responses in the second, with outputs token-identical
+    to plain decoding (greedy)."""
     pytest.importorskip("vllm")
     out = tmp_path / "ab"
-    r = _run("ab", "--strategies", "baseline,baseline+spec:request+group", "--out", str(out), "--prompts", "2",
+    r = _run("ab", "--strategies", "baseline,baseline+spec:request+group,rhyme", "--out", str(out), "--prompts", "2",
              "--samples", "3", "--max-tokens", "48", "--instances", "1", "--temperature", "0", "--spec-k", "4",
-             "--no-progress")
+             "--epochs", "2", "--no-progress")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "accept" in r.stdout and "baseline+spec:request+group" in r.stdout
     s = json.loads((out / "summary.json").read_text())["strategies"]
@@ -60,6 +62,16 @@ def test_ab_with_drafting_on_and_off(tmp_path, model_dir):
     assert on["tokens_per_step"] == pytest.approx(1.0 + on["accepted_tokens"] / (on["output_tokens"] / on["tokens_per_step"]), rel=0.05)
     assert on["tokens_per_step"] > 1.0
     assert on["spec"]["scopes"] == "request+group" and on["spec"]["k"] == 4
+    # rhyme: HistoSpec drafts only once history exists; greedy outputs equal plain decoding's
+    first, second = s["rhyme"]["epochs"]
+    assert first["draft_tokens"] == 0 and first["strategy/histopipe_active"] == 0
+    assert second["draft_tokens"] > 0 and second["draft_acceptance"] > 0.5 and second["tokens_per_step"] > 1.0
+    assert second["strategy/served_histories"] == 2 and s["rhyme"]["spec"]["scopes"] == "history"
+    texts = {}
+    for line in (out / "responses.jsonl").read_text().splitlines():
+        x = json.loads(line)
+        texts.setdefault(x["strategy"], {})[x["request_id"]] = x["text"]
+    assert texts["rhyme"] == texts["baseline"] == texts["baseline+spec:request+group"]
 
 
 @pytest.mark.parametrize(
@@ -72,6 +84,8 @@ def test_ab_with_drafting_on_and_off(tmp_path, model_dir):
         (["--strategies", ","], "--strategies is empty"),
         (["--strategies", "baseline+spec:nope"], "unknown drafting scope 'nope'"),
         (["--strategies", "baseline+spec:history"], "the history scope drafts from an earlier epoch"),
+        (["--epochs", "0"], "--epochs must be >= 1"),
+        (["--sim", "--epochs", "2"], "--epochs is for real engines"),
         (["--strategies", "baseline+specx"], "bad arm 'baseline+specx'"),
         (["--strategies", "nope+spec"], "unknown rollout strategy 'nope'"),
         (["--spec-k", "0", "--strategies", "baseline+spec"], "spec k must be in [1, 128]"),

@@ -63,6 +63,25 @@ def _batch(k):
     )
 
 
+def _v0_manager(strategy, model_dir, n, *overrides):
+    """verl_ext's V0 manager for ``rollout=<strategy>`` over two fake servers (veRL's real load balancer)."""
+    from verl.workers.rollout.llm_server import LLMServerClient
+    from verl.workers.rollout.router import get_router_handle
+
+    from verl_ext.rollout.manager import VerlExtAgentLoopManager
+
+    config = compose_verl(
+        [f"rollout@actor_rollout_ref.rollout={strategy}", f"actor_rollout_ref.model.path={model_dir}",
+         "actor_rollout_ref.rollout.name=vllm", f"actor_rollout_ref.rollout.n={n}",
+         "actor_rollout_ref.rollout.agent.num_workers=2", "actor_rollout_ref.rollout.prompt_length=128",
+         "actor_rollout_ref.rollout.response_length=16", "trainer.use_v1=false",
+         "data.return_raw_chat=true", *overrides],
+    )
+    servers = {f"s{i}": FakeServer.remote(f"s{i}") for i in range(2)}
+    lb = get_router_handle(servers=servers, router_config_path=None, full_determinism=False)
+    return VerlExtAgentLoopManager.create(config=config, llm_client=LLMServerClient(config, load_balancer_handle=lb)), servers
+
+
 @pytest.fixture(scope="module")
 def ray_local():
     ray.init(num_cpus=2, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
@@ -71,22 +90,8 @@ def ray_local():
 
 
 def test_manager_generate_sequences_v0(ray_local, model_dir):
-    from verl.workers.rollout.llm_server import LLMServerClient
-    from verl.workers.rollout.router import get_router_handle
-
-    from verl_ext.rollout.manager import VerlExtAgentLoopManager
-
     n = 3
-    config = compose_verl(
-        ["rollout@actor_rollout_ref.rollout=baseline", f"actor_rollout_ref.model.path={model_dir}",
-         "actor_rollout_ref.rollout.name=vllm", f"actor_rollout_ref.rollout.n={n}",
-         "actor_rollout_ref.rollout.agent.num_workers=2", "actor_rollout_ref.rollout.prompt_length=128",
-         "actor_rollout_ref.rollout.response_length=16", "trainer.use_v1=false",
-         "data.return_raw_chat=true"],
-    )
-    servers = {f"s{i}": FakeServer.remote(f"s{i}") for i in range(2)}
-    lb = get_router_handle(servers=servers, router_config_path=None, full_determinism=False)
-    manager = VerlExtAgentLoopManager.create(config=config, llm_client=LLMServerClient(config, load_balancer_handle=lb))
+    manager, servers = _v0_manager("baseline", model_dir, n)
     assert type(manager).__name__ == "VerlExtAgentLoopManagerV0"
 
     uids = [f"uid-{i}" for i in range(4)]
@@ -118,23 +123,10 @@ def test_manager_rhyme_feeds_history_and_serves_it_next_epoch(ray_local, model_d
     """rollout=rhyme on veRL's V0 path: step 1 (no history) feeds the history workers; step 2 (the
     same prompts, next epoch) plans HistoPipe from their lengths and loads each server's drafter
     with the step-1 responses of the prompts it serves, keyed like the requests."""
-    from verl.workers.rollout.llm_server import LLMServerClient
-    from verl.workers.rollout.router import get_router_handle
-
     from verl_ext.rollout.dispatcher import prompt_group_id
-    from verl_ext.rollout.manager import VerlExtAgentLoopManager
 
     n = 3
-    config = compose_verl(
-        ["rollout@actor_rollout_ref.rollout=rhyme", f"actor_rollout_ref.model.path={model_dir}",
-         "actor_rollout_ref.rollout.name=vllm", f"actor_rollout_ref.rollout.n={n}",
-         "actor_rollout_ref.rollout.agent.num_workers=2", "actor_rollout_ref.rollout.prompt_length=128",
-         "actor_rollout_ref.rollout.response_length=16", "trainer.use_v1=false",
-         f"trainer.default_local_dir={tmp_path}", "data.return_raw_chat=true"],
-    )
-    servers = {f"s{i}": FakeServer.remote(f"s{i}") for i in range(2)}
-    lb = get_router_handle(servers=servers, router_config_path=None, full_determinism=False)
-    manager = VerlExtAgentLoopManager.create(config=config, llm_client=LLMServerClient(config, load_balancer_handle=lb))
+    manager, servers = _v0_manager("rhyme", model_dir, n, f"trainer.default_local_dir={tmp_path}")
 
     def run(step):
         gen = _batch(4).repeat(repeat_times=n, interleave=True)

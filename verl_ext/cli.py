@@ -1,7 +1,7 @@
 """The ``verl-ext`` command.
 
     verl-ext ab --strategies baseline --out runs/ab [--model DIR] [--prompts 16] [--samples 4]
-                [--max-tokens 192] [--instances 2] [--seed 0] [--temperature 1.0] [--spec-k 8]
+                [--max-tokens 192] [--instances 2] [--seed 0] [--temperature 1.0] [--spec-k 8] [--epochs 1]
     verl-ext ab --strategies baseline,baseline+spec,baseline+spec:request+group   drafting off/on
     verl-ext ab --strategies 'baseline,seer[context=false,speculative=false],seer'   strategy options
     verl-ext ab --sim --strategies baseline,oracle [--trace T.parquet] [--preset h100-7b] [--instances 32]
@@ -37,6 +37,7 @@ def _ab_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=d.seed, help="workload and sampling seed (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=None, help=f"sampling temperature (default: {d.temperature})")
     p.add_argument("--spec-k", type=int, default=d.spec_k, help="most draft tokens per step in <strategy>+spec arms (default: %(default)s)")
+    p.add_argument("--epochs", type=int, default=None, help=f"real engines: epochs over the same prompts, history fed between them (default: {d.epochs}; the table shows the last)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     g = p.add_argument_group("simulation (--sim)")
     g.add_argument("--sim", action="store_true", help="simulated instances in virtual time instead of real engines")
@@ -102,9 +103,9 @@ def _given(args, *names) -> dict:
 def _run_sim(args) -> int:
     from verl_ext.sim.runner import SimConfig, run_sim_ab
 
-    for flag in ("model", "temperature"):
+    for flag in ("model", "temperature", "epochs"):
         if getattr(args, flag) is not None:
-            raise ValueError(f"--{flag} is for real engines; with --sim the trace decides the responses")
+            raise ValueError(f"--{flag} is for real engines; with --sim the trace decides the responses (--epoch picks one)")
     synth = {k: v for k, v in {"prompts": args.prompts, "samples": args.samples, "mean_len": args.mean_len,
                                 "max_len": args.max_len}.items() if v is not None}
     shaping = [*synth, *(["similarity"] if args.similarity else [])]
@@ -138,7 +139,7 @@ def _run_ab(args) -> int:
         seed=args.seed,
         spec_k=args.spec_k,
         out=args.out or "runs/ab",
-        **_given(args, "prompts", "samples", "max_tokens", "instances", "temperature", "preset"),
+        **_given(args, "prompts", "samples", "max_tokens", "instances", "temperature", "preset", "epochs"),
     )
     return _report(run_ab(cfg, progress=not args.no_progress), cfg.out, "completion_cdf.png, running_requests.png")
 

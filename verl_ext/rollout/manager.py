@@ -98,6 +98,16 @@ def _check_drafter_config(settings: VerlExtSettings, rollout) -> None:
         logger.warning("verl_ext: options.batch_cutoff=false, but the engines compute a batch cut-off from "
                        "engine_kwargs.vllm.additional_config.verl_ext_spec.cutoff_profile=%s; set that to '' "
                        "to draft at every batch size", spec.get("cutoff_profile"))
+    k = int((rollout.engine_kwargs.vllm.get("speculative_config") or {}).get("num_speculative_tokens") or 0)
+    need = int(rollout.get("prompt_length") or 0) + int(rollout.get("response_length") or 0) + k
+    if rollout.get("max_model_len") is not None and int(rollout.max_model_len) < need:
+        # vLLM 0.32 (gpu_model_runner._input_fits_in_drafter): once any sequence of the batch is
+        # within k tokens of max_model_len, every request of the step gets k zero drafts, all
+        # verified and rejected: the step costs k + 1 tokens per request
+        logger.warning("verl_ext: max_model_len=%s leaves less than num_speculative_tokens=%d tokens past "
+                       "prompt_length + response_length; near the end vLLM verifies %d padding drafts per request "
+                       "and step. Set actor_rollout_ref.rollout.max_model_len=%d (or leave it unset)",
+                       rollout.max_model_len, k, k, need)
     if settings.options.get("histospec") is False or settings.options.get("speculative") is False:
         logger.warning("verl_ext: drafting is off in the strategy's options, but the engines still start "
                        "verl_ext's drafter (engine_kwargs.vllm.speculative_config); remove it to decode plainly")
