@@ -451,11 +451,9 @@ async def _timed_epoch(desc, strategy, instances, requests, score, cfg, progress
 async def _load_histories(instances, store, requests, step: int) -> None:
     """Give every drafting engine the earlier epochs' responses of this epoch's prompts (what the
     history workers serve inside veRL), before the timed rollout."""
-    items = []
-    for uid in sorted({r.group_id for r in requests}):
-        toks, ws = store.serve(uid, step)
-        if toks:
-            items.append((uid, [t.tolist() for t in toks], ws))
+    from verl_ext.pipe.rhyme import LocalHistory, add_histories_items
+
+    items = add_histories_items(await LocalHistory(store).serve(sorted({r.group_id for r in requests}), step))
     if items:
         await asyncio.gather(*(inst.drafter_call("add_histories", items) for inst in instances
                                if hasattr(inst, "drafter_call")))

@@ -150,6 +150,12 @@ class LocalHistory:
         return {u: v for u in uids if (v := self.store.serve(u, step))[0]}
 
 
+def add_histories_items(hist: dict, skip=()) -> list:
+    """The drafter's ``add_histories`` payload for ``{uid: ([token arrays], [weights])}`` (what a
+    history provider's ``serve`` returns), leaving out the uids in ``skip``."""
+    return [(u, [t.tolist() for t in toks], list(ws)) for u, (toks, ws) in hist.items() if u not in skip]
+
+
 @dataclass
 class _Plan:
     """One step's HistoPipe plan."""
@@ -341,7 +347,7 @@ class RhymeStrategy(Strategy):
                 return
             for inst in targets:
                 have = self._served.setdefault(inst.name, set())
-                new = [(u, [t.tolist() for t in toks], list(ws)) for u, (toks, ws) in hist.items() if u not in have]
+                new = add_histories_items(hist, skip=have)
                 if not new:
                     continue
                 try:  # one RPC per engine and step

@@ -80,11 +80,15 @@ class StrategyLLMClient(LLMServerClient):
         return output
 
 
+def _vllm_engine_kwargs(rollout):
+    return (rollout.get("engine_kwargs") or {}).get("vllm") or {}
+
+
 def runs_verl_ext_drafter(rollout) -> bool:
     """Whether veRL starts its vLLM servers with verl_ext's suffix drafter (``engine_kwargs``)."""
     if rollout.get("name") != "vllm":
         return False
-    spec = ((rollout.get("engine_kwargs") or {}).get("vllm") or {}).get("speculative_config") or {}
+    spec = _vllm_engine_kwargs(rollout).get("speculative_config") or {}
     return str(spec.get("model", "")).startswith("verl_ext.")
 
 
@@ -93,12 +97,13 @@ def _check_drafter_config(settings: VerlExtSettings, rollout) -> None:
     read theirs from ``engine_kwargs`` at start-up)."""
     if not runs_verl_ext_drafter(rollout):
         return
-    spec = ((rollout.engine_kwargs.vllm.get("additional_config") or {}).get("verl_ext_spec") or {})
+    engine = _vllm_engine_kwargs(rollout)
+    spec = (engine.get("additional_config") or {}).get("verl_ext_spec") or {}
     if settings.options.get("batch_cutoff") is False and spec.get("cutoff_profile"):
         logger.warning("verl_ext: options.batch_cutoff=false, but the engines compute a batch cut-off from "
                        "engine_kwargs.vllm.additional_config.verl_ext_spec.cutoff_profile=%s; set that to '' "
                        "to draft at every batch size", spec.get("cutoff_profile"))
-    k = int((rollout.engine_kwargs.vllm.get("speculative_config") or {}).get("num_speculative_tokens") or 0)
+    k = int(engine["speculative_config"].get("num_speculative_tokens") or 0)
     need = int(rollout.get("prompt_length") or 0) + int(rollout.get("response_length") or 0) + k
     if rollout.get("max_model_len") is not None and int(rollout.max_model_len) < need:
         # vLLM 0.32 (gpu_model_runner._input_fits_in_drafter): once any sequence of the batch is
@@ -218,10 +223,11 @@ class VerlExtAgentLoopManagerV0(_VerlExtManagerMixin, AgentLoopManager):
     def _verl_ext_feed_history(self, step, prompts, output) -> None:
         """Send the step's trajectories to the history workers (through the dispatcher; not awaited)."""
         try:
-            t = verl_hook.trace_from_dataproto(output, int(step if step is not None else -1), prompts=prompts)
+            step = int(step if step is not None else -1)
+            t = verl_hook.trace_from_dataproto(output, step, prompts=prompts)
             items = [(prompt_group_id(t.prompt(i)), int(t.sample_index[i]), t.response(i), float(t.reward[i]))
                      for i in range(len(t))]
-            self.verl_ext_dispatcher.ingest.remote(int(step if step is not None else -1), items)
+            self.verl_ext_dispatcher.ingest.remote(step, items)
         except Exception as exc:  # history is an optimisation: never break a step
             logger.error("verl_ext: could not feed this step to the history workers (%s: %s)", type(exc).__name__, exc)
 
