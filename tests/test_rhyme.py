@@ -97,6 +97,72 @@ def test_batch_cutoff_table_and_runtime():
         SpecOptions(batch_cutoffs=[(0.5, 3)])
 
 
+def test_batch_cutoff_probes_out_of_a_bad_start():
+    """A low first measurement (below the table: cut-off 0) must not switch drafting off for good:
+    every ``probe_every`` steps off, one step drafts and re-measures. All-zero tables never probe."""
+    cut = BatchCutoff([(0, 0.1, 4), (0, 0.5, 16)], probe_every=8)
+    cut.observe(drafted=10, accepted=0)
+    assert cut.max_batch() == 0
+    assert [cut.allows(1) for _ in range(9)] == [False] * 8 + [True]
+    assert cut.off_steps == 8 and cut.probes == 1 and cut.steps_to_probe() == 8
+    for _ in range(100):  # what the probes measure
+        cut.observe(10, 9)
+    assert cut.allows(16) and not cut.allows(17)
+    never = BatchCutoff([(0, 0.5, 0), (0, 0.9, 0)])
+    never.observe(10, 10)
+    assert not any(never.allows(1) for _ in range(500)) and never.probes == 0
+    with pytest.raises(ValueError, match="probe_every"):
+        BatchCutoff([(0, 0.5, 4)], probe_every=-1)
+
+
+@pytest.mark.parametrize("probe", [True, False])
+def test_simulated_cutoff_probes_like_the_engine(probe):
+    """The simulator replays the engine's probe: an instance whose first drafts measured 0%
+    acceptance drafts again (its responses repeat their history exactly), and only with probes."""
+    from verl_ext.sim.drafting import make_drafter
+    from verl_ext.sim.instance import SimInstance
+    from verl_ext.sim.runner import build_requests, select_epoch
+    from verl_ext.sim.source import TraceSource
+    from test_sim import _cost, _run
+
+    from verl_ext.trace.format import Trace
+
+    rng = np.random.default_rng(1)
+    texts = {(g, j): rng.integers(0, 50, 400).tolist() for g in range(4) for j in range(2)}
+    tr = Trace.from_rows([dict(epoch=e, step=e, prompt_uid=f"p{g}", sample_index=j, prompt_ids=[1, 2, g],
+                               response_ids=texts[(g, j)], reward=1.0, finish_reason="stop")
+                          for e in (0, 1) for (g, j) in texts])
+    _, rows, history = select_epoch(tr, 1)
+    src = TraceSource(tr, rows)
+    spec = SpecOptions(scopes="history", k=8, min_match=1, max_match=7, min_prob=0.0, aimd=True,
+                       batch_cutoffs=[(0, 0.05, 64)])
+    inst = SimInstance("sim-0", _cost(), src, make_drafter(spec, src, "auto", history))
+    inst._cutoff.observe(drafted=16, accepted=0)  # a bad start
+    if not probe:
+        inst._cutoff.probe_every = 0
+    arm = _run("baseline", [inst], build_requests(tr, rows, 2000))
+    assert arm.metrics["output_tokens"] == int(tr.response_lengths()[rows].sum())
+    if probe:
+        assert inst._cutoff.probes >= 1 and arm.metrics["draft_tokens"] > 0 and arm.metrics["tokens_per_step"] > 1.5
+    else:
+        assert arm.metrics["draft_tokens"] == 0 and inst._cutoff.off_steps > 0
+
+
+def test_group_time_counts_histospec_and_its_cutoff():
+    """tau(l, dp) with HistoSpec's measured rate: fewer, dearer steps; plain decoding for a batch
+    above the cut-off."""
+    from verl_ext.pipe.histopipe import group_time
+    from test_sim import _cost
+
+    cost = _cost()
+    plain = group_time(cost, 64, 1000, 2, 100)  # 32 requests per instance, one wave
+    fast = group_time(cost, 64, 1000, 2, 100, tokens_per_step=3.0, draft_per_step=4.0)
+    steps = 1000 / 3.0
+    assert fast == pytest.approx(steps * cost.step_time(32, 32 * 600, 0, 32 * 4.0)) and fast < plain
+    assert group_time(cost, 64, 1000, 2, 100, 3.0, 4.0, spec_batch=lambda ctx: 16) == pytest.approx(plain)
+    assert group_time(cost, 64, 1000, 2, 100, 3.0, 4.0, spec_batch=lambda ctx: 32) == pytest.approx(fast)
+
+
 # -- HistoPipe --------------------------------------------------------------------------------------
 def test_ranking_and_alternation():
     lengths = {f"p{i}": float(L) for i, L in enumerate([50, 10, 40, 30, 20, 60, 80, 70])}

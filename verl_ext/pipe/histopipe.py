@@ -180,11 +180,14 @@ def plan_allocation(lens: Sequence[float], wks: int, tau: Tau, t_train: float = 
 
 
 def group_time(cost, requests: int, length: float, workers: int, prompt_len: float = 0.0,
-               tokens_per_step: float = 1.0) -> float:
+               tokens_per_step: float = 1.0, draft_per_step: float = 0.0,
+               spec_batch: Optional[Callable[[float], Optional[int]]] = None) -> float:
     """``tau(l, dp)`` from a ``CostModel``: ``requests`` responses of ``length`` tokens spread over
     ``workers`` instances, each decoding in waves of the concurrency its KV cache and
-    ``max_num_seqs`` allow (context: prompt plus half the response on average), at
-    ``tokens_per_step`` tokens per request per step (HistoSpec's measured rate; 1 without)."""
+    ``max_num_seqs`` allow (context: prompt plus half the response on average). With HistoSpec
+    (section 6.4: tau is profiled "also considering the impact of speculative decoding"), a request
+    gains ``tokens_per_step`` tokens per step for ``draft_per_step`` verified draft tokens, unless
+    the batch is above ``spec_batch(context)``, HistoSpec's cut-off (then plain decoding)."""
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     if requests <= 0 or length <= 0:
@@ -194,5 +197,9 @@ def group_time(cost, requests: int, length: float, workers: int, prompt_len: flo
     fit = max(1, int(cost.kv_capacity_tokens // max(1.0, prompt_len + length)))
     batch = max(1, min(per, int(cost.max_num_seqs), fit))
     waves = math.ceil(per / batch)
+    if tokens_per_step > 1.0 and spec_batch is not None:
+        most = spec_batch(ctx)
+        if most is not None and batch > most:
+            tokens_per_step, draft_per_step = 1.0, 0.0
     steps = length / max(1.0, tokens_per_step)
-    return waves * steps * cost.step_time(batch, batch * ctx, 0, 0)
+    return waves * steps * cost.step_time(batch, batch * ctx, 0, batch * draft_per_step)

@@ -130,6 +130,7 @@ class SimInstance(Instance):
         # HistoSpec's batch-size cut-off: read with this instance's acceptance so far
         self._cutoff = spec.batch_cutoff() if spec is not None else None
         self.cutoff_plans = 0  # plans (runs of steps) without drafts because of the cut-off
+        self._cut_plan: Optional[int] = None  # this plan: 1 = a probe step, -n = off for at most n steps
 
     # -- the Instance contract ----------------------------------------------------------------
     async def generate(self, request: GenRequest, on_tokens=None) -> Completion:
@@ -256,6 +257,8 @@ class SimInstance(Instance):
             emitted = E[:, :steps].sum(axis=1)
             drafted = D[:, :steps].sum(axis=1)
             per_step_drafts = int((D[:, :steps] > 0).sum())
+        if self._cut_plan is not None and self._cut_plan < 0:
+            self._cutoff.note_off(steps)
         done = []
         for r, e in zip(self.running, emitted.tolist()):
             r.pos += e
@@ -316,7 +319,7 @@ class SimInstance(Instance):
         """A response of ``group`` finished somewhere (the drafter tells; adaptive drafting): if
         that changes the draft caps of the running batch, end the current plan at the next step."""
         if self._timer is not None and self._groups.get(group) and self._plan_caps is not None:
-            if not np.array_equal(self._draft_caps(), self._plan_caps):
+            if not np.array_equal(self._draft_caps(commit=False), self._plan_caps):
                 self._touch()
 
     def _evict(self) -> None:
@@ -437,6 +440,8 @@ class SimInstance(Instance):
             ok = kv_before + head <= cap
             n = int(np.argmin(ok)) if not ok.all() else E.shape[1]
             n = max(1, n)
+            if self._cut_plan is not None:  # a probe step, or off only until the next probe
+                n = min(n, abs(self._cut_plan))
             E, D = E[:, :n], D[:, :n]
             tau = cost.step_time(B, kv_before[:n], 0, D.sum(axis=0))
         tau = np.asarray(tau, dtype=np.float64).copy()
@@ -449,15 +454,24 @@ class SimInstance(Instance):
         self._tcum = np.concatenate([[0.0], np.cumsum(tau)])
         self._plan = (E, D, P0, split)
 
-    def _draft_caps(self) -> Optional[np.ndarray]:
+    def _draft_caps(self, commit: bool = True) -> Optional[np.ndarray]:
         """This step's draft caps: adaptive caps (or None: ``k`` each), all zero when the batch is
-        above HistoSpec's cut-off for this instance's acceptance rate so far."""
+        above HistoSpec's cut-off for this instance's acceptance rate so far (except a probe step,
+        ``BatchCutoff``). ``commit``: this is the next plan's decision (else only a comparison)."""
         caps = self._caps() if self._adaptive else None
+        cut = None
         if self._cutoff is not None:
             B = len(self.running)
-            most = self._cutoff.max_batch(context=self._kv / max(1, B))
-            if most is not None and B > most:
-                return np.zeros(B, dtype=np.int64)
+            if not self._cutoff.pays(B, context=self._kv / max(1, B)):
+                if self._cutoff.probe_due():  # the engine drafts one step to re-measure the rate
+                    cut = 1
+                else:  # off until the next probe at most
+                    cut = -(self._cutoff.steps_to_probe() or 1 << 62)
+                    caps = np.zeros(B, dtype=np.int64)
+        if commit:
+            self._cut_plan = cut
+            if cut == 1:
+                self._cutoff.note_probe()
         return caps
 
     def _caps(self) -> np.ndarray:

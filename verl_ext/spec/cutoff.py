@@ -11,6 +11,13 @@ context not above the batch's mean context, and of the largest tabulated rate no
 measured one. Before anything has been measured it allows drafting (so that the rate gets
 measured); while drafting is off the rate stays as it was, and drafting resumes once the batch
 shrinks below the cut-off, as in the tail of a rollout.
+
+A rate measured low (a few rejected drafts at the start of a rollout, where a response leaves
+its history) could otherwise switch drafting off for good: below the table's lowest rate the
+cut-off is 0 and nothing would re-measure it. So every ``probe_every`` steps spent off, one step
+drafts anyway (a probe) and updates the rate; at most one step in ``probe_every + 1`` pays for a
+probe that does not help. Tables with ``B = 0`` everywhere (drafting never pays, e.g. a CPU
+profile) are exact and never probed.
 """
 
 from __future__ import annotations
@@ -31,17 +38,27 @@ def check_cutoffs(table) -> tuple:
     return rows
 
 
+#: steps spent with drafting off between two probes
+PROBE_EVERY = 64
+
+
 class BatchCutoff:
-    def __init__(self, table: Sequence, ema: float = 0.05):
+    def __init__(self, table: Sequence, ema: float = 0.05, probe_every: int = PROBE_EVERY):
         self.table = check_cutoffs(table)
         if not 0.0 < ema <= 1.0:
             raise ValueError(f"ema must be in (0, 1], got {ema}")
+        if probe_every < 0:
+            raise ValueError(f"probe_every must be >= 0 (0 = never probe), got {probe_every}")
+        # probing only helps where some rate lets some batch draft
+        self.probe_every = probe_every if any(b > 0 for _, _, b in self.table) else 0
         self._contexts = sorted({c for c, _, _ in self.table})
         self._rows = {c: ([a for cc, a, _ in self.table if cc == c], [b for cc, _, b in self.table if cc == c])
                       for c in self._contexts}
         self.ema = ema
         self.rate: Optional[float] = None  # measured acceptance; None before the first drafted step
-        self.off_steps = 0
+        self.off_steps = 0  # steps with drafting off
+        self.probes = 0  # steps drafted as probes
+        self._since_probe = 0  # steps off since the last probe
 
     def observe(self, drafted: int, accepted: int) -> None:
         if drafted <= 0:
@@ -61,9 +78,33 @@ class BatchCutoff:
         i = bisect.bisect_right(rates, rate) - 1
         return 0 if i < 0 else batches[i]
 
-    def allows(self, batch: int, context: float = 0.0) -> bool:
+    def pays(self, batch: int, context: float = 0.0) -> bool:
+        """Whether the table lets ``batch`` requests of mean context ``context`` draft at the
+        measured rate (no probing, no counting)."""
         m = self.max_batch(context=context)
-        ok = m is None or batch <= m
-        if not ok:
-            self.off_steps += 1
-        return ok
+        return m is None or batch <= m
+
+    def allows(self, batch: int, context: float = 0.0) -> bool:
+        """The engine's per-step decision: ``pays``, or a probe when one is due (counted)."""
+        if self.pays(batch, context):
+            return True
+        if self.probe_due():
+            self.note_probe()
+            return True
+        self.note_off(1)
+        return False
+
+    def probe_due(self) -> bool:
+        return self.probe_every > 0 and self._since_probe >= self.probe_every
+
+    def steps_to_probe(self) -> Optional[int]:
+        """Steps off until the next probe is due (None: never)."""
+        return max(1, self.probe_every - self._since_probe) if self.probe_every else None
+
+    def note_probe(self) -> None:
+        self.probes += 1
+        self._since_probe = 0
+
+    def note_off(self, steps: int) -> None:
+        self.off_steps += steps
+        self._since_probe += steps
