@@ -48,6 +48,9 @@ def _ab_parser(sub) -> None:
     g.add_argument("--max-len", type=int, default=None, help="synthetic workload: longest response")
     g.add_argument("--epoch", type=int, default=None, help="trace epoch to roll out (default: the last; earlier ones feed the history scope)")
     g.add_argument("--replay", default=None, help="draft replay: auto | cached | lockstep | exact (default: auto)")
+    g.add_argument("--pipeline", default=None, help="consecutive training steps: sync | one_step_off | stream (default: one rollout in isolation)")
+    g.add_argument("--steps", type=int, default=None, help="with --pipeline: training steps the epoch's prompts are split into (default: 8)")
+    g.add_argument("--t-train", type=float, default=None, help="with --pipeline: seconds per training step (default: 15%% of a synchronous baseline step)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,8 +114,11 @@ def _run_sim(args) -> int:
     shaping = [*synth, *(["similarity"] if args.similarity else [])]
     if args.trace and shaping:
         raise ValueError(f"--{'/--'.join(k.replace('_', '-') for k in shaping)} shape the synthetic workload; not with --trace")
+    if args.pipeline is None and (args.steps is not None or args.t_train is not None):
+        raise ValueError("--steps/--t-train need --pipeline")
     cfg = SimConfig(
         strategies=_names(args.strategies, "baseline,oracle"),
+        pipeline=args.pipeline,
         trace=args.trace,
         synth=synth,
         similarity=args.similarity or "measured",
@@ -122,15 +128,23 @@ def _run_sim(args) -> int:
         epoch=args.epoch,
         max_tokens=args.max_tokens,
         out=args.out or "runs/ab_sim",
-        **_given(args, "instances", "preset"),
+        **_given(args, "instances", "preset", "steps", "t_train"),
     )
-    return _report(run_sim_ab(cfg, progress=not args.no_progress), cfg.out, "report.md (with its PNGs)")
+    summary = run_sim_ab(cfg, progress=not args.no_progress)
+    if cfg.pipeline is not None:
+        from verl_ext.sim.pipeline import format_pipeline_table
+
+        print()
+        print(format_pipeline_table(summary))
+        print(f"\nwrote {Path(cfg.out) / 'summary.json'} and, beside it, report.md and steps.png")
+        return 0
+    return _report(summary, cfg.out, "report.md (with its PNGs)")
 
 
 def _run_ab(args) -> int:
     from verl_ext.ab.runner import run_ab
 
-    for flag in ("trace", "similarity", "mean_len", "max_len", "epoch", "replay"):
+    for flag in ("trace", "similarity", "mean_len", "max_len", "epoch", "replay", "pipeline", "steps", "t_train"):
         if getattr(args, flag) is not None:
             raise ValueError(f"--{flag.replace('_', '-')} needs --sim")
     cfg = ABConfig(

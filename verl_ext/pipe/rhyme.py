@@ -184,6 +184,7 @@ class RhymeStrategy(Strategy):
         self.history = None
         self.step = 0
         self._cost = self._load_profile()
+        self._t_train_seen = 0.0
         self._plan: Optional[_Plan] = None
         self._plan_step: Optional[int] = None  # the step self._plan was made for (None: none yet)
         self._planning: Optional[asyncio.Future] = None
@@ -204,6 +205,11 @@ class RhymeStrategy(Strategy):
     def begin_step(self, step: int) -> None:
         """The training step the next requests belong to (1-based; odd = ascending order)."""
         self.step = int(step)
+
+    def observe_train_time(self, seconds: float) -> None:
+        """The last training step's time: tier 2's ``t0`` floor is the larger of it and
+        ``t_train_s``."""
+        self._t_train_seen = max(0.0, float(seconds))
 
     def _load_profile(self):
         if not self.options.profile:
@@ -273,7 +279,7 @@ class RhymeStrategy(Strategy):
         for u, m in medians.items():
             members[ranking_group(m, boundaries)].append(u)
         per_prompt = _samples_per_prompt(requests)
-        plan_wks = self._allocate(members, medians, per_prompt, requests, len(instances))
+        plan_wks = self._allocate(members, medians, per_prompt, requests, len(instances), pool)
         order = worker_order(self.step or 1, n)  # slot j serves ranking group order[j]
         blocks: list[list[Instance]] = [[] for _ in range(n)]
         at = 0
@@ -309,9 +315,32 @@ class RhymeStrategy(Strategy):
             self._m["rank_corr_observed"] = source
         return corr
 
-    def _allocate(self, members, medians, per_prompt: float, requests, wks: int) -> list[int]:
-        """Instances per ranking group: Figure 12 with the cost model's tau, else in proportion to
-        the groups' historical tokens (at least one each)."""
+    def _measured_spec(self, pool: InstancePool):
+        """HistoSpec as the engines measured it so far (telemetry, cumulative): (tokens per drafted
+        step, draft tokens per drafted step, the cut-off at the measured acceptance as a function
+        of context), or (1, 0, None) before any draft or with drafting off."""
+        if not self.options.histospec:
+            return 1.0, 0.0, None
+        t = [i.telemetry() for i in pool.instances.values()]
+        drafts, drafted, accepted = (sum(getattr(x, f) for x in t) for f in ("drafts", "draft_tokens", "accepted_tokens"))
+        if drafts <= 0 or drafted <= 0:
+            return 1.0, 0.0, None
+        self._m["tau_tokens_per_step"] = 1.0 + accepted / drafts
+        spec = self.engine_spec(self._cost) if self.options.batch_cutoff else None
+        spec_batch = None
+        if spec is not None and spec.batch_cutoffs:
+            from verl_ext.spec.cutoff import BatchCutoff
+
+            cut, rate = BatchCutoff(spec.batch_cutoffs), accepted / drafted
+
+            def spec_batch(ctx):
+                return cut.max_batch(rate, ctx)
+        return 1.0 + accepted / drafts, drafted / drafts, spec_batch
+
+    def _allocate(self, members, medians, per_prompt: float, requests, wks: int, pool: InstancePool) -> list[int]:
+        """Instances per ranking group: Figure 12 with the cost model's tau (with HistoSpec's
+        measured rate, ``_measured_spec``), else in proportion to the groups' historical tokens
+        (at least one each)."""
         n = len(members)
         work = [sum(medians[u] for u in members[g]) * per_prompt for g in range(n)]
         if self.options.two_tier and self._cost is not None and all(members):
@@ -319,12 +348,13 @@ class RhymeStrategy(Strategy):
             prompt_len = sum(len(r.prompt_ids) for r in requests) / max(1, len(requests))
             count = sum(len(m) for m in members) * per_prompt / n  # ranking groups are equal-sized
             cost = self._cost
+            tps, drafts, spec_batch = self._measured_spec(pool)
 
             def tau(length, k):
-                return group_time(cost, count, length, k, prompt_len)
+                return group_time(cost, count, length, k, prompt_len, tps, drafts, spec_batch)
 
             try:
-                plan, _, _ = plan_allocation(lens, wks, tau, t_train=self.options.t_train_s)
+                plan, _, _ = plan_allocation(lens, wks, tau, t_train=max(self.options.t_train_s, self._t_train_seen))
                 return plan
             except ValueError as exc:
                 logger.warning("rhyme: tier-2 search failed (%s); instances in proportion to work", exc)

@@ -84,6 +84,10 @@ class Strategy(abc.ABC):
     def begin_step(self, step: int) -> None:
         """The training step (veRL's ``global_steps``) the next requests belong to."""
 
+    def observe_train_time(self, seconds: float) -> None:
+        """How long the last training step took (the simulator's pipeline passes it; strategies
+        that plan against the trainer's pace, like ``rhyme``'s tier 2, may use it)."""
+
     def set_history(self, history) -> None:
         """The history provider (``verl_ext.history.HistoryClient`` or a stand-in with the same
         coroutines), for strategies with ``uses_history``."""

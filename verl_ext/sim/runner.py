@@ -42,6 +42,11 @@ class SimConfig:
     replay: str = "auto"
     seed: int = 0
     out: str = "runs/ab_sim"
+    #: consecutive training steps (``verl_ext.sim.pipeline``): None = one rollout in isolation;
+    #: "sync" | "one_step_off" | "stream"
+    pipeline: Optional[str] = None
+    steps: int = 8  # with pipeline: the epoch's prompts in this many training steps
+    t_train: Optional[float] = None  # with pipeline: seconds per training step (None: 15% of a sync step)
 
     def validate(self) -> None:
         validate_strategies(self.strategies)
@@ -53,6 +58,15 @@ class SimConfig:
             raise ValueError(f"unknown replay mode '{self.replay}'; valid: {list(MODES)}")
         if self.max_tokens is not None and self.max_tokens <= 0:
             raise ValueError(f"--max-tokens must be > 0, got {self.max_tokens}")
+        if self.pipeline is not None:
+            from verl_ext.sim.pipeline import MODES as PIPELINE_MODES
+
+            if self.pipeline not in PIPELINE_MODES:
+                raise ValueError(f"unknown --pipeline mode '{self.pipeline}'; valid: {list(PIPELINE_MODES)}")
+            if self.steps < 1:
+                raise ValueError(f"--steps must be >= 1, got {self.steps}")
+            if self.t_train is not None and not (self.t_train >= 0 and self.t_train != float("inf")):
+                raise ValueError(f"--t-train must be a number of seconds >= 0, got {self.t_train}")
 
 
 @dataclass
@@ -110,6 +124,10 @@ def run_sim_ab(cfg: SimConfig, progress: bool = True, trace=None) -> dict:
     from verl_ext.sim.cost import load_cost_model
 
     cfg.validate()
+    if cfg.pipeline is not None:
+        from verl_ext.sim.pipeline import run_pipeline_ab
+
+        return run_pipeline_ab(cfg, progress=progress, trace=trace)
     cost = load_cost_model(cfg.preset)
     arms = []
     for label in cfg.strategies:
