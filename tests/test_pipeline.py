@@ -97,6 +97,24 @@ def test_histopipe_alternates_blocks_across_steps():
         assert (first < rest) == (global_step % 2 == 1), (s, first, rest)
 
 
+def test_history_drafts_are_loaded_per_step():
+    """HistoSpec in the pipeline: each step's histories are in the drafter while it rolls out
+    (responses that repeat their history exactly draft well)."""
+    from verl_ext.trace.format import Trace
+
+    rng = np.random.default_rng(2)
+    texts = {(g, j): rng.integers(0, 50, 300).tolist() for g in range(8) for j in range(2)}
+    tr = Trace.from_rows([dict(epoch=e, step=e, prompt_uid=f"p{g}", sample_index=j, prompt_ids=[1, 2, g],
+                               response_ids=texts[(g, j)], reward=1.0, finish_reason="stop")
+                          for e in (0, 1) for (g, j) in texts])
+    _, rows, history = select_epoch(tr, 1)
+    batches = split_steps(tr.prompt_uid, rows, 4, seed=0)
+    r = run_pipeline_arm("rhyme[histopipe=false,batch_cutoff=false]", SimConfig(instances=2, spec_k=8), _cost(), tr,
+                         rows, history, batches, 2000, "stream", T_TRAIN)
+    assert r.metrics["output_tokens"] == 16 * 300
+    assert r.metrics["tokens_per_step"] > 3.0 and r.metrics["draft_acceptance"] > 0.9
+
+
 def test_arm_modes():
     assert arm_mode("rhyme[two_tier=false]@sync", "stream") == ("rhyme[two_tier=false]", "sync")
     assert arm_mode("baseline", "stream") == ("baseline", "stream")

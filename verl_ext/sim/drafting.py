@@ -50,9 +50,13 @@ MODES = ("auto", "cached", "lockstep", "exact")
 
 
 class ReplayDrafter:
-    def __init__(self, spec: SpecOptions, source: TraceSource, mode: str = "auto", history=None):
+    def __init__(self, spec: SpecOptions, source: TraceSource, mode: str = "auto", history=None,
+                 preload: bool = True, max_bytes: Optional[int] = None):
         """``history``: (trace, rows) of the previous epoch, for the history scope; each response
-        is added to its prompt's history tree with weight ``history_weight(reward)``."""
+        is added to its prompt's history tree with weight ``history_weight(reward)``: all at once
+        (``preload``), or per step through ``load_histories`` / ``drop_histories`` (what engines
+        hold: the histories of the prompts they serve now). ``max_bytes``: the index's memory cap
+        (default ``spec.max_bytes``, one engine's)."""
         if mode not in MODES:
             raise ValueError(f"unknown replay mode '{mode}'; valid: {list(MODES)}")
         self.spec = spec
@@ -63,7 +67,9 @@ class ReplayDrafter:
             raise ValueError("replay mode 'cached' cannot draft from the group scope; use lockstep or exact")
         self.mode = mode
         self.source = source
-        self.index = DraftIndex(spec.max_depth, spec.max_bytes, max(spec.k, 1))
+        #: the history trees are loaded per step (``load_histories``) rather than all at once
+        self.lazy_history = False
+        self.index = DraftIndex(spec.max_depth, spec.max_bytes if max_bytes is None else max_bytes, max(spec.k, 1))
         self._cache: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self._resp_len = source.trace.response_lengths()
         self._finished: dict[str, set[int]] = {}  # group -> sample indices whose whole response is out
@@ -76,8 +82,24 @@ class ReplayDrafter:
             if history is None:
                 raise ValueError("the history scope needs an earlier epoch in the trace")
             trace, rows = history
+            self._history = (trace, {})
             for i in rows:
-                self.index.add_history(str(trace.prompt_uid[i]), trace.response(i), history_weight(float(trace.reward[i])))
+                self._history[1].setdefault(str(trace.prompt_uid[i]), []).append(int(i))
+            if preload or mode == "lockstep":  # lockstep replays every group up front
+                self.load_histories(self._history[1])
+            else:
+                self.lazy_history = True
+
+    def load_histories(self, uids) -> None:
+        """Add the history trees of ``uids`` (prompts without history are skipped)."""
+        trace, rows = self._history
+        for u in uids:
+            for i in rows.get(u, ()):
+                self.index.add_history(u, trace.response(i), history_weight(float(trace.reward[i])))
+
+    def drop_histories(self, uids) -> None:
+        for u in uids:
+            self.index.drop_history(u)
 
     @property
     def per_step(self) -> bool:
@@ -330,9 +352,9 @@ def _clip(emitted: np.ndarray, drafted: np.ndarray, total: int) -> tuple[np.ndar
     return emitted, drafted
 
 
-def make_drafter(spec: Optional[SpecOptions], source: TraceSource, mode: str = "auto", history=None):
+def make_drafter(spec: Optional[SpecOptions], source: TraceSource, mode: str = "auto", history=None, **kw):
     if spec is None:
         return None
-    drafter = ReplayDrafter(spec, source, mode, history)
+    drafter = ReplayDrafter(spec, source, mode, history, **kw)
     drafter.precompute()
     return drafter

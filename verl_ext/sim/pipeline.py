@@ -270,7 +270,11 @@ def run_pipeline_arm(label: str, cfg, cost, trace, rows, history, batches, max_t
     epoch = int(trace.epoch[rows[0]])
     store = trace_history(trace, epoch) if first.uses_history else None
     source = TraceSource(trace, rows)
-    drafter = make_drafter(spec, source, cfg.replay, history)
+    # one index stands for every instance's drafter (their memory together); it holds the
+    # histories of the steps being rolled out, as the engines would
+    drafter = make_drafter(spec, source, cfg.replay, history, preload=False,
+                           max_bytes=spec.max_bytes * cfg.instances if spec else None)
+    lazy = drafter is not None and drafter.lazy_history
     sims = [SimInstance(f"sim-{i}", cost, source, drafter, record_timeline=False) for i in range(cfg.instances)]
     step_requests = [build_requests(trace, b, max_tokens) for b in batches]
     pipe = Pipeline(sims, mode, t_train, len(batches))
@@ -288,10 +292,15 @@ def run_pipeline_arm(label: str, cfg, cost, trace, rows, history, batches, max_t
             strategy.set_history(LocalHistory(store))
         strategy.begin_step(epoch + step)  # history holds steps <= epoch
         strategy.observe_train_time(t_train)
+        uids = sorted({r.group_id for r in reqs})
+        if lazy:
+            drafter.load_histories(uids)
         try:
             out = await strategy.rollout(reqs, pool)
         finally:
             await strategy.close()
+            if lazy:
+                drafter.drop_histories(uids)
         per_step.append({"step": step, **strategy.metrics()})
         records.extend({"step": step, **asdict(r)} for r in pool.records)
         if bar is not None:

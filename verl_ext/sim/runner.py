@@ -198,7 +198,8 @@ def run_arm(label, strategy, spec, trace, rows, history, cost, instances: int, r
     source = TraceSource(trace, rows)
     if spec is not None and history is None and strategy.uses_history and spec.mask == SCOPE_HISTORY:
         spec = None  # a history-driven strategy's first epoch: nothing to draft from yet
-    drafter = make_drafter(spec, source, replay, history)
+    # one index stands for every instance's drafter: their memory together
+    drafter = make_drafter(spec, source, replay, history, max_bytes=spec.max_bytes * instances if spec else None)
     if strategy.uses_history:  # history-driven strategies (rhyme): earlier epochs' rollouts
         from verl_ext.pipe.rhyme import LocalHistory
 
