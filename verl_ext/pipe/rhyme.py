@@ -17,7 +17,10 @@ HistoPipe scheduling from last epoch's lengths.
   binary search of Figure 12 with ``tau`` from the cost model (without one: instances in
   proportion to the groups' historical tokens). Alternation: ranking groups take the instance
   blocks in ascending order on odd steps and descending on even steps. Within its block a request
-  goes to the least-loaded instance.
+  goes to the least-loaded instance. Tau counts HistoSpec's rate as the engines measured it (and
+  its batch cut-off); ``t0`` is at least the last training time (``t_train_s`` or
+  ``observe_train_time``). The alternation pays only where each instance moves on to the next
+  step by itself (RhymeRL's streaming pipeline; measured with ``verl-ext ab --sim --pipeline``).
 * **Weak-signal fallback.** Where historical ranks barely predict the next rollout (small models
   at temperature 1), pinning ranking groups to blocks only unbalances the instances. Before each
   plan the strategy measures the Spearman correlation between the last planned step's predicted
