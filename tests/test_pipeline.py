@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 import pytest
-from test_rhyme import _two_epoch_trace
+from test_rhyme import _two_epoch_trace, repeating_trace
 from test_sim import _cost
 
 from verl_ext.cli import main
@@ -100,13 +100,7 @@ def test_histopipe_alternates_blocks_across_steps():
 def test_history_drafts_are_loaded_per_step():
     """HistoSpec in the pipeline: each step's histories are in the drafter while it rolls out
     (responses that repeat their history exactly draft well)."""
-    from verl_ext.trace.format import Trace
-
-    rng = np.random.default_rng(2)
-    texts = {(g, j): rng.integers(0, 50, 300).tolist() for g in range(8) for j in range(2)}
-    tr = Trace.from_rows([dict(epoch=e, step=e, prompt_uid=f"p{g}", sample_index=j, prompt_ids=[1, 2, g],
-                               response_ids=texts[(g, j)], reward=1.0, finish_reason="stop")
-                          for e in (0, 1) for (g, j) in texts])
+    tr = repeating_trace(groups=8, samples=2, length=300, seed=2)
     _, rows, history = select_epoch(tr, 1)
     batches = split_steps(tr.prompt_uid, rows, 4, seed=0)
     r = run_pipeline_arm("rhyme[histopipe=false,batch_cutoff=false]", SimConfig(instances=2, spec_k=8), _cost(), tr,

@@ -125,13 +125,7 @@ def test_simulated_cutoff_probes_like_the_engine(probe):
     from verl_ext.sim.source import TraceSource
     from test_sim import _cost, _run
 
-    from verl_ext.trace.format import Trace
-
-    rng = np.random.default_rng(1)
-    texts = {(g, j): rng.integers(0, 50, 400).tolist() for g in range(4) for j in range(2)}
-    tr = Trace.from_rows([dict(epoch=e, step=e, prompt_uid=f"p{g}", sample_index=j, prompt_ids=[1, 2, g],
-                               response_ids=texts[(g, j)], reward=1.0, finish_reason="stop")
-                          for e in (0, 1) for (g, j) in texts])
+    tr = repeating_trace(groups=4, samples=2, length=400, seed=1)
     _, rows, history = select_epoch(tr, 1)
     src = TraceSource(tr, rows)
     spec = SpecOptions(scopes="history", k=8, min_match=1, max_match=7, min_prob=0.0, aimd=True,
@@ -281,6 +275,18 @@ def _two_epoch_trace(groups=8, samples=4, outlier=("p0", 1, 900), ranked=True):
                 rows.append(dict(epoch=e, step=e, prompt_uid=f"p{g}", sample_index=j, prompt_ids=[1, 2, 3, g],
                                  response_ids=rng.integers(0, 50, n).tolist(), reward=1.0, finish_reason="stop"))
     return Trace.from_rows(rows)
+
+
+def repeating_trace(groups: int, samples: int, length: int, seed: int = 0):
+    """Two epochs in which every response repeats its previous-epoch response exactly (what
+    history drafting finds best)."""
+    from verl_ext.trace.format import Trace
+
+    rng = np.random.default_rng(seed)
+    texts = {(g, j): rng.integers(0, 50, length).tolist() for g in range(groups) for j in range(samples)}
+    return Trace.from_rows([dict(epoch=e, step=e, prompt_uid=f"p{g}", sample_index=j, prompt_ids=[1, 2, g],
+                                 response_ids=texts[(g, j)], reward=1.0, finish_reason="stop")
+                            for e in (0, 1) for (g, j) in texts])
 
 
 def _sim_rhyme(tr, epoch, options=None, instances=4):

@@ -507,6 +507,12 @@ def format_table(summary: dict) -> str:
         ("requests", "requests", "{}"),
         ("out tok", "output_tokens", "{}"),
     ]
+    return render_table(summary, cols)
+
+
+def render_table(summary: dict, cols) -> str:
+    """A plain-text table of ``summary["strategies"]``: ``cols`` is [(header, metric key or None
+    for the arm's name, format)]; missing metrics print as ``-``."""
     rows = [[c[0] for c in cols]]
     for name, m in summary["strategies"].items():
         row = []

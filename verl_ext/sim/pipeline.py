@@ -410,17 +410,13 @@ def run_pipeline_ab(cfg, progress: bool = True, trace=None) -> dict:
 
 # -- report ----------------------------------------------------------------------------------------
 def format_pipeline_table(summary: dict) -> str:
-    cols = [("strategy", None, "{}"), ("total s", "pipeline_s", "{:.1f}"), ("s/step", "step_s", "{:.1f}"),
-            ("tok/s", "throughput_tok_s", "{:,.0f}"), ("bubbles", "bubble_fraction", "{:.0%}"),
-            ("tok/step", "tokens_per_step", "{:.2f}"), ("accept", "draft_acceptance", "{:.2f}"),
-            ("vs baseline", "vs_baseline", "{:.3f}"), ("vs sync baseline", "vs_baseline_sync", "{:.3f}")]
-    rows = [[c[0] for c in cols]]
-    for name, m in summary["strategies"].items():
-        rows.append([name if k is None else ("-" if m.get(k) is None else f.format(m[k])) for _, k, f in cols])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
-    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    from verl_ext.ab.runner import render_table
+
+    return render_table(summary, [
+        ("strategy", None, "{}"), ("total s", "pipeline_s", "{:.1f}"), ("s/step", "step_s", "{:.1f}"),
+        ("tok/s", "throughput_tok_s", "{:,.0f}"), ("bubbles", "bubble_fraction", "{:.0%}"),
+        ("tok/step", "tokens_per_step", "{:.2f}"), ("accept", "draft_acceptance", "{:.2f}"),
+        ("vs baseline", "vs_baseline", "{:.3f}"), ("vs sync baseline", "vs_baseline_sync", "{:.3f}")])
 
 
 def plot_steps(results: Sequence[PipelineResult], path) -> None:
