@@ -188,6 +188,7 @@ class RhymeStrategy(Strategy):
         self.step = 0
         self._cost = self._load_profile()
         self._t_train_seen = 0.0
+        self._cutoffs = None  # (cost model, its cut-off table)
         self._plan: Optional[_Plan] = None
         self._plan_step: Optional[int] = None  # the step self._plan was made for (None: none yet)
         self._planning: Optional[asyncio.Future] = None
@@ -233,9 +234,19 @@ class RhymeStrategy(Strategy):
             return None
         from verl_ext.spec.options import SpecOptions
 
-        cutoffs = self._cost.spec_batch_cutoffs(o.aimd_start) if (o.batch_cutoff and self._cost is not None) else ()
+        cutoffs = self._cutoff_table()
         return SpecOptions(scopes="history", k=o.spec_k, min_match=o.min_match, max_match=o.max_match, min_prob=0.0,
                            aimd=True, aimd_start=o.aimd_start, aimd_step=o.aimd_step, batch_cutoffs=cutoffs)
+
+    def _cutoff_table(self) -> tuple:
+        """HistoSpec's batch cut-off table from the cost model (computed once per cost model), or
+        () without one or with ``batch_cutoff`` off."""
+        o = self.options
+        if not o.batch_cutoff or self._cost is None:
+            return ()
+        if self._cutoffs is None or self._cutoffs[0] is not self._cost:
+            self._cutoffs = (self._cost, self._cost.spec_batch_cutoffs(o.aimd_start))
+        return self._cutoffs[1]
 
     # -- planning ------------------------------------------------------------------------------
     async def _make_plan(self, requests: Sequence[GenRequest], pool: InstancePool) -> Optional[_Plan]:
@@ -328,17 +339,14 @@ class RhymeStrategy(Strategy):
         drafts, drafted, accepted = (sum(getattr(x, f) for x in t) for f in ("drafts", "draft_tokens", "accepted_tokens"))
         if drafts <= 0 or drafted <= 0:
             return 1.0, 0.0, None
-        self._m["tau_tokens_per_step"] = 1.0 + accepted / drafts
-        spec = self.engine_spec(self._cost) if self.options.batch_cutoff else None
-        spec_batch = None
-        if spec is not None and spec.batch_cutoffs:
-            from verl_ext.spec.cutoff import BatchCutoff
+        tps = self._m["tau_tokens_per_step"] = 1.0 + accepted / drafts
+        table = self._cutoff_table()
+        if not table:
+            return tps, drafted / drafts, None
+        from verl_ext.spec.cutoff import BatchCutoff
 
-            cut, rate = BatchCutoff(spec.batch_cutoffs), accepted / drafted
-
-            def spec_batch(ctx):
-                return cut.max_batch(rate, ctx)
-        return 1.0 + accepted / drafts, drafted / drafts, spec_batch
+        cut, rate = BatchCutoff(table), accepted / drafted
+        return tps, drafted / drafts, lambda ctx: cut.max_batch(rate, ctx)
 
     def _allocate(self, members, medians, per_prompt: float, requests, wks: int, pool: InstancePool) -> list[int]:
         """Instances per ranking group: Figure 12 with the cost model's tau (with HistoSpec's

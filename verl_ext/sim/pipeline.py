@@ -150,7 +150,8 @@ class Pipeline:
         g.set()
         self.spans[(name, step)] = [self._now(), math.nan]
         t = self.times[step]
-        t.first_start_s = min(t.first_start_s, self._now()) if not math.isnan(t.first_start_s) else self._now()
+        if math.isnan(t.first_start_s):  # gates open in time order: the first is the earliest
+            t.first_start_s = self._now()
         self.check_done(name, step)
 
     def check_done(self, name: str, step: int) -> None:
