@@ -8,7 +8,7 @@ from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import find_namespace_packages, setup
 
 # The per-token hot path (suffix-tree index, batched proposals) is native C++17.
-SUFFIX_SOURCES = ["bindings.cc", "draft_index.cc", "suffix_tree.cc"]
+SUFFIX_SOURCES = ["bindings.cc", "draft_index.cc", "draft_select.cc", "suffix_tree.cc"]
 ext_modules = [
     Pybind11Extension(
         "verl_ext.spec._suffix",

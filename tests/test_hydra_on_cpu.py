@@ -118,3 +118,25 @@ def test_short_form_unknown_strategy_lists_available():
     assert r.returncode != 0
     assert "unknown rollout strategy 'nope'; available: baseline" in r.stderr
     assert "Could not find 'rollout/nope'" in r.stderr
+
+
+def test_rlhfspec_engines_get_the_selection_and_need_a_profile():
+    from verl.utils.config import omega_conf_to_dataclass
+
+    from verl_ext.rollout.manager import _check_drafter_config
+    from verl_ext.spec import SpecOptions
+
+    base = ["rollout@actor_rollout_ref.rollout=rlhfspec", "actor_rollout_ref.rollout.name=vllm"]
+    cfg = compose_verl(base + ["actor_rollout_ref.rollout.custom.verl_ext.options.profile=h100-7b",
+                               "actor_rollout_ref.rollout.custom.verl_ext.options.spec_k=24"])
+    rollout = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout)
+    vllm = rollout.engine_kwargs["vllm"]
+    assert vllm["speculative_config"]["num_speculative_tokens"] == 24
+    spec = SpecOptions.from_dict({**vllm["additional_config"]["verl_ext_spec"], "k": 24})  # what the drafter does
+    assert spec.select and spec.select_profile == "h100-7b" and spec.min_prob == 0.0 and spec.acceptance == ()
+    assert spec.draft_selector() is not None
+    settings = VerlExtSettings.from_custom(rollout.custom)
+    _check_drafter_config(settings, cfg.actor_rollout_ref.rollout)
+    bare = compose_verl(base)
+    with pytest.raises(ValueError, match="options.profile"):
+        _check_drafter_config(VerlExtSettings.from_custom(bare.actor_rollout_ref.rollout.custom), bare.actor_rollout_ref.rollout)

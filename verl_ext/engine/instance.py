@@ -9,7 +9,10 @@ simulated engine). Strategies only ever talk to instances through this contract:
 * ``stream(request)``: submit a request and iterate over token deltas as they are produced;
 * ``abort(request_id)``: stop a running request; its ``generate``/``stream`` finishes with
   ``finish_reason == "abort"`` and the tokens produced so far;
-* ``telemetry()``: a cheap, non-blocking snapshot of load (``Telemetry``).
+* ``telemetry()``: a cheap, non-blocking snapshot of load (``Telemetry``);
+* ``progress(request_id)`` (optional): ``(tokens generated, engine steps)`` of a running request
+  so far, for engines that do not stream (``on_tokens`` already tells streaming callers); None
+  when unknown.
 
 The contract is deliberately small so that the same strategy code runs on real engines, on
 veRL's replicas and in a trace-driven simulator. Implementations: ``verl_ext.engine.vllm_local``
@@ -154,6 +157,10 @@ class Instance(abc.ABC):
     @abc.abstractmethod
     def telemetry(self) -> Telemetry:
         """Current load; must not block."""
+
+    def progress(self, request_id: str) -> Optional[tuple[int, int]]:
+        """``(tokens generated, engine steps)`` of running ``request_id`` so far; None if unknown."""
+        return None
 
     async def start(self) -> None:
         """Bring the instance up (idempotent)."""

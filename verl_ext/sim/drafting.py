@@ -20,6 +20,11 @@ sample). Three modes, all calling ``DraftIndex.replay``:
   group trees see exactly the tokens emitted so far anywhere in the cluster (an ideal,
   zero-latency grouped draft server). One event per engine step: for validation-sized runs.
 
+Workload-aware selection (``SpecOptions.select``, RLHFSpec section 5) needs ``exact`` (the
+default with it): every step the instance's ``DraftSelector`` cuts the batch's candidate drafts
+(``k`` tokens each) to its choice, exactly as the engine proposer does, and learns from what was
+accepted.
+
 Adaptive draft length (``SpecOptions.adaptive``, Seer section 4.4): each step of a simulated
 instance caps every running request's draft at ``verl_ext.spec.adaptive.draft_caps`` of the
 batch size and of the fraction of the request's group that has completely finished anywhere in
@@ -45,6 +50,7 @@ from verl_ext.history.store import history_weight
 from verl_ext.sim.source import Target, TraceSource
 from verl_ext.spec import SCOPE_GROUP, SCOPE_HISTORY, DraftIndex
 from verl_ext.spec.options import SpecOptions
+from verl_ext.spec.select import cumulative_scores
 
 MODES = ("auto", "cached", "lockstep", "exact")
 
@@ -62,7 +68,10 @@ class ReplayDrafter:
         self.spec = spec
         self.mask = spec.mask
         if mode == "auto":
-            mode = "lockstep" if self.mask & SCOPE_GROUP else "cached"
+            mode = "exact" if spec.select else "lockstep" if self.mask & SCOPE_GROUP else "cached"
+        if spec.select and mode != "exact":
+            raise ValueError("workload-aware selection (spec select) decides every step from the step's drafts; "
+                             f"it needs replay mode 'exact', not '{mode}'")
         if mode == "cached" and self.mask & SCOPE_GROUP:
             raise ValueError("replay mode 'cached' cannot draft from the group scope; use lockstep or exact")
         self.mode = mode
@@ -230,13 +239,18 @@ class ReplayDrafter:
         self._ends[key] = len(self._rows[key])
         self._start(key, request, prompt)
 
-    def step(self, keys: list[str], positions: np.ndarray, caps: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray]:
+    def step(self, keys: list[str], positions: np.ndarray, caps: Optional[np.ndarray] = None, selector=None,
+             kv_tokens: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
         """One engine step for the batch ``keys`` whose contexts end at ``positions`` (prompt +
         tokens emitted so far): (emitted, drafted) per request. Idempotent until the step's
         tokens are emitted (the instance may re-plan a step it has not run), because it only
         brings the index up to ``positions`` and proposes. ``caps``: most draft tokens per
-        request (adaptive drafting); default ``spec.k`` each."""
+        request (adaptive drafting); default ``spec.k`` each. ``selector``: the instance's
+        ``DraftSelector`` (RLHFSpec), which cuts the step's drafts to its choice for a batch
+        holding ``kv_tokens`` KV tokens and learns from what the target accepted."""
         s = self.spec
+        if selector is not None:
+            return self._step_selected(keys, positions, caps, selector, kv_tokens)
         emitted = np.empty(len(keys), dtype=np.int64)
         drafted = np.empty(len(keys), dtype=np.int64)
         positions = positions.tolist()
@@ -268,10 +282,41 @@ class ReplayDrafter:
                 self._aimd.observe(key, len(toks), acc)
         return emitted, drafted
 
+    def _step_selected(self, keys, positions, caps, selector, kv_tokens):
+        s = self.spec
+        pos = np.asarray(positions, dtype=np.int64)
+        for key, p in zip(keys, pos.tolist()):
+            self._sync(key, p)
+        ks = np.full(len(keys), s.k, dtype=np.int64) if caps is None else np.minimum(np.asarray(caps, dtype=np.int64), s.k)
+        toks, n, probs, _ = self.index.batch_propose(keys, ks, scopes=self.mask, min_match=s.min_match,
+                                                     max_match=s.max_match, min_prob=s.min_prob)
+        scores = cumulative_scores(probs, n)
+        lengths, _ = selector.select_lengths(scores, n, kv_tokens)
+        lengths = lengths.astype(np.int64)
+        ends = np.fromiter((self._ends[k] for k in keys), dtype=np.int64, count=len(keys))
+        left = ends - pos
+        acc = np.zeros(len(keys), dtype=np.int64)
+        for j in np.flatnonzero(lengths).tolist():
+            row, p = self._rows[keys[j]], int(pos[j])
+            m = int(min(lengths[j], left[j] - 1))
+            same = toks[j, :m] == row[p: p + m]
+            acc[j] = m if same.all() else int(np.argmin(same))
+        selector.observe(scores, lengths, acc)
+        return np.minimum(acc + 1, left), lengths
+
     def _sync(self, key: str, pos: int) -> None:
         have = self.index.context_length(key)
         if have < pos:
             self.index.append(key, self._rows[key][have:pos])
+
+    def drop(self, key: str) -> None:
+        """Forget ``key`` without syncing it (a request that left before running again)."""
+        if key in self._rows:
+            del self._rows[key], self._ends[key]
+            self.index.finish(key)
+            if self._aimd is not None:
+                self._aimd.drop(key)
+                self._aimd_at.pop(key, None)
 
     def finish(self, key: str, pos: int) -> None:
         """The request left its instance with its context ending at ``pos``."""

@@ -37,7 +37,8 @@ It models one vLLM engine's continuous batching in virtual time (``verl_ext.sim.
   HistoSpec's batch-size cut-off (``SpecOptions.batch_cutoffs``, the engine's ``BatchCutoff``
   fed with each plan's drafted and accepted tokens) zeroes every cap of a plan whose batch
   exceeds the cut-off for its mean context and the measured acceptance rate;
-  ``exact`` proposes at most the cap. The KV headroom of a step is ``1 + cap`` per request
+  ``exact`` proposes at most the cap. Workload-aware selection (``SpecOptions.select``, RLHFSpec)
+  runs this instance's ``DraftSelector`` on every step's drafts (``exact`` replay). The KV headroom of a step is ``1 + cap`` per request
   (admission and preemption use the largest total the caps can reach at that batch size).
 
 Between events the batch is fixed, so the instance plans all steps up to the next finish (or
@@ -131,6 +132,8 @@ class SimInstance(Instance):
         self._cutoff = spec.batch_cutoff() if spec is not None else None
         self.cutoff_plans = 0  # plans (runs of steps) without drafts because of the cut-off
         self._cut_plan: Optional[int] = None  # this plan: 1 = a probe step, -n = off for at most n steps
+        # RLHFSpec's workload-aware selection: this engine's own selector over its cost model
+        self.selector = spec.draft_selector(cost) if spec is not None else None
 
     # -- the Instance contract ----------------------------------------------------------------
     async def generate(self, request: GenRequest, on_tokens=None) -> Completion:
@@ -155,6 +158,8 @@ class SimInstance(Instance):
         if len(target.tokens) == 0:  # nothing left of the trace response
             return Completion(request.request_id, TokenView(target.tokens), target.finish_reason, num_steps=0)
         self._by_id[request.request_id] = r
+        if self.drafter is not None and self.drafter.per_step:  # the id ran here before (and left)
+            self.drafter.drop(self._key(r))
         self.waiting.append(r)
         self._touch()
         try:
@@ -167,6 +172,11 @@ class SimInstance(Instance):
         r = self._by_id.get(request_id)
         if r is not None:
             self._cancel(r)
+
+    def progress(self, request_id: str):
+        """Tokens emitted and steps run by ``request_id`` up to the last step boundary."""
+        r = self._by_id.get(request_id)
+        return None if r is None else (r.pos, r.steps)
 
     def telemetry(self) -> Telemetry:
         return Telemetry(
@@ -199,6 +209,8 @@ class SimInstance(Instance):
         self._aborts += 1
         if r in self.waiting:
             self.waiting.remove(r)
+            if self.drafter is not None and self.drafter.per_step:  # a preempted request's drafter state
+                self.drafter.drop(self._key(r))
             self._resolve(r, FINISH_ABORT)
         else:
             self._touch()  # leaves the batch at the next step boundary
@@ -422,7 +434,7 @@ class SimInstance(Instance):
             if self.drafter.per_step:
                 keys = [self._key(r) for r in self.running]
                 pos = np.fromiter((r.ctx0 + r.pos for r in self.running), dtype=np.int64, count=B)
-                e, d = self.drafter.step(keys, pos, caps)
+                e, d = self.drafter.step(keys, pos, caps, self.selector, float(self._kv))
                 E, D = e[:, None], d[:, None]
             elif caps is None:
                 n_fin = min(len(r.emit) - r.sj for r in self.running)

@@ -681,6 +681,11 @@ def add_cli(subparsers) -> None:
     p.add_argument("--base", default=None, help="with --from-trace: cost model giving capacity and limits (a profile JSON or preset)")
     p.add_argument("--thresholds", nargs="*", default=None, metavar="PRESET_OR_JSON",
                    help="print the adaptive-drafting thresholds of cost models (default: every preset) and exit")
+    g = p.add_argument_group("acceptance map (RLHFSpec's F, rollout=rlhfspec)")
+    g.add_argument("--acceptance", default=None, metavar="TRACE[@EPOCH]",
+                   help="fit F (draft node score -> acceptance probability) by replaying a trace; writes --out")
+    g.add_argument("--acceptance-scopes", default="request+group", help="drafting scopes replayed (default: %(default)s)")
+    g.add_argument("--acceptance-k", type=int, default=32, help="candidate draft length replayed (default: %(default)s)")
     p.set_defaults(func=run_cli)
 
 
@@ -743,6 +748,10 @@ def run_cli(args) -> int:
         return print_thresholds(args.thresholds)
     if not args.out:
         raise ValueError("--out is required (where to write the fitted cost model)")
+    if args.acceptance:
+        from verl_ext.sim.acceptance import run_cli as fit_acceptance
+
+        return fit_acceptance(args)
     if args.from_trace:
         return run_from_traces(args)
     if args.instances < 1:

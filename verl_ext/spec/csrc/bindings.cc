@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "draft_index.h"
+#include "draft_select.h"
 
 namespace py = pybind11;
 using namespace verl_ext;
@@ -143,6 +144,28 @@ py::tuple draft_tuple(const Draft& d) {
     std::memcpy(probs.mutable_data(), d.probs.data(), d.probs.size() * 4);
   }
   return py::make_tuple(toks, probs, d.score, d.match_len);
+}
+
+template <typename T>
+py::array_t<T, py::array::c_style | py::array::forcecast> dense(const py::handle& obj, int ndim,
+                                                                const char* what) {
+  auto a = py::array_t<T, py::array::c_style | py::array::forcecast>::ensure(obj);
+  if (!a || a.ndim() != ndim)
+    throw py::value_error(std::string(what) + " must be a " + std::to_string(ndim) + "-D numeric array");
+  return a;
+}
+
+// F's table: 1-D (one row for every depth) or 2-D (a row per depth bucket), at least 1 point.
+py::array_t<float, py::array::c_style | py::array::forcecast> table_of(const py::handle& f) {
+  auto a = py::array_t<float, py::array::c_style | py::array::forcecast>::ensure(f);
+  if (!a || (a.ndim() != 1 && a.ndim() != 2) || a.size() < 1)
+    throw py::value_error("F must be a non-empty 1-D table or a 2-D table (one row per depth bucket)");
+  if (a.ndim() == 1) a = a.reshape({static_cast<py::ssize_t>(1), a.shape(0)});
+  return a;
+}
+
+py::tuple select_result(const SelectResult& r) {
+  return py::make_tuple(r.n, r.evaluations, r.objective, r.al);
 }
 
 }  // namespace
@@ -390,4 +413,55 @@ PYBIND11_MODULE(_suffix, m) {
              return d;
            })
       .def("clear", &DraftIndex::clear);
+
+  m.def(
+      "select_chains",
+      [](py::handle scores, py::handle lens, py::handle f, py::handle t, double base, int patience) {
+        auto sc = dense<float>(scores, 2, "scores");
+        auto ln = dense<int32_t>(lens, 1, "lens");
+        auto fa = table_of(f);
+        auto ta = dense<double>(t, 1, "t");
+        const int64_t rows = sc.shape(0), width = sc.shape(1);
+        if (ln.shape(0) != rows) throw py::value_error("select_chains: one length per row of scores");
+        for (int64_t i = 0; i < rows; ++i)
+          if (ln.data()[i] < 0 || ln.data()[i] > width)
+            throw py::value_error("select_chains: lens must be in [0, scores.shape[1]]");
+        if (patience < 0) throw py::value_error("patience must be >= 0 (0 = exhaustive)");
+        SelectResult r = select_chains(sc.data(), rows, width, ln.data(), fa.data(),
+                                       static_cast<int>(fa.shape(1)), static_cast<int>(fa.shape(0)),
+                                       ta.data(), ta.shape(0), base, patience);
+        py::array_t<int32_t> caps(rows);
+        int32_t* c = caps.mutable_data();
+        std::fill(c, c + rows, 0);
+        for (int64_t k = 0; k < r.n; ++k) c[r.order[k] / width] += 1;
+        return py::make_tuple(caps, select_result(r));
+      },
+      py::arg("scores"), py::arg("lens"), py::arg("F"), py::arg("t"), py::arg("base"),
+      py::arg("patience") = 0,
+      "RLHFSpec layer-level search over linear drafts (see draft_select.h): (draft length per "
+      "row, (n, evaluations, objective, al)).");
+  m.def(
+      "select_tree",
+      [](py::handle parents, py::handle scores, py::handle f, py::handle t, double base, int patience) {
+        auto pa = dense<int32_t>(parents, 1, "parents");
+        auto sc = dense<float>(scores, 1, "scores");
+        auto fa = table_of(f);
+        auto ta = dense<double>(t, 1, "t");
+        const int64_t n = pa.shape(0);
+        if (sc.shape(0) != n) throw py::value_error("select_tree: one score per node");
+        for (int64_t u = 0; u < n; ++u)
+          if (pa.data()[u] >= n) throw py::value_error("select_tree: parent index out of range");
+        if (patience < 0) throw py::value_error("patience must be >= 0 (0 = exhaustive)");
+        SelectResult r = select_tree(pa.data(), sc.data(), n, fa.data(), static_cast<int>(fa.shape(1)),
+                                     static_cast<int>(fa.shape(0)), ta.data(), ta.shape(0), base, patience);
+        py::array_t<bool> mask(n);
+        bool* mk = mask.mutable_data();
+        std::fill(mk, mk + n, false);
+        for (int64_t k = 0; k < r.n; ++k) mk[r.order[k]] = true;
+        return py::make_tuple(mask, select_result(r));
+      },
+      py::arg("parents"), py::arg("scores"), py::arg("F"), py::arg("t"), py::arg("base"),
+      py::arg("patience") = 0,
+      "RLHFSpec layer-level search over a draft forest (tree verification): (selected node mask, "
+      "(n, evaluations, objective, al)).");
 }

@@ -1,0 +1,100 @@
+"""Offline fit of RLHFSpec's acceptance map ``F`` (seed 002 section 5.2) from replayed traces.
+
+Each prompt's responses are replayed in lockstep through a ``DraftIndex`` (the drafter's scopes):
+every step, every response drafts a full candidate of ``k`` tokens (``min_prob=0``), each node
+scored by its cumulative empirical probability, and a node counts as accepted iff it and every
+node before it match the trace's next tokens (exact-match acceptance, the law of the engine's
+rejection sampler for one-hot drafts, as in ``verl_ext.sim.drafting``). The response then
+advances by its accepted tokens plus one. ``AcceptanceModel.fit`` bins the (score, accepted)
+pairs into ``F``'s table (monotone). ``verl-ext profile --acceptance TRACE --out F.json`` writes
+it; ``rollout=rlhfspec`` reads it through ``options.acceptance_profile``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from verl_ext.spec import DraftIndex, SpecOptions
+from verl_ext.spec.select import AcceptanceModel, cumulative_scores
+
+
+def replay_observations(trace, rows, spec: SpecOptions, max_steps: int = 1 << 30):
+    """(scores, accepted, depths) of every candidate node drafted while replaying ``rows`` of ``trace``."""
+    index = DraftIndex(spec.max_depth, 0, spec.k)
+    scores, accepted, depths = [], [], []
+    by_group: dict[str, list[int]] = {}
+    for i in np.asarray(rows).tolist():
+        by_group.setdefault(str(trace.prompt_uid[i]), []).append(i)
+    mask = spec.mask
+    for g, members in by_group.items():
+        keys = [f"{g}\x00{j}" for j in range(len(members))]
+        full = [np.concatenate([trace.prompt(i), trace.response(i)]).astype(np.int32) for i in members]
+        pos = np.array([len(trace.prompt(i)) for i in members], dtype=np.int64)
+        end = np.array([len(r) for r in full], dtype=np.int64)
+        for k, i, r in zip(keys, members, full):
+            index.start_request(k, r[: pos[keys.index(k)]], group=g, history="", scopes=mask)
+        live = list(range(len(members)))
+        steps = 0
+        while live and steps < max_steps:
+            ks = np.minimum(spec.k, end[live] - pos[live] - 1).clip(0)
+            toks, n, probs, _ = index.batch_propose([keys[j] for j in live], ks, scopes=mask, min_match=spec.min_match,
+                                                    max_match=spec.max_match, min_prob=0.0)
+            sc = cumulative_scores(probs, n)
+            nxt = []
+            for row, j in enumerate(live):
+                m = int(n[row])
+                want = full[j][pos[j]: pos[j] + m]
+                same = toks[row, :m] == want
+                a = m if same.all() else int(np.argmin(same))
+                scores.append(sc[row, :m])
+                accepted.append(np.arange(m) < a)
+                depths.append(np.arange(m))
+                step = min(a + 1, int(end[j] - pos[j]))
+                index.append(keys[j], full[j][pos[j]: pos[j] + step])
+                pos[j] += step
+                if pos[j] < end[j]:
+                    nxt.append(j)
+                else:
+                    index.finish(keys[j])
+            live = nxt
+            steps += 1
+        for j in live:
+            index.finish(keys[j])
+        index.drop_group(g)
+    if not scores:
+        return np.zeros(0, np.float32), np.zeros(0, bool), np.zeros(0, np.int64)
+    return np.concatenate(scores), np.concatenate(accepted), np.concatenate(depths)
+
+
+def fit_from_trace(trace, rows, spec: SpecOptions) -> tuple[AcceptanceModel, dict]:
+    s, a, d = replay_observations(trace, rows, spec)
+    if not len(s):
+        raise ValueError("the trace gave no draft candidates to fit F on (too short, or nothing to match)")
+    model = AcceptanceModel.fit(s, a, d)
+    return model, {"nodes": int(len(s)), "accepted": int(a.sum()), "scopes": spec.scopes, "k": spec.k}
+
+
+def run_cli(args) -> int:
+    """``verl-ext profile --acceptance TRACE[@EPOCH] --out F.json``."""
+    from verl_ext.trace.format import read_trace
+
+    out = Path(args.out)
+    if out.suffix != ".json":
+        raise ValueError(f"--out must name a .json file, got '{out}'")
+    path, _, epoch = args.acceptance.partition("@")
+    trace = read_trace(path)
+    epochs = trace.epochs()
+    e = int(epoch) if epoch else epochs[-1]
+    if e not in epochs:
+        raise ValueError(f"--acceptance {args.acceptance}: epoch {e} is not in the trace (epochs: {epochs})")
+    rows = np.flatnonzero(trace.epoch == e)
+    spec = SpecOptions(scopes=args.acceptance_scopes, k=args.acceptance_k, min_prob=0.0)
+    model, info = fit_from_trace(trace, rows, spec)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"acceptance": model.to_dict(), "fit": {**info, "trace": path, "epoch": e}}, indent=1))
+    print(f"F fitted on {info['nodes']} draft nodes ({info['accepted']} accepted): "
+          f"{' '.join(f'{x:.2f}' for x in model.table()[0][::4])} at scores 0, 0.2, ..., 1 (depth 0) -> {out}")
+    return 0

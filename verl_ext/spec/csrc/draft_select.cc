@@ -1,0 +1,103 @@
+#include "draft_select.h"
+
+#include <algorithm>
+#include <queue>
+#include <utility>
+
+namespace verl_ext {
+
+double acceptance_weight(double score, int64_t depth, const float* f, int m, int rows) {
+  if (m <= 0) return 0.0;
+  if (rows > 1) f += static_cast<int64_t>(std::min(depth_bucket(depth), rows - 1)) * m;
+  if (m == 1) return f[0];
+  const double s = std::min(1.0, std::max(0.0, score)) * (m - 1);
+  const int i = std::min(static_cast<int>(s), m - 2);
+  const double a = s - i;
+  return (1.0 - a) * f[i] + a * f[i + 1];
+}
+
+namespace {
+
+struct Item {
+  double w;
+  int64_t node;
+  bool operator<(const Item& o) const {  // max-heap on weight; ties: smaller node id first
+    return w < o.w || (w == o.w && node > o.node);
+  }
+};
+
+// The search loop shared by chains and trees. `children(node, push)` pushes the node's
+// children onto the queue.
+template <typename Children>
+SelectResult search(std::priority_queue<Item>& q, Children children, const double* t,
+                    int64_t t_len, double base, int patience) {
+  SelectResult r;
+  if (t_len <= 0) return r;
+  double al = base;
+  double best = t[0] > 0 ? al / t[0] : 0.0;
+  r.objective = best;
+  r.al = al;
+  double prev = best;
+  int falls = 0;
+  int64_t n = 0;
+  while (!q.empty() && n + 1 < t_len) {
+    const Item it = q.top();
+    q.pop();
+    r.order.push_back(static_cast<int32_t>(it.node));
+    ++n;
+    al += it.w;
+    const double obj = t[n] > 0 ? al / t[n] : 0.0;
+    ++r.evaluations;
+    if (obj > best) {
+      best = obj;
+      r.n = n;
+      r.objective = obj;
+      r.al = al;
+    }
+    falls = obj < prev ? falls + 1 : 0;
+    prev = obj;
+    if (patience > 0 && falls >= patience) break;
+    children(it.node);
+  }
+  return r;
+}
+
+}  // namespace
+
+SelectResult select_chains(const float* scores, int64_t rows, int64_t width, const int32_t* lens,
+                           const float* f, int m, int f_rows, const double* t, int64_t t_len,
+                           double base, int patience) {
+  std::priority_queue<Item> q;
+  for (int64_t i = 0; i < rows; ++i)
+    if (lens[i] > 0) q.push({acceptance_weight(scores[i * width], 0, f, m, f_rows), i * width});
+  auto children = [&](int64_t node) {
+    const int64_t i = node / width, j = node % width + 1;
+    if (j < lens[i]) q.push({acceptance_weight(scores[i * width + j], j, f, m, f_rows), node + 1});
+  };
+  return search(q, children, t, t_len, base, patience);
+}
+
+SelectResult select_tree(const int32_t* parents, const float* scores, int64_t nodes,
+                         const float* f, int m, int f_rows, const double* t, int64_t t_len,
+                         double base, int patience) {
+  std::vector<int64_t> first(nodes, -1), next(nodes, -1), depth(nodes, 0);  // child lists
+  std::priority_queue<Item> q;
+  for (int64_t u = nodes - 1; u >= 0; --u) {
+    const int32_t p = parents[u];
+    if (p < 0) {
+      q.push({acceptance_weight(scores[u], 0, f, m, f_rows), u});
+    } else {
+      next[u] = first[p];
+      first[p] = u;
+    }
+  }
+  auto children = [&](int64_t node) {
+    for (int64_t c = first[node]; c >= 0; c = next[c]) {
+      depth[c] = depth[node] + 1;
+      q.push({acceptance_weight(scores[c], depth[c], f, m, f_rows), c});
+    }
+  };
+  return search(q, children, t, t_len, base, patience);
+}
+
+}  // namespace verl_ext

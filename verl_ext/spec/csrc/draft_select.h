@@ -1,0 +1,46 @@
+// Workload-aware draft selection: RLHFSpec (seed 002) section 5.3, layer-level strategy search.
+//
+// Input: a draft forest (every request's draft; a linear draft is a chain), each node with a
+// score (its cumulative draft probability), a monotone map F from score to acceptance
+// probability (the node's weight w = F(score)), and the predicted step time t[N] of a step that
+// verifies N draft tokens in total. The search grows the selected set one node at a time, always
+// taking the heaviest node whose parent is already selected (a max-priority queue over the
+// frontier: a node enters the queue when its layer is reached through its parent, so S(n) stays
+// a connected tree within the first n layers: the paper's principles 1 and 2), and evaluates
+// Equation 2, al(n) / t_sd(n), with al(n) = base + sum of the selected weights (base: the tokens
+// the step emits without drafts, one per request). It returns the best n seen. Early stopping
+// (Equation 3): once the objective has fallen `patience` times in a row the search ends;
+// patience = 0 searches exhaustively.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace verl_ext {
+
+struct SelectResult {
+  int64_t n = 0;             // draft tokens selected (argmax of the objective)
+  int64_t evaluations = 0;   // objective evaluations (nodes popped)
+  double objective = 0.0;    // al(n) / t(n) at the selected n
+  double al = 0.0;           // predicted tokens emitted at the selected n
+  std::vector<int32_t> order;  // popped nodes, in order (the first n are selected)
+};
+
+// F: one row per depth bucket (depth_bucket), each piecewise linear through (i / (m - 1),
+// row[i]), i = 0..m-1; scores clipped to [0, 1]. With `rows` = 1 every depth reads row 0.
+constexpr int kDepthBuckets = 7;
+inline int depth_bucket(int64_t depth) { return depth < 4 ? static_cast<int>(depth) : depth < 8 ? 4 : depth < 16 ? 5 : 6; }
+double acceptance_weight(double score, int64_t depth, const float* f, int m, int rows);
+
+// Linear drafts: row i has lens[i] nodes with cumulative scores scores[i * width + j]; node
+// (i, j) has parent (i, j - 1). `order` holds flat indices i * width + j.
+SelectResult select_chains(const float* scores, int64_t rows, int64_t width, const int32_t* lens,
+                           const float* f, int m, int f_rows, const double* t, int64_t t_len,
+                           double base, int patience);
+
+// A general draft forest (tree verification): parents[u] < 0 for a root, else its parent.
+SelectResult select_tree(const int32_t* parents, const float* scores, int64_t nodes,
+                         const float* f, int m, int f_rows, const double* t, int64_t t_len,
+                         double base, int patience);
+
+}  // namespace verl_ext

@@ -1,0 +1,300 @@
+"""Workload-aware drafting strategy selection: RLHFSpec (seed 002) section 5.
+
+Every engine step the selector picks the draft tokens that maximise Equation 2,
+``al(n) / t_sd(n)``, over the candidate drafts the index proposed for the batch:
+
+* ``al(n)``, the predicted tokens the step emits: one per request plus the sum of ``F(score)``
+  over the selected draft nodes (section 5.2, Figure 8). ``F`` (``AcceptanceModel``) maps a node's
+  score to the probability that the target accepts it, per depth bucket (a 1-D ``F`` overrates
+  deep nodes against shallow ones of the same score, and the search then trades shallow drafts
+  of many requests for deep drafts of a few: measured in docs/BENCHMARKS.md). RLHFSpec scores a node by its draft-model
+  logit; this project drafts without a model, so the score is the node's cumulative empirical
+  probability in the suffix tree (``DraftIndex.batch_propose``'s conditional probabilities,
+  multiplied along the draft); with a draft model it would be the logit product. ``F`` is fitted
+  offline from replayed traces (``fit_acceptance``, ``verl-ext profile --acceptance``) and
+  updated online from the acceptances the engine observes (``observe``).
+* ``t_sd(n)``, the predicted step time: a regression on ``N_seq`` (KV tokens of the batch) and
+  ``N_draft`` (draft tokens verified), fitted by the profiler: the instance's ``CostModel``
+  (``verl-ext profile``; presets for GPUs). ``StepTimePredictor`` puts the paper's bucket cache in
+  front of it: ``N_seq`` in geometric buckets (``SEQ_BUCKETS_PER_OCTAVE``), each holding the
+  predicted times over ``N_draft``, so a prediction is an array lookup (a miss costs one
+  vectorised evaluation, microseconds).
+* The search (section 5.3): layer-level, with a max-priority queue over the draft forest and
+  early stopping after ``patience`` consecutive falls of the objective (Equation 3), in native
+  code (``csrc/draft_select.h``). On engines that verify linear drafts (vLLM) the result is a
+  draft length per request (``select_lengths``); on tree-verification engines, a node mask
+  (``select_nodes``).
+
+A step without drafts scores ``B / t_sd(0)``: where verifying a draft token costs as much as
+decoding one (a small model on a CPU), no draft pays and the selector drafts nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from verl_ext.spec._suffix import select_chains, select_tree
+
+#: points of F's piecewise-linear table over scores in [0, 1]
+ACCEPTANCE_POINTS = 21
+#: pseudo-observations per point that the prior (the offline fit, or F(s) = s) counts for
+PRIOR_WEIGHT = 8.0
+#: observations per point kept online (older ones fade: a moving window)
+ONLINE_WINDOW = 4096.0
+#: geometric N_seq buckets per doubling in the step-time cache (about 4.4% wide)
+SEQ_BUCKETS_PER_OCTAVE = 16
+#: consecutive falls of the objective that end the search (Equation 3's early stop)
+PATIENCE = 4
+
+
+def pav(y: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Pool-adjacent-violators: the non-decreasing fit of ``y`` with weights ``w``."""
+    vals, wts, size = [], [], []
+    for yi, wi in zip(y.tolist(), w.tolist()):
+        vals.append(yi)
+        wts.append(wi)
+        size.append(1)
+        while len(vals) > 1 and vals[-2] > vals[-1]:
+            tw = wts[-2] + wts[-1]
+            v = (vals[-2] * wts[-2] + vals[-1] * wts[-1]) / tw if tw > 0 else (vals[-2] + vals[-1]) / 2
+            n = size[-2] + size[-1]
+            del vals[-1], wts[-1], size[-1]
+            vals[-1], wts[-1], size[-1] = v, tw, n
+    return np.repeat(np.asarray(vals), size)
+
+
+#: depth buckets of F's rows (``csrc/draft_select.h``): 0, 1, 2, 3, 4-7, 8-15, 16+
+DEPTH_BUCKETS = 7
+
+
+def depth_bucket(depth) -> np.ndarray:
+    d = np.asarray(depth, dtype=np.int64)
+    return np.where(d < 4, d, np.where(d < 8, 4, np.where(d < 16, 5, 6)))
+
+
+class AcceptanceModel:
+    """``F``: (node score, node depth) -> acceptance probability: per depth bucket
+    (``DEPTH_BUCKETS``: a deep node of a draft is accepted less often than a shallow one of the
+    same score), a monotone piecewise-linear table over the score.
+
+    Each table point keeps (accepted, seen) counts of the observations nearest to it; the
+    estimate shrinks towards the prior (the offline fit, or ``F(s) = s``: a suffix tree's
+    empirical probability is itself an estimate) with ``prior_weight`` pseudo-counts, and is made
+    non-decreasing in the score (``pav``, weighted by the observations: an unobserved point
+    holding only its prior does not lift an observed one). Online counts are capped at
+    ``window`` per point, so old evidence fades as new acceptances come in. ``prior``: one row
+    (every depth) or one row per depth bucket.
+    """
+
+    def __init__(self, prior=None, points: int = ACCEPTANCE_POINTS, prior_weight: float = PRIOR_WEIGHT,
+                 window: float = ONLINE_WINDOW):
+        if prior is not None and len(prior):
+            prior = np.atleast_2d(np.asarray(prior, dtype=np.float64))
+            if prior.shape[0] not in (1, DEPTH_BUCKETS):
+                raise ValueError(f"F's prior needs 1 or {DEPTH_BUCKETS} rows, got {prior.shape[0]}")
+            points = prior.shape[1]
+        else:
+            prior = None
+        if points < 2:
+            raise ValueError(f"F needs at least 2 points, got {points}")
+        self.grid = np.linspace(0.0, 1.0, points)
+        base = np.tile(self.grid, (DEPTH_BUCKETS, 1)) if prior is None else np.broadcast_to(prior, (DEPTH_BUCKETS, points))
+        self.prior = np.clip(np.array(base, dtype=np.float64), 0.0, 1.0)
+        if prior_weight < 0 or window <= 0:
+            raise ValueError("prior_weight must be >= 0 and window > 0")
+        self.prior_weight = float(prior_weight)
+        self.window = float(window)
+        self.accepted = np.zeros((DEPTH_BUCKETS, points))
+        self.seen = np.zeros((DEPTH_BUCKETS, points))
+        self._table: Optional[np.ndarray] = None
+
+    def table(self) -> np.ndarray:
+        """F at the grid points, one row per depth bucket (float32, non-decreasing along rows)."""
+        if self._table is None:
+            m = self.prior_weight
+            est = (self.accepted + m * self.prior) / np.maximum(self.seen + m, 1e-12)
+            self._table = np.clip(np.stack([pav(e, w + 1.0) for e, w in zip(est, self.seen)]), 0.0, 1.0).astype(np.float32)
+        return self._table
+
+    def __call__(self, scores, depth=0) -> np.ndarray:
+        s = np.clip(np.asarray(scores, dtype=np.float64), 0.0, 1.0)
+        rows = self.table()[depth_bucket(np.broadcast_to(depth, s.shape))]
+        pos = s * (len(self.grid) - 1)
+        i = np.minimum(pos.astype(np.int64), len(self.grid) - 2)
+        a = pos - i
+        out = (1 - a) * np.take_along_axis(rows, i[..., None], -1)[..., 0] + a * np.take_along_axis(rows, i[..., None] + 1, -1)[..., 0]
+        return out
+
+    def observe(self, scores, accepted, depths=0) -> None:
+        """Drafted nodes' scores and depths, and whether the target accepted each."""
+        s = np.clip(np.asarray(scores, dtype=np.float64).ravel(), 0.0, 1.0)
+        if not len(s):
+            return
+        a = np.asarray(accepted, dtype=np.float64).ravel()
+        d = depth_bucket(np.broadcast_to(depths, np.shape(scores)).ravel())
+        idx = np.rint(s * (len(self.grid) - 1)).astype(np.int64)
+        np.add.at(self.seen, (d, idx), 1.0)
+        np.add.at(self.accepted, (d, idx), a)
+        over = self.seen > self.window
+        if over.any():
+            f = self.window / self.seen[over]
+            self.seen[over] *= f
+            self.accepted[over] *= f
+        self._table = None
+
+    @classmethod
+    def fit(cls, scores, accepted, depths=0, points: int = ACCEPTANCE_POINTS) -> "AcceptanceModel":
+        """The offline fit: observations binned to the grid (no prior), as a prior table; a
+        depth bucket without observations takes the one above it (or F(s) = s)."""
+        m = cls(points=points, prior_weight=0.0, window=float("inf"))
+        m.observe(scores, accepted, depths)
+        rows = []
+        for acc, seen in zip(m.accepted, m.seen):
+            known = seen > 0
+            if not known.any():
+                rows.append(rows[-1] if rows else m.grid.copy())
+                continue
+            est = np.interp(m.grid, m.grid[known], acc[known] / seen[known])  # empty bins: from their neighbours
+            rows.append(pav(est, seen + 1e-9))
+        if not m.seen.any():
+            raise ValueError("fit: no observations")
+        return cls(prior=np.stack(rows))
+
+    def to_dict(self) -> dict:
+        return {"points": self.table().round(4).tolist(), "observations": float(self.seen.sum()),
+                "depth_buckets": "0,1,2,3,4-7,8-15,16+"}
+
+    @classmethod
+    def from_file(cls, path: str) -> "AcceptanceModel":
+        with open(path, encoding="utf-8") as f:
+            d = json.load(f)
+        return cls(prior=d["acceptance"]["points"] if "acceptance" in d else d["points"])
+
+
+class StepTimePredictor:
+    """``t_sd(N_seq, N_draft)`` for a batch of ``B`` requests, from the profiled ``CostModel``,
+    behind a bucketed cache: key (``B``, ``N_seq`` bucket) -> step times for ``N_draft`` =
+    0, 1, ... (extended on demand), evaluated at the bucket's geometric centre."""
+
+    def __init__(self, cost, per_octave: int = SEQ_BUCKETS_PER_OCTAVE, max_entries: int = 4096):
+        self.cost = cost
+        self.per_octave = per_octave
+        self.max_entries = max_entries
+        self._cache: OrderedDict = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def bucket(self, n_seq: float) -> int:
+        return int(math.floor(math.log2(max(1.0, float(n_seq))) * self.per_octave))
+
+    def curve(self, batch: int, n_seq: float, n_draft: int) -> np.ndarray:
+        """Predicted step times for 0..``n_draft`` draft tokens (float64, length ``n_draft + 1``)."""
+        key = (int(batch), self.bucket(n_seq))
+        c = self._cache.get(key)
+        if c is not None and len(c) > n_draft:
+            self.hits += 1
+            self._cache.move_to_end(key)
+            return c[: n_draft + 1]
+        self.misses += 1
+        centre = 2.0 ** ((key[1] + 0.5) / self.per_octave)
+        size = max(n_draft + 1, 2 * len(c) if c is not None else 64)
+        c = np.asarray(self.cost.step_time(batch, centre, 0, np.arange(size, dtype=np.float64)), dtype=np.float64)
+        self._cache[key] = c
+        if len(self._cache) > self.max_entries:
+            self._cache.popitem(last=False)
+        return c[: n_draft + 1]
+
+
+@dataclass
+class Selection:
+    """One step's decision."""
+
+    n: int  # draft tokens selected
+    evaluations: int  # objective evaluations
+    objective: float  # predicted tokens per second of the step
+    al: float  # predicted tokens emitted
+
+
+class DraftSelector:
+    """One engine's selector: ``F`` (online), the step-time predictor, and the search."""
+
+    def __init__(self, cost, acceptance: Optional[AcceptanceModel] = None, patience: int = PATIENCE):
+        if patience < 0:
+            raise ValueError(f"patience must be >= 0 (0 = exhaustive), got {patience}")
+        self.acceptance = acceptance or AcceptanceModel()
+        self.predictor = StepTimePredictor(cost)
+        self.patience = patience
+        # counters
+        self.steps = 0
+        self.candidate_tokens = 0
+        self.selected_tokens = 0
+        self.evaluations = 0
+        self.select_s = 0.0
+
+    def select_lengths(self, scores: np.ndarray, lens: np.ndarray, n_seq: float,
+                       patience: Optional[int] = None) -> tuple[np.ndarray, Selection]:
+        """Draft length per request (int32) for linear verification. ``scores``: (B, W) float
+        cumulative scores of each request's candidate draft, ``lens``: candidate lengths."""
+        t0 = time.perf_counter()
+        scores = np.ascontiguousarray(scores, dtype=np.float32)
+        lens = np.ascontiguousarray(lens, dtype=np.int32)
+        b = len(lens)
+        total = int(lens.sum())
+        curve = self.predictor.curve(b, n_seq, total)
+        caps, (n, ev, obj, al) = select_chains(scores, lens, self.acceptance.table(), curve, float(b),
+                                               self.patience if patience is None else patience)
+        self.steps += 1
+        self.candidate_tokens += total
+        self.selected_tokens += int(n)
+        self.evaluations += int(ev)
+        self.select_s += time.perf_counter() - t0
+        return caps, Selection(int(n), int(ev), float(obj), float(al))
+
+    def select_nodes(self, parents: np.ndarray, scores: np.ndarray, batch: int, n_seq: float,
+                     patience: Optional[int] = None) -> tuple[np.ndarray, Selection]:
+        """Selected node mask of a draft forest (tree verification); ``batch`` requests."""
+        parents = np.ascontiguousarray(parents, dtype=np.int32)
+        curve = self.predictor.curve(batch, n_seq, len(parents))
+        mask, (n, ev, obj, al) = select_tree(parents, np.ascontiguousarray(scores, dtype=np.float32),
+                                             self.acceptance.table(), curve, float(batch),
+                                             self.patience if patience is None else patience)
+        return mask, Selection(int(n), int(ev), float(obj), float(al))
+
+    def observe(self, scores: np.ndarray, drafted: np.ndarray, accepted: np.ndarray) -> None:
+        """Last step's outcome: row i drafted ``drafted[i]`` tokens with ``scores[i, :drafted[i]]``
+        and the target accepted the first ``accepted[i]`` of them."""
+        drafted = np.asarray(drafted, dtype=np.int64)
+        if not drafted.any():
+            return
+        w = scores.shape[1]
+        j = np.broadcast_to(np.arange(w)[None, :], scores.shape)
+        mask = j < drafted[:, None]
+        self.acceptance.observe(scores[mask], (j < np.asarray(accepted)[:, None])[mask], j[mask])
+
+    def stats(self) -> dict:
+        return {
+            "select_steps": self.steps,
+            "select_candidate_tokens": self.candidate_tokens,
+            "select_selected_tokens": self.selected_tokens,
+            "select_evaluations": self.evaluations,
+            "select_s": self.select_s,
+            "select_cache_hits": self.predictor.hits,
+            "select_cache_misses": self.predictor.misses,
+        }
+
+
+def cumulative_scores(probs: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """Node scores from per-token conditional probabilities: products along each draft."""
+    p = np.asarray(probs, dtype=np.float32)
+    w = p.shape[1] if p.ndim == 2 else 0
+    if not w:
+        return np.zeros((len(lens), 0), dtype=np.float32)
+    p = np.where(np.arange(w)[None, :] < np.asarray(lens)[:, None], p, 0.0)
+    return np.cumprod(p, axis=1, dtype=np.float32)
