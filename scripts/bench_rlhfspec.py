@@ -10,7 +10,10 @@ The selection's decision time per step is recorded next to the simulated step ti
 
     python scripts/bench_rlhfspec.py --preset h100-7b --out runs/bench_rlhfspec_synth.json
     python scripts/bench_rlhfspec.py --preset h100-7b --trace data/traces/smollm2_arith_e2.parquet \
-        --out runs/bench_rlhfspec_trace.json
+        --per-slot 2 --out runs/bench_rlhfspec_trace.json
+    verl-ext profile --acceptance data/traces/smollm2_arith_e2.parquet@0 --out runs/F_smollm2_e0.json
+    python scripts/bench_rlhfspec.py --preset h100-7b --trace data/traces/smollm2_arith_e2.parquet \
+        --acceptance runs/F_smollm2_e0.json --per-slot 2 --out runs/bench_rlhfspec_trace_fitted.json
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ def main() -> None:
     ap.add_argument("--counts", default=",".join(map(str, SAMPLE_COUNTS)))
     ap.add_argument("--fixed", default=",".join(map(str, FIXED_N)))
     ap.add_argument("--scopes", default="request+group")
+    ap.add_argument("--acceptance", default="", help="F's offline fit (verl-ext profile --acceptance JSON) as the selector's prior")
     ap.add_argument("--out", default="runs/bench_rlhfspec.json")
     args = ap.parse_args()
 
@@ -92,7 +96,7 @@ def main() -> None:
     counts = [int(x) for x in args.counts.split(",")]
     fixed = [int(x) for x in args.fixed.split(",")]
     arms = {f"n={n}": SpecOptions(scopes=args.scopes, k=n, min_prob=0.0) for n in fixed}
-    arms["select"] = SpecOptions(scopes=args.scopes, k=max(fixed), min_prob=0.0, select=True)
+    arms["select"] = SpecOptions(scopes=args.scopes, k=max(fixed), min_prob=0.0, select=True, acceptance=args.acceptance)
     arms["plain"] = None
     table = []
     for s in counts:
@@ -113,7 +117,7 @@ def main() -> None:
     worst = min(r["select_vs_best"] for r in table)
     print(f"worst case: {100 * worst:.1f}% of the best fixed n")
     with open(args.out, "w") as f:
-        json.dump({"preset": args.preset, "trace": args.trace or f"synthetic published {args.prompts}x16 mean {args.mean_len}",
+        json.dump({"preset": args.preset, "acceptance": args.acceptance, "trace": args.trace or f"synthetic published {args.prompts}x16 mean {args.mean_len}",
                    "per_slot": args.per_slot, "worst": worst, "table": table}, f, indent=1)
 
 
