@@ -191,12 +191,12 @@ class RlhfSpecStrategy(Strategy):
     def _place(self, request: GenRequest, pool: InstancePool) -> Instance:
         """The first placement: the instance with the fewest samples, or with ``grouped`` the
         group's instance (chosen that way for the group's first sample)."""
+        fewest = lambda: min(pool.instances, key=lambda n: (self._assigned[n], pool.inflight[n], n))  # noqa: E731
         if self.options.allocation == "least_loaded":
-            return pool.instances[min(pool.instances, key=lambda n: (self._assigned[n], pool.inflight[n], n))]
+            return pool.instances[fewest()]
         name = self._group_instance.get(request.group_id)
         if name not in pool.instances:
-            name = min(pool.instances, key=lambda n: (self._assigned[n], pool.inflight[n], n))
-            self._group_instance[request.group_id] = name
+            name = self._group_instance[request.group_id] = fewest()
         return pool.instances[name]
 
     async def submit(self, request: GenRequest, pool: InstancePool) -> Completion:
@@ -278,12 +278,11 @@ class RlhfSpecStrategy(Strategy):
             self._loop_task = asyncio.ensure_future(self._realloc_loop(pool))
 
     async def _realloc_loop(self, pool: InstancePool) -> None:
-        steps_at = self._engine_steps(pool)
+        steps_at, _ = self._poll(pool, rates=False)
         poll = FIRST_POLL_S
         while self._live:
             await asyncio.sleep(poll)
-            steps = self._engine_steps(pool)
-            step_s = self._step_seconds(pool)
+            steps, step_s = self._poll(pool)
             if step_s:
                 poll = max(1e-4, self.options.cooldown * step_s / 4)
             if steps - steps_at < self.options.cooldown:
@@ -302,29 +301,23 @@ class RlhfSpecStrategy(Strategy):
             for s, dest in moves:
                 await self._migrate(s, dest)
 
-    def _engine_steps(self, pool: InstancePool) -> float:
-        """Mean engine steps per instance so far."""
-        tot = 0
-        for inst in pool.instances.values():
-            try:
-                tot += inst.telemetry().steps
-            except Exception:
-                pass
-        return tot / len(pool.instances)
-
-    def _step_seconds(self, pool: InstancePool) -> Optional[float]:
-        """Seconds per engine step, from the telemetry's steps and timestamps since the last poll."""
-        rates = []
+    def _poll(self, pool: InstancePool, rates: bool = True) -> tuple[float, Optional[float]]:
+        """One telemetry read per instance: (mean engine steps per instance so far, seconds per
+        engine step since the last poll or None); ``rates=False`` only counts steps."""
+        tot, per_step = 0, []
         for name, inst in pool.instances.items():
             try:
                 t = inst.telemetry()
             except Exception:
                 continue
+            tot += t.steps
+            if not rates:
+                continue
             last = self._last_telemetry.get(name)
             self._last_telemetry[name] = (t.steps, t.timestamp)
             if last is not None and t.steps > last[0] and t.timestamp > last[1]:
-                rates.append((t.timestamp - last[1]) / (t.steps - last[0]))
-        return min(rates) if rates else None
+                per_step.append((t.timestamp - last[1]) / (t.steps - last[0]))
+        return tot / len(pool.instances), (min(per_step) if per_step else None)
 
     def threshold(self, pool: InstancePool) -> int:
         """Samples per instance at the throughput turning point (``threshold`` if set)."""

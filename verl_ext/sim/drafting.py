@@ -322,11 +322,7 @@ class ReplayDrafter:
         """The request left its instance with its context ending at ``pos``."""
         if key in self._rows:
             self._sync(key, pos)
-            del self._rows[key], self._ends[key]
-            self.index.finish(key)
-            if self._aimd is not None:
-                self._aimd.drop(key)
-                self._aimd_at.pop(key, None)
+            self.drop(key)
 
 
 _FORKED: Optional[ReplayDrafter] = None  # the drafter a forked precompute worker replays with
