@@ -140,3 +140,28 @@ def test_rlhfspec_engines_get_the_selection_and_need_a_profile():
     bare = compose_verl(base)
     with pytest.raises(ValueError, match="options.profile"):
         _check_drafter_config(VerlExtSettings.from_custom(bare.actor_rollout_ref.rollout.custom), bare.actor_rollout_ref.rollout)
+
+
+def test_specactor_composes_with_its_drafter_and_needs_a_ladder_or_profile():
+    from verl.utils.config import omega_conf_to_dataclass
+
+    from verl_ext.pipe import make_strategy
+    from verl_ext.pipe.strategy import StrategyConfigError
+    from verl_ext.spec import SpecOptions
+
+    base = ["rollout@actor_rollout_ref.rollout=specactor", "actor_rollout_ref.rollout.name=vllm"]
+    cfg = compose_verl(base + ["actor_rollout_ref.rollout.custom.verl_ext.options.profile=h100-7b",
+                               "actor_rollout_ref.rollout.custom.verl_ext.options.spec_k=12"])
+    rollout = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout)
+    vllm = rollout.engine_kwargs["vllm"]
+    assert vllm["speculative_config"]["num_speculative_tokens"] == 12
+    spec = SpecOptions.from_dict({**vllm["additional_config"]["verl_ext_spec"], "k": 12})
+    assert spec.scopes == "request+group"
+    settings = VerlExtSettings.from_custom(rollout.custom)
+    assert settings.strategy == "specactor"
+    st = make_strategy(settings.strategy, settings.options)
+    assert st.ladder() is not None and st.options.spec_k == 12
+    bare = compose_verl(base)
+    st = make_strategy("specactor", VerlExtSettings.from_custom(bare.actor_rollout_ref.rollout.custom).options)
+    with pytest.raises(StrategyConfigError, match="options.profile"):
+        st.engine_spec()

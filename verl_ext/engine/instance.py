@@ -12,7 +12,9 @@ simulated engine). Strategies only ever talk to instances through this contract:
 * ``telemetry()``: a cheap, non-blocking snapshot of load (``Telemetry``);
 * ``progress(request_id)`` (optional): ``(tokens generated, engine steps)`` of a running request
   so far, for engines that do not stream (``on_tokens`` already tells streaming callers); None
-  when unknown.
+  when unknown;
+* ``partial(request_id)`` (optional): the tokens a running request has generated so far, for
+  engines that do not stream (``SimInstance``); None when unknown.
 
 The contract is deliberately small so that the same strategy code runs on real engines, on
 veRL's replicas and in a trace-driven simulator. Implementations: ``verl_ext.engine.vllm_local``
@@ -160,6 +162,10 @@ class Instance(abc.ABC):
 
     def progress(self, request_id: str) -> Optional[tuple[int, int]]:
         """``(tokens generated, engine steps)`` of running ``request_id`` so far; None if unknown."""
+        return None
+
+    def partial(self, request_id: str) -> Optional[Sequence[int]]:
+        """Tokens running ``request_id`` has generated so far; None if unknown."""
         return None
 
     async def start(self) -> None:

@@ -158,3 +158,4 @@ def _load_builtins() -> None:
     import verl_ext.pipe.rlhfspec  # noqa: F401
     import verl_ext.pipe.rhyme  # noqa: F401
     import verl_ext.pipe.seer  # noqa: F401
+    import verl_ext.pipe.specactor  # noqa: F401

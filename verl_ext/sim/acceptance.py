@@ -98,3 +98,39 @@ def run_cli(args) -> int:
     print(f"F fitted on {info['nodes']} draft nodes ({info['accepted']} accepted): "
           f"{' '.join(f'{x:.2f}' for x in model.table()[0][::4])} at scores 0, 0.2, ..., 1 (depth 0) -> {out}")
     return 0
+
+
+def trace_acceptance(trace, rows, spec: SpecOptions) -> dict:
+    """Per-token acceptance rate of drafting with ``spec`` on ``rows`` of ``trace`` (SpecActor's
+    historical acceptance for the draft ladder): each group is replayed in lockstep through the
+    native ``DraftIndex.replay`` with the drafter's options, and ``p = A / (A + R)`` (``A``
+    accepted draft tokens, ``R`` drafts cut by a rejection), the maximum-likelihood rate of the
+    truncated geometric law the ladder's ``tau`` assumes."""
+    index = DraftIndex(spec.max_depth, 0, spec.k)
+    by_group: dict[str, list[int]] = {}
+    for i in np.asarray(rows).tolist():
+        by_group.setdefault(str(trace.prompt_uid[i]), []).append(i)
+    mask = spec.mask
+    acc = rej = drafted = steps = 0
+    for g, members in by_group.items():
+        keys = [f"{g}\x00{j}" for j in range(len(members))]
+        full = [np.concatenate([trace.prompt(i), trace.response(i)]).astype(np.int32) for i in members]
+        starts = [len(trace.prompt(i)) for i in members]
+        for k, r, s in zip(keys, full, starts):
+            index.start_request(k, r[:s], group=g, history="", scopes=mask)
+        try:
+            out = index.replay(keys, full, starts, [len(r) for r in full], spec.k, scopes=mask, min_match=spec.min_match,
+                               max_match=spec.max_match, min_prob=spec.min_prob)
+        finally:
+            for k in keys:
+                index.finish(k)
+            index.drop_group(g)
+        for emitted, d in out:
+            a = np.minimum(np.asarray(emitted, np.int64) - 1, d)
+            acc += int(a.sum())
+            rej += int(((a < d) & (d > 0)).sum())
+            drafted += int(np.asarray(d).sum())
+            steps += len(d)
+    p = acc / (acc + rej) if acc + rej else 0.0
+    return {"acceptance": p, "accepted_tokens": acc, "draft_tokens": drafted, "rejections": rej, "steps": steps,
+            "scopes": spec.scopes, "k": spec.k}

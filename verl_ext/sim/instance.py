@@ -178,6 +178,11 @@ class SimInstance(Instance):
         r = self._by_id.get(request_id)
         return None if r is None else (r.pos, r.steps)
 
+    def partial(self, request_id: str):
+        """Tokens ``request_id`` has emitted up to the last step boundary (None if not running)."""
+        r = self._by_id.get(request_id)
+        return None if r is None else TokenView(r.target.tokens[: r.pos])
+
     def telemetry(self) -> Telemetry:
         return Telemetry(
             running=len(self.running),

@@ -686,6 +686,16 @@ def add_cli(subparsers) -> None:
                    help="fit F (draft node score -> acceptance probability) by replaying a trace; writes --out")
     g.add_argument("--acceptance-scopes", default="request+group", help="drafting scopes replayed (default: %(default)s)")
     g.add_argument("--acceptance-k", type=int, default=32, help="candidate draft length replayed (default: %(default)s)")
+    g = p.add_argument_group("draft ladder (SpecActor, rollout=specactor)")
+    g.add_argument("--ladder", default=None, metavar="PRESET_OR_JSON",
+                   help="build a draft ladder against this verifier cost model; writes --out")
+    g.add_argument("--method", action="append", default=None, metavar="NAME=KIND:WHAT@RATE",
+                   help="a drafting method: NAME=model:PRESET@RATE (a draft model's cost model on one GPU) or "
+                        "NAME=suffix:SCOPES@RATE; RATE 'trace' = measured on --ladder-trace; repeatable "
+                        "(default: suffix=suffix:request+group@trace, ngram=suffix:request@trace)")
+    g.add_argument("--ladder-trace", default=None, metavar="TRACE[@EPOCH]", help="trace to measure suffix methods' acceptance on")
+    g.add_argument("--ladder-k", type=int, default=16, help="most draft tokens per request (default: %(default)s)")
+    g.add_argument("--verify-gpus", type=int, default=1, help="GPUs per verifier instance (default: %(default)s)")
     p.set_defaults(func=run_cli)
 
 
@@ -752,6 +762,10 @@ def run_cli(args) -> int:
         from verl_ext.sim.acceptance import run_cli as fit_acceptance
 
         return fit_acceptance(args)
+    if args.ladder:
+        from verl_ext.spec.ladder import run_cli as build_ladder
+
+        return build_ladder(args)
     if args.from_trace:
         return run_from_traces(args)
     if args.instances < 1:

@@ -10,7 +10,8 @@ Per engine step (CPU drafters run synchronously after the step's bookkeeping):
   2. newly scheduled requests start a request tree from their prompt and join their group
      (``SamplingParams.extra_args["verl_ext"]["group_id"]``) and history
      (``["prompt_key"]``, default: the group id) trees; ``["spec_scopes"]`` (e.g. ``"group"``)
-     narrows the engine's scopes for one request;
+     narrows the engine's scopes for one request and ``["spec_window"]`` caps its drafts (0: none;
+     SpecActor's per-request window);
   3. one native call appends every row's new tokens and proposes a draft per row, at most
      ``k`` tokens and never past ``max_model_len``; rows in a partial prefill get none. With
      ``adaptive`` on, each row's draft is further capped by ``verl_ext.spec.adaptive.draft_caps``
@@ -78,6 +79,7 @@ class SuffixProposer:
         self._group_of: dict[str, str] = {}  # request id -> group (adaptive: finished fraction)
         self.aimd = self.options.aimd_windows()  # per-request AIMD windows (RhymeRL), or None
         self._last_draft: dict[str, int] = {}  # request id -> tokens drafted for it last step
+        self._window: dict[str, int] = {}  # request id -> its own draft window (SpecActor), when set
         self.cutoff = self.options.batch_cutoff()  # HistoSpec's batch-size cut-off, or None
         # RLHFSpec's workload-aware selection (verl_ext.spec.select), or None
         self.selector = self.options.draft_selector()
@@ -121,6 +123,7 @@ class SuffixProposer:
         for req_id in sched.finished_req_ids:
             index.finish(req_id)
             self._group_of.pop(req_id, None)
+            self._window.pop(req_id, None)
             if self.aimd is not None:
                 self.aimd.drop(req_id)
             self._last_draft.pop(req_id, None)
@@ -133,6 +136,9 @@ class SuffixProposer:
         ks = np.clip(self.max_model_len - 1 - lens, 0, self.k)
         emitted = np.fromiter(map(len, sampled_token_ids), dtype=np.int64, count=b)
         ks[emitted == 0] = 0
+        if self._window and b:
+            get = self._window.get
+            np.minimum(ks, np.fromiter((get(r, self.k) for r in req_ids), dtype=np.int64, count=b), out=ks)
         if self._track and b:
             self._observe(req_ids, emitted)
             if self.aimd is not None:
@@ -235,6 +241,11 @@ class SuffixProposer:
                 scopes &= scope_mask(ident["spec_scopes"])
             except ValueError:
                 scopes = 0  # a bad per-request value must not break the engine: no drafts
+        if ident.get("spec_window") is not None:
+            try:
+                self._window[req_id] = max(0, int(ident["spec_window"]))
+            except (TypeError, ValueError):
+                self._window[req_id] = 0  # a bad per-request value must not break the engine: no drafts
         group = str(group) if group is not None and scopes & SCOPE_GROUP else ""
         self.index.start_request(
             req_id,

@@ -1,0 +1,284 @@
+"""`specactor` (SpecActor, seed 003): the TGS model against hand-computed values, Algorithm 1
+against brute force, Algorithm 2's choice, the draft ladder and initial selection, Algorithm 3
+on constructed cases against brute force, and Best-of-N on simulated engines (copies finish
+once, lose and duplicate nothing, and leave no engine slot behind; sampled requests refused)."""
+
+import dataclasses
+import itertools
+import json
+import math
+import types
+
+import numpy as np
+import pytest
+
+from verl_ext.pipe import make_strategy
+from verl_ext.pipe.bon import assign_best_of_n
+from verl_ext.pipe.strategy import StrategyConfigError
+from verl_ext.sim.cost import load_cost_model
+from verl_ext.spec.ladder import DraftLadder, DraftMethod, LadderError
+from verl_ext.spec.tgs import (COUPLED, DECOUPLED, AffineTime, SpecTimes, plan_decoupled, reconfigure, tau_coupled,
+                               tau_decoupled, window_limit)
+
+
+# -- the TGS model -------------------------------------------------------------------------------
+def test_tau_matches_hand_computed_values():
+    # w = 2, p = 0.5: P(a=0) = .5 -> 1/2 token, P(a=1) = .25 -> 2/2, P(a=2) = .25 -> 2 tokens
+    assert tau_decoupled(0.5, 2) == pytest.approx(0.5 * 0.5 + 0.25 * 1.0 + 0.25 * 2)
+    assert tau_decoupled(0.0, 3) == pytest.approx(0.5)  # rejected at once, next window wasted
+    assert tau_decoupled(1.0, 4) == pytest.approx(4.0)
+    assert tau_coupled(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert tau_coupled(1.0, 3) == pytest.approx(4.0)
+    assert tau_coupled(0.3, 0) == 1.0
+
+
+def _affine(d=(1e-3, 2e-3), v=((2e-3, 10e-3), (3e-3, 10e-3), (4e-3, 11e-3), (5e-3, 11e-3)), gpus=1):
+    return SpecTimes.affine(AffineTime(*d), [s for s, _ in v], [i for _, i in v], verify_gpus=4, drafter_gpus=gpus)
+
+
+def test_tgs_matches_hand_computed_values():
+    t = _affine()
+    # b = 4, w = 2: D = 4e-3 + 2e-3 = 6e-3, V_2 = 4 * 4e-3 + 11e-3 = 27e-3
+    il = max(2 * 6e-3, 27e-3)
+    assert t.tgs_decoupled(0.5, 2, 4) == pytest.approx(tau_decoupled(0.5, 2) / il)
+    assert t.tgs_coupled(0.5, 2, 4) == pytest.approx(1.75 / (2 * 6e-3 + 27e-3))
+    assert t.tgs_plain(4) == pytest.approx(1 / (4 * 2e-3 + 10e-3))
+    # two drafter GPUs split the batch: D(ceil(4 / 2))
+    assert t.draft_time(4, 2) == pytest.approx(2 * 1e-3 + 2e-3)
+    # windows past the last tabulated one reuse it
+    assert t.verify(4, 9) == pytest.approx(4 * 5e-3 + 11e-3)
+
+
+def test_best_window_is_the_argmax():
+    t = _affine()
+    for p, b, mode in itertools.product((0.1, 0.5, 0.9), (1, 16), (COUPLED, DECOUPLED)):
+        w, tgs = t.best_window(p, b, mode, w_max=12)
+        fn = t.tgs_coupled if mode == COUPLED else (lambda p, w, b: t.tgs_decoupled(p, w, b))
+        vals = [fn(p, x, b) for x in range(1, 13)]
+        assert tgs == pytest.approx(max(vals)) and w == 1 + int(np.argmax(vals))
+
+
+def _brute_force_plan(configs, B, G, p, cap):
+    best = None
+    for t in configs:
+        for g_d in (range(1, t.verify_gpus + 1) if t.drafter_gpus else (0,)):
+            if g_d + t.verify_gpus > G:
+                continue
+            b = math.ceil((g_d + t.verify_gpus) * B / G)
+            for w in range(1, cap + 1):
+                cur = t.tgs_decoupled(p, w, b, g_d)
+                if best is None or cur > best[0]:
+                    best = (cur, g_d, t.verify_gpus, w)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_algorithm_1_matches_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    configs = []
+    for g_v in (1, 2, 4):
+        vs = np.sort(rng.uniform(1e-4, 4e-3, 9))
+        vi = np.sort(rng.uniform(5e-3, 2e-2, 9))
+        configs.append(SpecTimes.affine(AffineTime(rng.uniform(1e-5, 1e-3), rng.uniform(1e-4, 3e-3)), vs / g_v, vi / math.sqrt(g_v),
+                                        verify_gpus=g_v, drafter_gpus=1))
+    B, G, p = int(rng.integers(8, 512)), int(rng.choice([8, 16, 32])), float(rng.uniform(0.2, 0.95))
+    plan = plan_decoupled(configs, B, G, p, cap=8)
+    ref = _brute_force_plan(configs, B, G, p, cap=8)
+    # the line-5 pruning never drops the best window: beyond it a round is draft-bound
+    assert plan.tgs == pytest.approx(ref[0]) and (plan.g_d, plan.g_v, plan.w) == ref[1:]
+    base = max(t.tgs_plain(math.ceil(t.verify_gpus * B / G)) for t in configs)
+    assert plan.speedup == pytest.approx(plan.tgs / base)
+
+
+def test_window_limit_is_where_drafting_catches_up_with_verifying():
+    t = _affine(d=(0.0, 3e-3))
+    # V_1(1) = 3e-3 + 10e-3 = 13e-3; D(1) = 3e-3 -> ceil(13 / 3) = 5
+    assert window_limit(t, 1, 1) == 5
+    assert window_limit(_affine(d=(0.0, 0.0), gpus=0), 0, 1, cap=7) == 7  # free drafts: the cap
+
+
+def test_algorithm_2_reconfigures_only_below_average_requests_and_picks_the_better_mode():
+    t = _affine()
+    plan = plan_decoupled([t], 64, 8, 0.6, cap=8)
+    out = reconfigure(t, plan, {"a": 0.2, "b": 0.9, "c": 0.8}, cap=8)
+    assert set(out) == {"a"}  # the mean is 0.63
+    r = out["a"]
+    w_c, t_c = t.best_window(0.2, 1, COUPLED, w_max=8)
+    w_d, t_d = t.best_window(0.2, 1, DECOUPLED, g_d=plan.g_d, w_max=8)
+    assert (r.w, r.mode) == ((w_d, DECOUPLED) if t_d > t_c else (w_c, COUPLED))
+    assert r.tgs == pytest.approx(max(t_c, t_d))
+
+
+# -- the ladder ----------------------------------------------------------------------------------
+def _ladder():
+    v = load_cost_model("h100-32b")
+    methods = [DraftMethod("m05", "model", 0.6, drafter="h100-0.5b"), DraftMethod("m15", "model", 0.7, drafter="h100-1.5b"),
+               DraftMethod("ngram", "suffix", 0.2, draft_s=(5e-6, 0.0))]
+    return DraftLadder.build(v, methods, verify_gpus=4, batches=(1, 128), rates=(0.0, 0.2, 0.4, 0.6, 0.8))
+
+
+def test_ladder_speedups_follow_the_tgs_model_and_grow_with_acceptance():
+    lad = _ladder()
+    v = load_cost_model("h100-32b")
+    t = lad.methods["m05"].times(v, verify_gpus=4)
+    for i, b in enumerate(lad.batches):
+        sp = lad.speedup["m05"][i]
+        assert all(x <= y + 1e-12 for x, y in zip(sp, sp[1:]))
+        j = lad.rates.index(0.6)
+        w, tgs = t.best_window(0.6, b, COUPLED)
+        assert sp[j] == pytest.approx(tgs / t.tgs_plain(b)) and lad.window["m05"][i][j] == w
+    # speculation pays less at a large batch (verification turns compute-bound)
+    assert lad.lookup("m05", 0.6, 128) < lad.lookup("m05", 0.6, 1)
+
+
+def test_initial_selection_ranks_by_speedup_at_historical_acceptance_and_can_pick_plain_decoding():
+    lad = _ladder()
+    ranked = lad.rank(128)
+    assert [s for _, s in ranked] == sorted((s for _, s in ranked), reverse=True)
+    assert lad.select(128) == ranked[0][0]
+    # a method nobody accepts loses to plain decoding
+    assert lad.select(128, {"m05": 0.0, "m15": 0.0, "ngram": 0.0}) is None
+    # history changes the choice: n-gram drafting with a high measured rate wins at batch 1
+    assert lad.select(1, {"m05": 0.1, "m15": 0.1, "ngram": 0.8}) == "ngram"
+
+
+def test_ladder_round_trips_and_bad_ladders_fail_clearly(tmp_path):
+    lad = _ladder()
+    p = tmp_path / "ladder.json"
+    lad.save(p)
+    back = DraftLadder.load(p)
+    assert back.speedup == lad.speedup and back.window == lad.window and back.methods == lad.methods
+    d = json.loads(p.read_text())
+    d["methods"]["m05"]["speedup"] = [[1.0]]
+    p.write_text(json.dumps(d))
+    with pytest.raises(LadderError, match="tables must be"):
+        DraftLadder.load(p)
+    p.write_text("{")
+    with pytest.raises(LadderError):
+        DraftLadder.load(p)
+    with pytest.raises(LadderError, match="kind"):
+        DraftMethod("x", "eagle", 0.5)
+
+
+# -- Algorithm 3 ---------------------------------------------------------------------------------
+def test_algorithm_3_constructed_case():
+    rates = {"r1": 0.1, "r2": 0.5, "r3": 0.3}
+    given, plan = assign_best_of_n(rates, ["a", "b", "c"], ["w3", "w4"], {"a": ["w1", "w2"]},
+                                   {"w1": 2, "w2": 1, "w3": 0, "w4": 0}, b_max=2,
+                                   running={"r1": {("a", "w1")}, "r2": {("a", "w1")}, "r3": {("a", "w2")}})
+    # lines 1-3: freed workers go to the methods with the fewest workers (b, then c)
+    assert given == {"w3": "b", "w4": "c"}
+    # method a has nothing to add (everyone drafts with a); b on w3 takes the two slowest, c on w4 too
+    assert plan == [("r1", "b", "w3"), ("r3", "b", "w3"), ("r1", "c", "w4"), ("r3", "c", "w4")]
+
+
+@pytest.mark.parametrize("seed", range(15))
+def test_algorithm_3_respects_budgets_and_serves_lowest_acceptance_first(seed):
+    rng = np.random.default_rng(seed)
+    n_req, methods = int(rng.integers(1, 8)), ["a", "b", "c"][: int(rng.integers(1, 4))]
+    rates = {f"r{i}": float(rng.uniform()) for i in range(n_req)}
+    busy = [f"w{i}" for i in range(int(rng.integers(0, 3)))]
+    freed = [f"f{i}" for i in range(int(rng.integers(1, 4)))]
+    load = {w: int(rng.integers(0, 4)) for w in busy}
+    running = {r: {("a", busy[0])} if busy else set() for r in rates}
+    b_max = int(rng.integers(1, 4))
+    given, plan = assign_best_of_n(rates, methods, freed, {"a": busy}, load, b_max, running)
+    assert set(given) == set(freed)
+    counts = {m: len([w for w in busy]) if m == "a" else 0 for m in methods}
+    for w in freed:  # each freed worker went to a method with the fewest workers at its turn
+        m = given[w]
+        assert counts[m] == min(counts.values())
+        counts[m] += 1
+    per_worker = {}
+    seen = set()
+    for r, m, w in plan:
+        assert given.get(w, "a" if w in busy else None) == m
+        per_worker[w] = per_worker.get(w, 0) + 1
+        assert (r, m) not in seen and (m, w) not in running[r]
+        seen.add((r, m))
+    for w, n in per_worker.items():
+        assert load.get(w, 0) + n <= b_max
+    # per (method, worker), the requests taken are the lowest-rate eligible ones, in order
+    for m in methods:
+        taken = [r for r, mm, _ in plan if mm == m]
+        assert taken == sorted(taken, key=lambda r: (rates[r], r))
+
+
+# -- the strategy on simulated engines -----------------------------------------------------------
+def _setup(temperature=0.0, prompts=6, acceptance="suffix=0.7,ngram=0.6", **opts):
+    from test_rlhfspec import _sim_setup
+
+    from verl_ext.sim.drafting import make_drafter
+    from verl_ext.sim.instance import SimInstance
+
+    sims, reqs, want = _sim_setup(prompts=prompts, samples=4, instances=3)
+    reqs = [dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, temperature=temperature)) for r in reqs]
+    st = make_strategy("specactor", {"acceptance": acceptance, **opts})
+    spec = st.engine_spec(sims[0].cost)
+    drafter = make_drafter(spec, sims[0].source) if spec else None
+    sims = [SimInstance(s.name, s.cost, s.source, drafter) for s in sims]
+    return st, sims, reqs, want
+
+
+def test_best_of_n_copies_finish_once_and_lose_nothing_on_simulated_engines():
+    from test_rlhfspec import _run, _same_tokens
+
+    st, sims, reqs, want = _setup(min_tokens=4)
+    arm = _run(st, sims, reqs)
+    _same_tokens(arm, reqs, want)
+    m = st.metrics()
+    assert m["bon_copies"] > 0 and m["decoupled_engine"] == 0
+    assert m.get("bon_divergent", 0) == 0
+    # aborted copies left no engine slot and no request behind
+    for s in sims:
+        t = s.telemetry()
+        assert t.running == 0 and t.waiting == 0 and not s._by_id
+    assert not st._live and st._loop_task is None
+    # the copies' work is extra (generated beyond the responses), never missing
+    assert sum(s.generated for s in sims) >= sum(len(w) for w in want.values())
+
+
+def test_a_winning_copy_returns_the_whole_response_with_its_prefix():
+    from verl_ext.engine.instance import Completion, GenRequest, SamplingSpec
+    from verl_ext.pipe.specactor import _Live, _Run
+
+    st = make_strategy("specactor", {"profile": "h100-7b"})
+    req = GenRequest("r", "g", [1, 2], SamplingSpec(temperature=0.0, max_tokens=8, logprobs=True))
+    live = _Live(req)
+    orig = Completion("r", [5, 6, 7], "abort", logprobs=[-1.0, -2.0, -3.0], num_steps=3)
+    copy = Completion("r", [7, 8, 9], "stop", logprobs=[-3.5, -4.0, -5.0], num_steps=2)
+    where = types.SimpleNamespace(name="sim-1")
+    out = st._splice(live, _Run(where, "ngram", [5, 6], 2), copy, orig)
+    assert out.token_ids == [5, 6, 7, 8, 9] and out.logprobs == [-1.0, -2.0, -3.5, -4.0, -5.0]
+    assert out.num_steps == 4 and out.finish_reason == "stop"
+    assert st.metrics().get("bon_divergent", 0) == 0
+    assert out.extra["bon_method"] == "ngram" and out.extra["bon_instance"] == "sim-1"
+    st._splice(live, _Run(where, "ngram", [5, 9], 2), copy, orig)
+    assert st.metrics()["bon_divergent"] == 1
+
+
+def test_sampled_requests_never_get_copies():
+    from test_rlhfspec import _run, _same_tokens
+
+    st, sims, reqs, want = _setup(temperature=1.0, min_tokens=4)
+    arm = _run(st, sims, reqs)
+    _same_tokens(arm, reqs, want)
+    m = st.metrics()
+    assert m.get("bon_copies", 0) == 0 and m["bon_refused_sampled"] > 0
+    assert sum(s.generated for s in sims) == sum(len(w) for w in want.values())
+
+
+def test_plain_decoding_when_no_method_pays_and_clear_config_errors():
+    from test_rlhfspec import _run, _same_tokens
+
+    st, sims, reqs, want = _setup(acceptance="suffix=0.0,ngram=0.0")
+    assert st.engine_spec(sims[0].cost) is None
+    arm = _run(st, sims, reqs)
+    _same_tokens(arm, reqs, want)
+    assert st.metrics()["selected_method"] == -1 and st.metrics().get("bon_copies", 0) == 0
+    with pytest.raises(StrategyConfigError, match="acceptance"):
+        make_strategy("specactor", {"acceptance": "suffix=2"})
+    with pytest.raises(StrategyConfigError, match="ladder"):
+        make_strategy("specactor", {"ladder": "/nonexistent/ladder.json"})
+    with pytest.raises(StrategyConfigError, match="needs a draft ladder"):
+        make_strategy("specactor").engine_spec(None)

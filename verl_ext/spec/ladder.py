@@ -1,0 +1,282 @@
+"""SpecActor's draft ladder and initial selection (seed 003, section 4.2, Figure 10).
+
+A ladder maps, for each drafting method, an acceptance rate to the speedup of speculation over
+plain decoding, at a few per-worker batch sizes. It is built offline without the trained model's
+outputs: the drafter's and the verifier's step times come from profiled cost models
+(``verl-ext profile``, or a GPU preset), and the verifier is simulated by accepting each draft
+token with probability ``p`` (the expected tokens per step, ``verl_ext.spec.tgs``). Methods:
+
+* ``model``: a small draft model (its ``CostModel`` on one GPU: ``D(b)`` is its decode step),
+  drafting through the engine's draft-model speculative method where the engine has one;
+* ``suffix``: model-free drafting from the suffix-tree index (``verl_ext.spec``), which runs on the
+  CPU: ``D(b)`` is the measured time of the native batched proposal (``measure_suffix_draft``).
+  ``scopes`` says which trees it drafts from (``request`` alone is n-gram drafting).
+
+At the start of a rollout, ``DraftLadder.select`` picks the method with the best speedup at the
+batch's historical average acceptance rate for each method, or plain decoding (``None``) when no
+method beats it. The ladder is stored per hardware and model as JSON (``save`` / ``load``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping, Optional, Sequence
+
+import numpy as np
+
+from verl_ext.spec.tgs import COUPLED, DECOUPLED, MAX_WINDOW, AffineTime, SpecTimes
+
+LADDER_VERSION = 1
+#: acceptance rates a ladder is tabulated at
+RATES = tuple(round(x, 2) for x in np.linspace(0.0, 0.95, 20))
+#: per-worker batch sizes a ladder is tabulated at
+BATCHES = (1, 16, 64, 128, 256)
+#: a method must beat plain decoding by this factor to be chosen
+MIN_SPEEDUP = 1.02
+
+
+class LadderError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class DraftMethod:
+    """One drafting method of a ladder: ``kind`` ``model`` (``drafter``: a cost-model preset or
+    profile JSON of the draft model on one GPU) or ``suffix`` (``scopes``: suffix-tree scopes;
+    ``draft_s``: its measured CPU time per batch, ``(per request, per call)`` seconds).
+    ``acceptance``: the historical average per-token acceptance rate (the initial selection's
+    default before a rollout has measured one)."""
+
+    name: str
+    kind: str
+    acceptance: float
+    drafter: str = ""
+    scopes: str = "request"
+    draft_s: tuple = (0.0, 0.0)
+
+    def __post_init__(self):
+        if self.kind not in ("model", "suffix"):
+            raise LadderError(f"draft method {self.name!r}: kind must be 'model' or 'suffix', got {self.kind!r}")
+        if not 0.0 <= self.acceptance <= 1.0:
+            raise LadderError(f"draft method {self.name!r}: acceptance must be in [0, 1], got {self.acceptance}")
+        if self.kind == "model" and not self.drafter:
+            raise LadderError(f"draft method {self.name!r}: a model method needs drafter (a cost-model preset or JSON)")
+
+    def times(self, verifier, context: float = 1024.0, verify_gpus: int = 1) -> SpecTimes:
+        from verl_ext.sim.cost import load_cost_model
+
+        if self.kind == "model":
+            return SpecTimes.from_cost(verifier, load_cost_model(self.drafter), context=context, verify_gpus=verify_gpus)
+        per_req, per_call = self.draft_s
+        return SpecTimes.from_cost(verifier, None, context=context, verify_gpus=verify_gpus,
+                                   cpu_draft_s=AffineTime(float(per_req), float(per_call)))
+
+
+@dataclass
+class DraftLadder:
+    """``speedup[method][i][j]``: best coupled speedup at ``batches[i]`` and ``rates[j]``;
+    ``window[method][i][j]``: the window that achieves it."""
+
+    target: str
+    hardware: str
+    model: str
+    methods: dict  # name -> DraftMethod
+    batches: tuple
+    rates: tuple
+    speedup: dict = field(default_factory=dict)
+    window: dict = field(default_factory=dict)
+    decoupled: dict = field(default_factory=dict)  # name -> speedups of decoupled execution (one drafter GPU)
+
+    # -- building --------------------------------------------------------------------------------
+    @classmethod
+    def build(cls, verifier, methods: Sequence[DraftMethod], *, context: float = 1024.0,
+              batches: Sequence[int] = BATCHES, rates: Sequence[float] = RATES, verify_gpus: int = 1,
+              max_window: int = MAX_WINDOW) -> "DraftLadder":
+        if not methods:
+            raise LadderError("a ladder needs at least one draft method")
+        names = [m.name for m in methods]
+        if len(set(names)) != len(names):
+            raise LadderError(f"draft method names must be unique, got {names}")
+        lad = cls(verifier.name, verifier.hardware, verifier.model, {m.name: m for m in methods},
+                  tuple(int(b) for b in batches), tuple(float(p) for p in rates))
+        for m in methods:
+            t = m.times(verifier, context, verify_gpus)
+            sp, win, dec = [], [], []
+            for b in lad.batches:
+                base = t.tgs_plain(b)
+                row_s, row_w, row_d = [], [], []
+                for p in lad.rates:
+                    w, tgs = t.best_window(p, b, COUPLED, w_max=max_window)
+                    row_s.append(tgs / base)
+                    row_w.append(w)
+                    row_d.append(t.best_window(p, b, DECOUPLED, w_max=max_window)[1] / base)
+                sp.append(row_s)
+                win.append(row_w)
+                dec.append(row_d)
+            lad.speedup[m.name], lad.window[m.name], lad.decoupled[m.name] = sp, win, dec
+        return lad
+
+    # -- reading ---------------------------------------------------------------------------------
+    def lookup(self, method: str, p: float, batch: int, table: Optional[dict] = None) -> float:
+        """Speedup of ``method`` at acceptance ``p`` and per-worker ``batch`` (linear in ``p``,
+        nearest tabulated batch at or above ``batch``)."""
+        rows = (table or self.speedup)[method]
+        i = min(int(np.searchsorted(self.batches, batch)), len(self.batches) - 1)
+        return float(np.interp(p, self.rates, rows[i]))
+
+    def best_window(self, method: str, p: float, batch: int) -> int:
+        i = min(int(np.searchsorted(self.batches, batch)), len(self.batches) - 1)
+        j = int(np.argmin(np.abs(np.asarray(self.rates) - p)))
+        return int(self.window[method][i][j])
+
+    def select(self, batch: int, acceptance: Optional[Mapping[str, float]] = None) -> Optional[str]:
+        """Initial selection (Figure 10 b): rank the methods by their ladder speedup at their
+        historical average acceptance (``acceptance`` overrides a method's default) and take the
+        best; ``None`` (plain decoding) when none beats plain decoding by ``MIN_SPEEDUP``."""
+        ranked = self.rank(batch, acceptance)
+        return ranked[0][0] if ranked and ranked[0][1] >= MIN_SPEEDUP else None
+
+    def rank(self, batch: int, acceptance: Optional[Mapping[str, float]] = None) -> list[tuple[str, float]]:
+        """``(method, speedup)`` best first at the methods' historical acceptance."""
+        acc = dict(acceptance or {})
+        out = [(n, self.lookup(n, acc.get(n, m.acceptance), batch)) for n, m in self.methods.items()]
+        return sorted(out, key=lambda x: (-x[1], x[0]))
+
+    # -- storage ---------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {
+            "version": LADDER_VERSION, "target": self.target, "hardware": self.hardware, "model": self.model,
+            "batches": list(self.batches), "rates": list(self.rates),
+            "methods": {n: {"kind": m.kind, "acceptance": m.acceptance, "drafter": m.drafter, "scopes": m.scopes,
+                            "draft_s": list(m.draft_s), "speedup": self.speedup[n], "window": self.window[n],
+                            "decoupled": self.decoupled.get(n)}
+                        for n, m in self.methods.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "ladder") -> "DraftLadder":
+        try:
+            if d.get("version") != LADDER_VERSION:
+                raise LadderError(f"{where}: unsupported ladder version {d.get('version')!r} (expected {LADDER_VERSION})")
+            lad = cls(str(d["target"]), str(d.get("hardware", "")), str(d.get("model", "")), {},
+                      tuple(int(b) for b in d["batches"]), tuple(float(p) for p in d["rates"]))
+            for n, m in d["methods"].items():
+                lad.methods[n] = DraftMethod(n, m["kind"], float(m["acceptance"]), m.get("drafter", ""),
+                                             m.get("scopes", "request"), tuple(m.get("draft_s", (0.0, 0.0))))
+                lad.speedup[n] = [list(map(float, r)) for r in m["speedup"]]
+                lad.window[n] = [list(map(int, r)) for r in m["window"]]
+                if m.get("decoupled") is not None:
+                    lad.decoupled[n] = [list(map(float, r)) for r in m["decoupled"]]
+                shape = (len(lad.batches), len(lad.rates))
+                if np.shape(lad.speedup[n]) != shape or np.shape(lad.window[n]) != shape:
+                    raise LadderError(f"{where}: method {n!r} tables must be {shape}")
+        except LadderError:
+            raise
+        except (KeyError, TypeError, ValueError) as exc:
+            raise LadderError(f"{where}: malformed ladder ({exc!r})") from exc
+        if not lad.methods:
+            raise LadderError(f"{where}: the ladder has no draft methods")
+        return lad
+
+    def save(self, path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path) -> "DraftLadder":
+        try:
+            return cls.from_dict(json.loads(Path(path).read_text()), str(path))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise LadderError(f"ladder {path}: {exc}") from exc
+
+
+def measure_suffix_draft(k: int = 8, context: int = 1024, batches: Sequence[int] = (1, 16, 64, 256),
+                         repeats: int = 20, seed: int = 0) -> tuple[float, float]:
+    """Time the native batched proposal (``DraftIndex.batch_propose``, request scope) on random
+    contexts: ``(seconds per request, seconds per call)`` by an affine fit over ``batches``."""
+    from verl_ext.spec import DraftIndex
+
+    rng = np.random.default_rng(seed)
+    idx = DraftIndex(32, 0, k)
+    bmax = max(batches)
+    ctx = rng.integers(0, 200, size=(bmax, context + k), dtype=np.int64)  # a small vocabulary: matches exist
+    keys = [f"r{i}" for i in range(bmax)]
+    for i, key in enumerate(keys):
+        idx.start_request(key, ctx[i, : context // 2], scopes=1)
+        idx.append(key, ctx[i, context // 2: context])
+    lens = np.full(bmax, context, dtype=np.int64)
+    ys = []
+    for b in batches:
+        ks = np.full(b, k, dtype=np.int64)
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            idx.batch_propose(keys[:b], ks, ctx[:b], lens[:b], scopes=1)
+            best = min(best, time.perf_counter() - t0)
+        ys.append(best)
+    f = AffineTime.fit(lambda b: ys[list(batches).index(b)], batches)
+    return f.slope, f.intercept
+
+
+def parse_method(text: str) -> DraftMethod:
+    """``--method`` values: ``NAME=model:PRESET_OR_JSON@RATE`` or ``NAME=suffix:SCOPES@RATE``;
+    ``@trace`` instead of a rate: measured by ``run_cli`` on ``--ladder-trace``."""
+    name, sep, rest = text.partition("=")
+    kind, sep2, rest = rest.partition(":")
+    what, _, rate = rest.partition("@")
+    if not (sep and sep2 and name and what and rate):
+        raise LadderError(f"--method {text!r}: expected NAME=model:PRESET@RATE or NAME=suffix:SCOPES@RATE")
+    acc = -1.0 if rate == "trace" else float(rate)
+    if kind == "model":
+        return DraftMethod(name, "model", max(acc, 0.0), drafter=what, draft_s=(acc, 0.0) if acc < 0 else (0.0, 0.0))
+    return DraftMethod(name, kind, max(acc, 0.0), scopes=what, draft_s=(acc, 0.0) if acc < 0 else (0.0, 0.0))
+
+
+def run_cli(args) -> int:
+    """``verl-ext profile --ladder PRESET_OR_JSON --method ... --out LADDER.json``."""
+    from verl_ext.sim.cost import load_cost_model
+
+    out = Path(args.out)
+    if out.suffix != ".json":
+        raise ValueError(f"--out must name a .json file, got '{out}'")
+    verifier = load_cost_model(args.ladder)
+    methods = [parse_method(m) for m in (args.method or ["suffix=suffix:request+group@trace", "ngram=suffix:request@trace"])]
+    draft_s = None
+    rates = {}
+    trace = None
+    for m in methods:
+        measured = m.draft_s[0] < 0
+        if measured and not args.ladder_trace:
+            raise LadderError(f"method {m.name}: '@trace' needs --ladder-trace TRACE[@EPOCH]")
+        if m.kind == "suffix" and draft_s is None:
+            draft_s = measure_suffix_draft(k=args.ladder_k)
+        if measured:
+            from verl_ext.sim.acceptance import trace_acceptance
+            from verl_ext.spec.options import SpecOptions
+            from verl_ext.trace.format import read_trace
+
+            if trace is None:
+                path, _, epoch = args.ladder_trace.partition("@")
+                trace = read_trace(path)
+                e = int(epoch) if epoch else trace.epochs()[0]
+                rows = np.flatnonzero(trace.epoch == e)
+            if m.kind != "suffix":
+                raise LadderError(f"method {m.name}: only suffix methods can be measured on a trace (model drafters need their model)")
+            rates[m.name] = trace_acceptance(trace, rows, SpecOptions(scopes=m.scopes, k=args.ladder_k))["acceptance"]
+    import dataclasses
+
+    methods = [dataclasses.replace(m, acceptance=rates.get(m.name, m.acceptance),
+                                   draft_s=draft_s if m.kind == "suffix" else (0.0, 0.0)) for m in methods]
+    lad = DraftLadder.build(verifier, methods, verify_gpus=args.verify_gpus, max_window=args.ladder_k)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    lad.save(out)
+    print(f"draft ladder for {verifier.name} ({verifier.hardware}, {verifier.model}) -> {out}")
+    head = "method    acc   " + "  ".join(f"b={b:<4d}" for b in lad.batches)
+    print(head)
+    for n, m in lad.methods.items():
+        print(f"{n:9s} {m.acceptance:.2f}  " + "  ".join(f"{lad.lookup(n, m.acceptance, b):5.2f}x" for b in lad.batches))
+    for b in lad.batches:
+        print(f"initial selection at batch {b}: {lad.select(b) or 'plain decoding'}")
+    return 0
