@@ -21,15 +21,20 @@ from verl_ext.spec import DraftIndex, SpecOptions
 from verl_ext.spec.select import AcceptanceModel, cumulative_scores
 
 
+def _by_group(trace, rows) -> dict[str, list[int]]:
+    """``rows`` of ``trace`` by prompt (GRPO group), in row order."""
+    by_group: dict[str, list[int]] = {}
+    for i in np.asarray(rows).tolist():
+        by_group.setdefault(str(trace.prompt_uid[i]), []).append(i)
+    return by_group
+
+
 def replay_observations(trace, rows, spec: SpecOptions, max_steps: int = 1 << 30):
     """(scores, accepted, depths) of every candidate node drafted while replaying ``rows`` of ``trace``."""
     index = DraftIndex(spec.max_depth, 0, spec.k)
     scores, accepted, depths = [], [], []
-    by_group: dict[str, list[int]] = {}
-    for i in np.asarray(rows).tolist():
-        by_group.setdefault(str(trace.prompt_uid[i]), []).append(i)
     mask = spec.mask
-    for g, members in by_group.items():
+    for g, members in _by_group(trace, rows).items():
         keys = [f"{g}\x00{j}" for j in range(len(members))]
         full = [np.concatenate([trace.prompt(i), trace.response(i)]).astype(np.int32) for i in members]
         pos = np.array([len(trace.prompt(i)) for i in members], dtype=np.int64)
@@ -107,12 +112,9 @@ def trace_acceptance(trace, rows, spec: SpecOptions) -> dict:
     accepted draft tokens, ``R`` drafts cut by a rejection), the maximum-likelihood rate of the
     truncated geometric law the ladder's ``tau`` assumes."""
     index = DraftIndex(spec.max_depth, 0, spec.k)
-    by_group: dict[str, list[int]] = {}
-    for i in np.asarray(rows).tolist():
-        by_group.setdefault(str(trace.prompt_uid[i]), []).append(i)
     mask = spec.mask
     acc = rej = drafted = steps = 0
-    for g, members in by_group.items():
+    for g, members in _by_group(trace, rows).items():
         keys = [f"{g}\x00{j}" for j in range(len(members))]
         full = [np.concatenate([trace.prompt(i), trace.response(i)]).astype(np.int32) for i in members]
         starts = [len(trace.prompt(i)) for i in members]
