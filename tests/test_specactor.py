@@ -282,3 +282,32 @@ def test_plain_decoding_when_no_method_pays_and_clear_config_errors():
         make_strategy("specactor", {"ladder": "/nonexistent/ladder.json"})
     with pytest.raises(StrategyConfigError, match="needs a draft ladder"):
         make_strategy("specactor").engine_spec(None)
+
+
+def test_profile_ladder_cli_measures_suffix_acceptance_on_a_trace(tmp_path, capsys):
+    import argparse
+    from pathlib import Path
+
+    from verl_ext.sim.acceptance import trace_acceptance
+    from verl_ext.sim.profile import add_cli
+    from verl_ext.spec import SpecOptions
+    from verl_ext.trace.format import read_trace
+
+    trace_path = Path(__file__).resolve().parents[1] / "data" / "traces" / "smollm2_arith_e2.parquet"
+    parser = argparse.ArgumentParser()
+    add_cli(parser.add_subparsers())
+    out = tmp_path / "ladder.json"
+    args = parser.parse_args(["profile", "--ladder", "cpu-smollm2", "--ladder-trace", f"{trace_path}@0", "--ladder-k", "8",
+                              "--method", "ngram=suffix:request@trace", "--method", "fixed=suffix:request+group@0.5",
+                              "--out", str(out)])
+    assert args.func(args) == 0
+    lad = DraftLadder.load(out)
+    trace = read_trace(trace_path)
+    ref = trace_acceptance(trace, np.flatnonzero(trace.epoch == 0), SpecOptions(scopes="request", k=8))
+    assert 0.0 < ref["acceptance"] < 1.0 and ref["accepted_tokens"] <= ref["draft_tokens"]
+    assert lad.methods["ngram"].acceptance == pytest.approx(ref["acceptance"])
+    assert lad.methods["fixed"].acceptance == 0.5 and lad.methods["ngram"].draft_s[0] > 0
+    assert "initial selection" in capsys.readouterr().out
+    bad = parser.parse_args(["profile", "--ladder", "cpu-smollm2", "--method", "x=suffix:request@trace", "--out", str(out)])
+    with pytest.raises(LadderError, match="--ladder-trace"):
+        bad.func(bad)
