@@ -196,12 +196,11 @@ class SpecActorStrategy(Strategy):
 
     def select(self, batch: int, cost=None) -> Optional[str]:
         """The initial selection at a per-worker ``batch`` (None: plain decoding)."""
-        lad = self.ladder(cost)
-        usable = self._usable(lad)
-        ranked = [(n, s) for n, s in lad.rank(batch, self._history) if n in usable]
-        from verl_ext.spec.ladder import MIN_SPEEDUP
+        from verl_ext.spec.ladder import pick
 
-        self._method = ranked[0][0] if ranked and ranked[0][1] >= MIN_SPEEDUP else None
+        lad = self.ladder(cost)
+        ranked = lad.rank(batch, self._history, self._usable(lad))
+        self._method = pick(ranked)
         self._m["selected_speedup"] = ranked[0][1] if ranked else 0.0
         self._m["selected_method"] = -1 if self._method is None else list(lad.methods).index(self._method)
         return self._method
@@ -428,7 +427,7 @@ class SpecActorStrategy(Strategy):
             return []
         lad = self.ladder()
         # the candidates, best first at a lone request (the tail), the step's selection leading
-        ranked = [n for n, _ in lad.rank(1, self._history) if n in self._usable(lad)]
+        ranked = [n for n, _ in lad.rank(1, self._history, self._usable(lad))]
         methods = ([self._method] if self._method else []) + [n for n in ranked if n != self._method]
         if not methods:
             return []

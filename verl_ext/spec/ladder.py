@@ -132,17 +132,21 @@ class DraftLadder:
         j = int(np.argmin(np.abs(np.asarray(self.rates) - p)))
         return int(self.window[method][i][j])
 
-    def select(self, batch: int, acceptance: Optional[Mapping[str, float]] = None) -> Optional[str]:
-        """Initial selection (Figure 10 b): rank the methods by their ladder speedup at their
-        historical average acceptance (``acceptance`` overrides a method's default) and take the
-        best; ``None`` (plain decoding) when none beats plain decoding by ``MIN_SPEEDUP``."""
-        ranked = self.rank(batch, acceptance)
-        return ranked[0][0] if ranked and ranked[0][1] >= MIN_SPEEDUP else None
+    def select(self, batch: int, acceptance: Optional[Mapping[str, float]] = None,
+               methods: Optional[Sequence[str]] = None) -> Optional[str]:
+        """Initial selection (Figure 10 b): rank the methods (``methods``: only these) by their
+        ladder speedup at their historical average acceptance (``acceptance`` overrides a method's
+        default) and take the best; ``None`` (plain decoding) when none beats plain decoding by
+        ``MIN_SPEEDUP``."""
+        return pick(self.rank(batch, acceptance, methods))
 
-    def rank(self, batch: int, acceptance: Optional[Mapping[str, float]] = None) -> list[tuple[str, float]]:
-        """``(method, speedup)`` best first at the methods' historical acceptance."""
+    def rank(self, batch: int, acceptance: Optional[Mapping[str, float]] = None,
+             methods: Optional[Sequence[str]] = None) -> list[tuple[str, float]]:
+        """``(method, speedup)`` best first at the methods' historical acceptance (``methods``:
+        only these)."""
         acc = dict(acceptance or {})
-        out = [(n, self.lookup(n, acc.get(n, m.acceptance), batch)) for n, m in self.methods.items()]
+        out = [(n, self.lookup(n, acc.get(n, m.acceptance), batch)) for n, m in self.methods.items()
+               if methods is None or n in methods]
         return sorted(out, key=lambda x: (-x[1], x[0]))
 
     # -- storage ---------------------------------------------------------------------------------
@@ -192,6 +196,11 @@ class DraftLadder:
             raise LadderError(f"ladder {path}: {exc}") from exc
 
 
+def pick(ranked: Sequence[tuple[str, float]]) -> Optional[str]:
+    """The best of ``DraftLadder.rank``'s list, or None (plain decoding) below ``MIN_SPEEDUP``."""
+    return ranked[0][0] if ranked and ranked[0][1] >= MIN_SPEEDUP else None
+
+
 def measure_suffix_draft(k: int = 8, context: int = 1024, batches: Sequence[int] = (1, 16, 64, 256),
                          repeats: int = 20, seed: int = 0) -> tuple[float, float]:
     """Time the native batched proposal (``DraftIndex.batch_propose``, request scope) on random
@@ -220,18 +229,19 @@ def measure_suffix_draft(k: int = 8, context: int = 1024, batches: Sequence[int]
     return f.slope, f.intercept
 
 
-def parse_method(text: str) -> DraftMethod:
+def parse_method(text: str) -> tuple[DraftMethod, bool]:
     """``--method`` values: ``NAME=model:PRESET_OR_JSON@RATE`` or ``NAME=suffix:SCOPES@RATE``;
-    ``@trace`` instead of a rate: measured by ``run_cli`` on ``--ladder-trace``."""
+    ``@trace`` instead of a rate: measured by ``run_cli`` on ``--ladder-trace`` (the flag)."""
     name, sep, rest = text.partition("=")
     kind, sep2, rest = rest.partition(":")
     what, _, rate = rest.partition("@")
     if not (sep and sep2 and name and what and rate):
         raise LadderError(f"--method {text!r}: expected NAME=model:PRESET@RATE or NAME=suffix:SCOPES@RATE")
-    acc = -1.0 if rate == "trace" else float(rate)
+    measure = rate == "trace"
+    acc = 0.0 if measure else float(rate)
     if kind == "model":
-        return DraftMethod(name, "model", max(acc, 0.0), drafter=what, draft_s=(acc, 0.0) if acc < 0 else (0.0, 0.0))
-    return DraftMethod(name, kind, max(acc, 0.0), scopes=what, draft_s=(acc, 0.0) if acc < 0 else (0.0, 0.0))
+        return DraftMethod(name, "model", acc, drafter=what), measure
+    return DraftMethod(name, kind, acc, scopes=what), measure
 
 
 def run_cli(args) -> int:
@@ -242,12 +252,12 @@ def run_cli(args) -> int:
     if out.suffix != ".json":
         raise ValueError(f"--out must name a .json file, got '{out}'")
     verifier = load_cost_model(args.ladder)
-    methods = [parse_method(m) for m in (args.method or ["suffix=suffix:request+group@trace", "ngram=suffix:request@trace"])]
+    parsed = [parse_method(m) for m in (args.method or ["suffix=suffix:request+group@trace", "ngram=suffix:request@trace"])]
+    methods = [m for m, _ in parsed]
     draft_s = None
     rates = {}
     trace = None
-    for m in methods:
-        measured = m.draft_s[0] < 0
+    for m, measured in parsed:
         if measured and not args.ladder_trace:
             raise LadderError(f"method {m.name}: '@trace' needs --ladder-trace TRACE[@EPOCH]")
         if m.kind == "suffix" and draft_s is None:
