@@ -34,6 +34,13 @@ def test_chunks_of_one_request_merge():
     assert m["latency_max_s"] == 3.0
 
 
+def test_latency_counts_from_the_rollouts_start():
+    """A request held in a buffer before its first dispatch is charged for the wait."""
+    recs = [_rec(0, 0.0, 2.0, 4), _rec(1, 0.0, 3.0, 4), _rec(2, 2.5, 4.0, 4)]
+    m = rollout_metrics(recs, [0.0] * 3)
+    assert m["latency_max_s"] == 4.0 and m["latency_p50_s"] == 3.0
+
+
 def test_unknown_steps_give_none():
     m = rollout_metrics([_rec(0, 0.0, 1.0, 5)], [0.0])
     assert m["tokens_per_step"] is None

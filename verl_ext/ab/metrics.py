@@ -7,7 +7,9 @@ docs/ARCHITECTURE.md):
 * ``wall_s``: first dispatch to last completion;
 * ``throughput_tok_s``: output tokens / ``wall_s``;
 * ``tail_s``: ``wall_s`` minus the time at which 90% of requests had finished;
-* ``latency_*``: per-request completion time minus its first dispatch;
+* ``latency_*``: per-request completion time minus the rollout's start (the first dispatch of
+  any request): every request of a synchronous rollout is there from the start, so a strategy
+  that holds requests in a buffer (``seer``, ``rhyme``) is charged for the wait, and arms compare;
 * ``tokens_per_step``: output tokens / engine steps in which the request produced tokens, averaged
   over tokens (1.0 without speculation, higher with accepted drafts);
 * ``mean_reward``: mean rule-based reward over all samples.
@@ -59,7 +61,7 @@ def rollout_metrics(records: Sequence[RequestRecord], rewards: Sequence[float]) 
         raise ValueError("no requests were recorded")
     start = min(s[0] for s in spans.values())
     finishes = np.sort(np.array([s[1] for s in spans.values()]) - start)
-    latencies = np.array([s[1] - s[0] for s in spans.values()])
+    latencies = finishes  # completion times since the rollout's start
     tokens = sum(s[2] for s in spans.values())
     steps = [s[3] for s in spans.values()]
     wall = float(finishes[-1])
