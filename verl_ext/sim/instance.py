@@ -29,10 +29,9 @@ It models one vLLM engine's continuous batching in virtual time (``verl_ext.sim.
   after preemption included), ``prefix_evicted_tokens``; ``prefix_cached_tokens`` now.
 * Adaptive drafting (``SpecOptions.adaptive`` with ``knee_tokens > 0``, Seer section 4.4): every
   planned step caps each running request's draft at ``draft_caps(k, B, knee_tokens, f,
-  sibling_boost, kv, knee_per_kv_token)`` (``verl_ext.spec.adaptive``), ``B`` the running batch,
-  ``kv`` its KV tokens at the plan's start and ``f`` the fraction of the request's group that
-  has completely finished anywhere in the cluster (kept by the shared drafter). ``B`` is
-  constant within a plan; a finish of a sibling on another instance
+  sibling_boost)`` (``verl_ext.spec.adaptive``), ``B`` the running batch and ``f`` the fraction
+  of the request's group that has completely finished anywhere in the cluster (kept by the
+  shared drafter). ``B`` is constant within a plan; a finish of a sibling on another instance
   ends the current plan at the next step boundary, so ``f`` is current at every step. Replayed
   schedules are split to the cap (``verl_ext.sim.drafting.split_schedule``, an approximation);
   HistoSpec's batch-size cut-off (``SpecOptions.batch_cutoffs``, the engine's ``BatchCutoff``
@@ -60,7 +59,7 @@ import numpy as np
 from verl_ext.engine.instance import FINISH_ABORT, Completion, GenRequest, Instance, Telemetry
 from verl_ext.sim.drafting import split_schedules
 from verl_ext.sim.source import Target, TokenView, TraceSource
-from verl_ext.spec.adaptive import draft_caps, step_budget
+from verl_ext.spec.adaptive import draft_caps
 
 
 class _Req:
@@ -353,9 +352,8 @@ class SimInstance(Instance):
         if self.drafter is None:
             return batch
         k = self.drafter.spec.k
-        if self._adaptive:  # the caps of a batch sum to at most min(batch * k, its step budget)
-            spec = self.drafter.spec
-            return batch + min(batch * k, step_budget(batch, spec.knee_tokens, self._kv, spec.knee_per_kv_token))
+        if self._adaptive:  # the caps of a batch sum to at most min(batch * k, knee - batch)
+            return batch + min(batch * k, max(0, self.drafter.spec.knee_tokens - batch))
         return batch * (1 + k)
 
     def _resolve(self, r: _Req, reason: str) -> None:
@@ -499,5 +497,4 @@ class SimInstance(Instance):
         f = None
         if self._adaptive_f:
             f = self.drafter.finished_fraction([r.request.group_id for r in self.running])
-        return draft_caps(spec.k, len(self.running), spec.knee_tokens, f, spec.sibling_boost,
-                          self._kv, spec.knee_per_kv_token)
+        return draft_caps(spec.k, len(self.running), spec.knee_tokens, f, spec.sibling_boost)

@@ -632,10 +632,8 @@ def build_cost_model(result: dict, name: str, model_label: str, quick: bool) -> 
 def describe_thresholds(cost: CostModel) -> str:
     """One line: the adaptive-drafting thresholds of ``cost`` (``CostModel.draft_thresholds``)."""
     t = cost.draft_thresholds()
-    return (f"draft thresholds: knee_tokens {t['knee_tokens']} + knee_per_kv_token {t['knee_per_kv_token']:.3g} "
-            f"(whole batch: a step of B requests holding KV tokens kv drafts at most "
-            f"knee_tokens + knee_per_kv_token * kv - B tokens), "
-            f"k_single {t['k_single']} (one request at {t['kv_tokens']} KV tokens)")
+    return (f"draft thresholds: knee_tokens {t['knee_tokens']} (whole batch: a step of B requests drafts at most "
+            f"knee_tokens - B tokens), k_single {t['k_single']} (one request at {t['kv_tokens']} KV tokens)")
 
 
 def print_thresholds(names: Optional[Sequence[str]] = None) -> int:

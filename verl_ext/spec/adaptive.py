@@ -13,14 +13,6 @@ tokens one step can process before it turns compute-bound, ``(overhead_s + weigh
 profiler measures it, it is not a guess). A step of ``B`` requests spends at most ``knee_tokens
 - B`` draft tokens in total, shared out in proportion to ``1 + sibling_boost * f`` where ``f`` is
 the fraction of the request's group that has finished.
-
-Long contexts move the knee. Decode attention reads each request's KV cache once per step,
-also when it verifies drafts (on GPUs), so the KV read is part of the step's fixed cost: a step
-whose requests hold ``kv`` KV tokens stays within twice its fixed part up to ``knee_tokens +
-knee_per_kv_token * kv`` tokens (``CostModel.draft_thresholds``; ``knee_per_kv_token =
-kv_token_s / (token_s + draft_token_s)``). On memory-bound rollouts (Seer's long-response tasks,
-where a full KV cache reads for longer than the weights) this is several times the
-context-free knee; ``knee_per_kv_token = 0`` keeps the context-free threshold.
 """
 
 from __future__ import annotations
@@ -36,23 +28,19 @@ def draft_caps(
     knee_tokens: int,
     finished_frac: Optional[np.ndarray] = None,
     sibling_boost: float = 1.0,
-    kv_tokens: float = 0.0,
-    knee_per_kv_token: float = 0.0,
 ) -> np.ndarray:
     """Most draft tokens for each of ``batch_size`` requests in one step (int64 array).
 
     ``knee_tokens <= 0`` means no batch threshold: every request may draft ``k``. Otherwise the
-    step's budget ``step_budget(...)`` is split in proportion to the weights ``1 + sibling_boost
-    * finished_frac`` (largest remainders first), each capped at ``k``. ``kv_tokens``: KV tokens
-    the step's requests hold (the sum of their contexts), which moves the knee by
-    ``knee_per_kv_token`` per token.
+    step's budget ``max(0, knee_tokens - batch_size)`` is split in proportion to the weights
+    ``1 + sibling_boost * finished_frac`` (largest remainders first), each capped at ``k``.
     """
     b = int(batch_size)
     if b <= 0:
         return np.zeros(0, dtype=np.int64)
     if knee_tokens <= 0:
         return np.full(b, int(k), dtype=np.int64)
-    budget = step_budget(b, knee_tokens, kv_tokens, knee_per_kv_token)
+    budget = max(0, int(knee_tokens) - b)
     if budget == 0:
         return np.zeros(b, dtype=np.int64)
     if finished_frac is None:
@@ -69,10 +57,3 @@ def draft_caps(
         order = np.lexsort((np.arange(b), -w, -(share - caps)))
         caps[order[:rest]] += 1
     return np.minimum(caps, int(k))
-
-
-def step_budget(batch_size: int, knee_tokens: int, kv_tokens: float = 0.0, knee_per_kv_token: float = 0.0) -> int:
-    """Draft tokens a step of ``batch_size`` requests holding ``kv_tokens`` KV tokens may verify
-    in total: ``max(0, floor(knee_tokens + knee_per_kv_token * kv_tokens) - batch_size)``."""
-    knee = int(knee_tokens) + int(max(0.0, float(knee_per_kv_token)) * max(0.0, float(kv_tokens)))
-    return max(0, knee - int(batch_size))

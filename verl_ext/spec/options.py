@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from dataclasses import dataclass
 
 from verl_ext.spec._suffix import SCOPE_GROUP, SCOPE_HISTORY, SCOPE_REQUEST
@@ -41,8 +40,6 @@ class SpecOptions:
     ``B`` requests drafts at most ``knee_tokens - B`` tokens in total (``knee_tokens``: from the
     profiled cost model, ``CostModel.draft_thresholds``; 0 = no batch threshold), shared out with
     weight ``1 + sibling_boost * (finished fraction of the request's group)``, at most ``k`` each.
-    ``knee_per_kv_token`` (same source) raises that threshold by this many tokens per KV token the
-    step's requests hold: the KV read is part of a step's fixed cost (0 = context-free knee).
 
     AIMD draft window (RhymeRL section 5.4, ``verl_ext.spec.aimd``): with ``aimd`` on, each
     request drafts at most its window, which starts at ``aimd_start``, grows by ``aimd_step`` after
@@ -77,7 +74,6 @@ class SpecOptions:
     max_bytes: int = 2 << 30
     adaptive: bool = False
     knee_tokens: int = 0
-    knee_per_kv_token: float = 0.0
     sibling_boost: float = 1.0
     group_source: str = "local"
     aimd: bool = False
@@ -102,9 +98,6 @@ class SpecOptions:
             raise ValueError(f"spec min_prob must be in [0, 1], got {self.min_prob}")
         if self.knee_tokens < 0:
             raise ValueError(f"spec knee_tokens must be >= 0 (0 = no batch threshold), got {self.knee_tokens}")
-        kpk = self.knee_per_kv_token
-        if isinstance(kpk, bool) or not isinstance(kpk, (int, float)) or not (math.isfinite(kpk) and kpk >= 0):
-            raise ValueError(f"spec knee_per_kv_token must be a finite number >= 0, got {self.knee_per_kv_token}")
         if self.sibling_boost < 0:
             raise ValueError(f"spec sibling_boost must be >= 0, got {self.sibling_boost}")
         if self.group_source not in ("local", "remote"):

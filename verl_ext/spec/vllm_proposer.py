@@ -15,8 +15,7 @@ Per engine step (CPU drafters run synchronously after the step's bookkeeping):
   3. one native call appends every row's new tokens and proposes a draft per row, at most
      ``k`` tokens and never past ``max_model_len``; rows in a partial prefill get none. With
      ``adaptive`` on, each row's draft is further capped by ``verl_ext.spec.adaptive.draft_caps``
-     (the step's batch size and KV tokens, ``knee_tokens``/``knee_per_kv_token``, and the
-     finished fraction of the row's group);
+     (the step's batch size, ``knee_tokens``, and the finished fraction of the row's group);
      with ``aimd`` on, by the row's AIMD window (``verl_ext.spec.aimd``), updated from how many
      of its last draft's tokens were accepted; with ``select`` on (RLHFSpec), each row's
      candidate draft is cut to the length the workload-aware selector picks for the whole batch
@@ -147,7 +146,7 @@ class SuffixProposer:
             if self.cutoff is not None and not self.cutoff.allows(b, float(lens.mean())):
                 ks[:] = 0
         if self.adaptive and b:
-            caps = self._caps(req_ids, b, float(lens.sum()))
+            caps = self._caps(req_ids, b)
             self.capped_tokens += int(np.maximum(ks - caps, 0).sum())
             np.minimum(ks, caps, out=ks)
         if self.selector is not None and b:
@@ -209,10 +208,9 @@ class SuffixProposer:
         if self.cutoff is not None:
             self.cutoff.observe(drafted, accepted)
 
-    def _caps(self, req_ids, b: int, kv_tokens: float) -> np.ndarray:
+    def _caps(self, req_ids, b: int) -> np.ndarray:
         """Adaptive per-row draft caps (``verl_ext.spec.adaptive``): the finished fraction of a
-        row's group is closed / all sequences of its group tree (0 without a group);
-        ``kv_tokens``: the rows' contexts summed (the KV the step reads)."""
+        row's group is closed / all sequences of its group tree (0 without a group)."""
         opts = self.options
         frac = None
         if opts.sibling_boost > 0 and self._group_of:
@@ -228,7 +226,7 @@ class SuffixProposer:
                     closed, total = self.index.group_counts(g)
                     f = counts[g] = closed / total if total else 0.0
                 frac[i] = f
-        return draft_caps(self.k, b, opts.knee_tokens, frac, opts.sibling_boost, kv_tokens, opts.knee_per_kv_token)
+        return draft_caps(self.k, b, opts.knee_tokens, frac, opts.sibling_boost)
 
     # -- request identity ------------------------------------------------------------------
     def _start(self, req_id: str, prompt, sampling_params) -> None:
