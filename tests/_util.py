@@ -108,7 +108,10 @@ class ProposerBatch:
         for i, rid in enumerate(ids):
             mat[i, : len(self.rows[rid])] = self.rows[rid]
         runner = SimpleNamespace(input_batch=SimpleNamespace(req_ids=ids))
-        sched = SimpleNamespace(finished_req_ids=self.finished, scheduled_new_reqs=self.new)
+        # a new row prefills its prompt in this step; the others decode one token
+        scheduled = {r: len(self.rows[r]) if any(n.req_id == r for n in self.new) else 1 for r in ids}
+        sched = SimpleNamespace(finished_req_ids=self.finished, scheduled_new_reqs=self.new,
+                                num_scheduled_tokens=scheduled, scheduled_spec_decode_tokens={})
         self.p.bind_step(runner, sched)
         sampled = [list(emit.get(r, [0])) for r in ids] if emitted_counts else [[0]] * len(ids)
         drafts = self.p.propose(sampled, np.array([len(self.rows[r]) for r in ids]), mat)

@@ -160,6 +160,40 @@ def test_step_time_cache_hits_within_a_bucket_and_stays_close_to_the_model():
     assert p.misses == 2
 
 
+def test_selection_expects_the_prefill_that_steps_carry():
+    """Drafts that ride free on decode-only steps push a step that also prefills over the
+    compute knee: the selector predicts the expected step time over the prefill it has seen."""
+    cost = load_cost_model("h100-7b")
+    p = StepTimePredictor(cost)
+    drafts = np.arange(201)
+    c = p.curve(48, 100_000, 200, (0.25, 100))  # a quarter of the steps prefill ~100 tokens
+    want = 0.75 * cost.step_time(48, 100_000, 0, drafts) + 0.25 * cost.step_time(48, 100_000, 100, drafts)
+    assert np.allclose(c, want, rtol=0.03)
+    assert np.array_equal(p.curve(48, 100_000, 200), p.curve(48, 100_000, 200, (0.0, 500)))  # q = 0: none
+    sel = DraftSelector(cost, AcceptanceModel(prior=[0.0, 0.06]))  # drafts accepted 6% of the time
+    assert sel.prefill_share == 0 and sel.prefill_tokens == 0
+    scores = np.ones((48, 8), np.float32)
+    free, _ = sel.select_lengths(scores, np.full(48, 8), 48 * 2000)
+    for i in range(400):
+        sel.note_prefill(120 if i % 4 == 0 else 0)
+    assert sel.prefill_share == pytest.approx(0.25, abs=0.03) and sel.prefill_tokens == pytest.approx(120)
+    loaded, _ = sel.select_lengths(scores, np.full(48, 8), 48 * 2000)
+    assert 0 < loaded.sum() < free.sum()  # fewer drafts once a quarter of the steps prefill
+    st = sel.stats()
+    assert st["select_prefill_share"] == sel.prefill_share and st["select_prefill_tokens"] == 120
+
+
+def test_step_prefill_tokens_from_a_scheduler_output():
+    from types import SimpleNamespace
+
+    from verl_ext.spec.vllm_proposer import step_prefill_tokens
+
+    sched = SimpleNamespace(num_scheduled_tokens={"new": 300, "dec": 1, "spec": 5, "chunk": 64},
+                            scheduled_spec_decode_tokens={"spec": [1, 2, 3, 4]})
+    assert step_prefill_tokens(sched) == 299 + 0 + 0 + 63
+    assert step_prefill_tokens(SimpleNamespace()) == 0
+
+
 def test_select_needs_a_profile_and_a_valid_one():
     with pytest.raises(ValueError, match="select_profile"):
         SpecOptions(select=True).draft_selector()

@@ -38,7 +38,8 @@ It models one vLLM engine's continuous batching in virtual time (``verl_ext.sim.
   fed with each plan's drafted and accepted tokens) zeroes every cap of a plan whose batch
   exceeds the cut-off for its mean context and the measured acceptance rate;
   ``exact`` proposes at most the cap. Workload-aware selection (``SpecOptions.select``, RLHFSpec)
-  runs this instance's ``DraftSelector`` on every step's drafts (``exact`` replay). The KV headroom of a step is ``1 + cap`` per request
+  runs this instance's ``DraftSelector`` on every step's drafts (``exact`` replay); it learns
+  each step's prefill tokens after deciding, as on an engine (``note_prefill``). The KV headroom of a step is ``1 + cap`` per request
   (admission and preemption use the largest total the caps can reach at that batch size).
 
 Between events the batch is fixed, so the instance plans all steps up to the next finish (or
@@ -440,6 +441,8 @@ class SimInstance(Instance):
                 keys = [self._key(r) for r in self.running]
                 pos = np.fromiter((r.ctx0 + r.pos for r in self.running), dtype=np.int64, count=B)
                 e, d = self.drafter.step(keys, pos, caps, self.selector, float(self._kv))
+                if self.selector is not None:  # after the decision, as on an engine: P0 was not known to it
+                    self.selector.note_prefill(P0)
                 E, D = e[:, None], d[:, None]
             elif caps is None:
                 n_fin = min(len(r.emit) - r.sj for r in self.running)

@@ -18,7 +18,14 @@ Every engine step the selector picks the draft tokens that maximise Equation 2,
   (``verl-ext profile``; presets for GPUs). ``StepTimePredictor`` puts the paper's bucket cache in
   front of it: ``N_seq`` in geometric buckets (``SEQ_BUCKETS_PER_OCTAVE``), each holding the
   predicted times over ``N_draft``, so a prediction is an array lookup (a miss costs one
-  vectorised evaluation, microseconds).
+  vectorised evaluation, microseconds). A step also carries the prefill the engine schedules with
+  it (new samples joining the batch), which the selector cannot know in advance: drafts that ride
+  free on a decode-only step push a step that also prefills over the compute knee. The selector
+  therefore predicts the *expected* step time over the prefill it has seen (``note_prefill``,
+  called once per engine step): ``(1 - q) t(N_draft) + q t(N_draft | P)``, ``q`` the recent share
+  of steps that prefilled and ``P`` their mean prefill tokens (moving averages over about
+  ``PREFILL_WINDOW`` steps). Measured in docs/BENCHMARKS.md: at 48 samples with refills on the
+  committed trace, ignoring it costs the selection 4% against the best fixed length.
 * The search (section 5.3): layer-level, with a max-priority queue over the draft forest and
   early stopping after ``patience`` consecutive falls of the objective (Equation 3), in native
   code (``csrc/draft_select.h``). On engines that verify linear drafts (vLLM) the result is a
@@ -52,6 +59,10 @@ ONLINE_WINDOW = 4096.0
 SEQ_BUCKETS_PER_OCTAVE = 16
 #: consecutive falls of the objective that end the search (Equation 3's early stop)
 PATIENCE = 4
+#: engine steps the prefill statistics average over (exponential moving averages)
+PREFILL_WINDOW = 64
+#: the prefill share q is kept to this resolution in the cache key
+PREFILL_SHARE_STEPS = 32
 
 
 def pav(y: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -194,9 +205,13 @@ class StepTimePredictor:
     def bucket(self, n_seq: float) -> int:
         return int(math.floor(math.log2(max(1.0, float(n_seq))) * self.per_octave))
 
-    def curve(self, batch: int, n_seq: float, n_draft: int) -> np.ndarray:
-        """Predicted step times for 0..``n_draft`` draft tokens (float64, length ``n_draft + 1``)."""
-        key = (int(batch), self.bucket(n_seq))
+    def curve(self, batch: int, n_seq: float, n_draft: int, prefill: tuple = (0.0, 0.0)) -> np.ndarray:
+        """Predicted step times for 0..``n_draft`` draft tokens (float64, length ``n_draft + 1``).
+        ``prefill = (q, P)``: a share ``q`` of steps also prefills ``P`` tokens (expected time);
+        ``q`` is rounded to 1/``PREFILL_SHARE_STEPS`` and ``P`` to a geometric bucket."""
+        q = round(min(1.0, max(0.0, float(prefill[0]))) * PREFILL_SHARE_STEPS)
+        p = self.bucket(prefill[1]) if q and prefill[1] >= 1 else -1
+        key = (int(batch), self.bucket(n_seq), q, p)
         c = self._cache.get(key)
         if c is not None and len(c) > n_draft:
             self.hits += 1
@@ -205,7 +220,12 @@ class StepTimePredictor:
         self.misses += 1
         centre = 2.0 ** ((key[1] + 0.5) / self.per_octave)
         size = max(n_draft + 1, 2 * len(c) if c is not None else 64)
-        c = np.asarray(self.cost.step_time(batch, centre, 0, np.arange(size, dtype=np.float64)), dtype=np.float64)
+        drafts = np.arange(size, dtype=np.float64)
+        c = np.asarray(self.cost.step_time(batch, centre, 0, drafts), dtype=np.float64)
+        if p >= 0:
+            share = q / PREFILL_SHARE_STEPS
+            tokens = 2.0 ** ((p + 0.5) / self.per_octave)
+            c = (1.0 - share) * c + share * np.asarray(self.cost.step_time(batch, centre, tokens, drafts), dtype=np.float64)
         self._cache[key] = c
         if len(self._cache) > self.max_entries:
             self._cache.popitem(last=False)
@@ -237,6 +257,18 @@ class DraftSelector:
         self.selected_tokens = 0
         self.evaluations = 0
         self.select_s = 0.0
+        # recent prefill: share of steps that prefilled, and their mean prefill tokens
+        self.prefill_share = 0.0
+        self.prefill_tokens = 0.0
+
+    def note_prefill(self, tokens: float) -> None:
+        """One engine step ran with ``tokens`` prefill tokens (0: a decode-only step)."""
+        a = 1.0 / PREFILL_WINDOW
+        hit = tokens > 0
+        self.prefill_share += a * (float(hit) - self.prefill_share)
+        if hit:
+            self.prefill_tokens = float(tokens) if self.prefill_tokens == 0 else (
+                self.prefill_tokens + a * (float(tokens) - self.prefill_tokens))
 
     def select_lengths(self, scores: np.ndarray, lens: np.ndarray, n_seq: float,
                        patience: Optional[int] = None) -> tuple[np.ndarray, Selection]:
@@ -247,7 +279,7 @@ class DraftSelector:
         lens = np.ascontiguousarray(lens, dtype=np.int32)
         b = len(lens)
         total = int(lens.sum())
-        curve = self.predictor.curve(b, n_seq, total)
+        curve = self.predictor.curve(b, n_seq, total, (self.prefill_share, self.prefill_tokens))
         caps, (n, ev, obj, al) = select_chains(scores, lens, self.acceptance.table(), curve, float(b),
                                                self.patience if patience is None else patience)
         self.steps += 1
@@ -261,7 +293,7 @@ class DraftSelector:
                      patience: Optional[int] = None) -> tuple[np.ndarray, Selection]:
         """Selected node mask of a draft forest (tree verification); ``batch`` requests."""
         parents = np.ascontiguousarray(parents, dtype=np.int32)
-        curve = self.predictor.curve(batch, n_seq, len(parents))
+        curve = self.predictor.curve(batch, n_seq, len(parents), (self.prefill_share, self.prefill_tokens))
         mask, (n, ev, obj, al) = select_tree(parents, np.ascontiguousarray(scores, dtype=np.float32),
                                              self.acceptance.table(), curve, float(batch),
                                              self.patience if patience is None else patience)
@@ -287,6 +319,8 @@ class DraftSelector:
             "select_s": self.select_s,
             "select_cache_hits": self.predictor.hits,
             "select_cache_misses": self.predictor.misses,
+            "select_prefill_share": self.prefill_share,
+            "select_prefill_tokens": self.prefill_tokens,
         }
 
 

