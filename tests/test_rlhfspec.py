@@ -167,8 +167,9 @@ def test_selection_expects_the_prefill_that_steps_carry():
     p = StepTimePredictor(cost)
     drafts = np.arange(201)
     c = p.curve(48, 100_000, 200, (0.25, 100))  # a quarter of the steps prefill ~100 tokens
-    want = 0.75 * cost.step_time(48, 100_000, 0, drafts) + 0.25 * cost.step_time(48, 100_000, 100, drafts)
-    assert np.allclose(c, want, rtol=0.03)
+    t0, tp = cost.step_time(48, 100_000, 0, drafts), cost.step_time(48, 100_000, 100, drafts)
+    want = t0[0] + 0.75 * (t0 - t0[0]) + 0.25 * (tp - tp[0])  # the drafts' expected cost; not the prefill's own
+    assert np.allclose(c, want, rtol=0.03) and c[0] == pytest.approx(t0[0], rel=0.03)
     assert np.array_equal(p.curve(48, 100_000, 200), p.curve(48, 100_000, 200, (0.0, 500)))  # q = 0: none
     sel = DraftSelector(cost, AcceptanceModel(prior=[0.0, 0.06]))  # drafts accepted 6% of the time
     assert sel.prefill_share == 0 and sel.prefill_tokens == 0

@@ -21,11 +21,12 @@ Every engine step the selector picks the draft tokens that maximise Equation 2,
   vectorised evaluation, microseconds). A step also carries the prefill the engine schedules with
   it (new samples joining the batch), which the selector cannot know in advance: drafts that ride
   free on a decode-only step push a step that also prefills over the compute knee. The selector
-  therefore predicts the *expected* step time over the prefill it has seen (``note_prefill``,
-  called once per engine step): ``(1 - q) t(N_draft) + q t(N_draft | P)``, ``q`` the recent share
-  of steps that prefilled and ``P`` their mean prefill tokens (moving averages over about
-  ``PREFILL_WINDOW`` steps). Measured in docs/BENCHMARKS.md: at 48 samples with refills on the
-  committed trace, ignoring it costs the selection 4% against the best fixed length.
+  therefore predicts the drafts' *expected* extra time over the prefill it has seen
+  (``note_prefill``, called once per engine step): ``t(0) + (1 - q) (t(N_draft) - t(0)) + q
+  (t(N_draft | P) - t(0 | P))``, ``q`` the recent share of steps that prefilled and ``P`` their
+  mean prefill tokens (moving averages over about ``PREFILL_WINDOW`` steps). The prefill's own
+  time stays out: Equation 2 is a ratio, and a denominator inflated by a cost the drafts do not
+  change would make every draft look cheap. Measured in docs/BENCHMARKS.md.
 * The search (section 5.3): layer-level, with a max-priority queue over the draft forest and
   early stopping after ``patience`` consecutive falls of the objective (Equation 3), in native
   code (``csrc/draft_select.h``). On engines that verify linear drafts (vLLM) the result is a
@@ -207,8 +208,10 @@ class StepTimePredictor:
 
     def curve(self, batch: int, n_seq: float, n_draft: int, prefill: tuple = (0.0, 0.0)) -> np.ndarray:
         """Predicted step times for 0..``n_draft`` draft tokens (float64, length ``n_draft + 1``).
-        ``prefill = (q, P)``: a share ``q`` of steps also prefills ``P`` tokens (expected time);
-        ``q`` is rounded to 1/``PREFILL_SHARE_STEPS`` and ``P`` to a geometric bucket."""
+        ``prefill = (q, P)``: a share ``q`` of steps also prefills ``P`` tokens. The curve is then
+        the decode-only time at no drafts plus the drafts' expected extra time, ``(1 - q)
+        (t(n) - t(0)) + q (t(n | P) - t(0 | P))``: the prefill's own time is excluded. ``q`` is
+        rounded to 1/``PREFILL_SHARE_STEPS`` and ``P`` to a geometric bucket."""
         q = round(min(1.0, max(0.0, float(prefill[0]))) * PREFILL_SHARE_STEPS)
         p = self.bucket(prefill[1]) if q and prefill[1] >= 1 else -1
         key = (int(batch), self.bucket(n_seq), q, p)
@@ -225,7 +228,10 @@ class StepTimePredictor:
         if p >= 0:
             share = q / PREFILL_SHARE_STEPS
             tokens = 2.0 ** ((p + 0.5) / self.per_octave)
-            c = (1.0 - share) * c + share * np.asarray(self.cost.step_time(batch, centre, tokens, drafts), dtype=np.float64)
+            with_prefill = np.asarray(self.cost.step_time(batch, centre, tokens, drafts), dtype=np.float64)
+            # the drafts' expected extra cost; the prefill's own time is not the drafts' to pay
+            # (counting it would lower every step's tokens per second and make drafts look cheap)
+            c = c + share * ((with_prefill - with_prefill[0]) - (c - c[0]))
         self._cache[key] = c
         if len(self._cache) > self.max_entries:
             self._cache.popitem(last=False)
