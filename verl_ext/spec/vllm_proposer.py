@@ -47,6 +47,7 @@ from verl_ext.spec.dgds import import_deltas
 from verl_ext.spec.options import MAX_K, SpecOptions, scope_mask
 from verl_ext.spec.select import cumulative_scores
 
+
 def step_prefill_tokens(sched) -> int:
     """Prefill tokens the step of ``sched`` (a vLLM ``SchedulerOutput``) ran: the scheduled tokens
     of each request beyond its one decode token and its draft tokens."""
