@@ -214,7 +214,7 @@ class StepTimePredictor:
         rounded to 1/``PREFILL_SHARE_STEPS`` and ``P`` to a geometric bucket."""
         q = round(min(1.0, max(0.0, float(prefill[0]))) * PREFILL_SHARE_STEPS)
         p = self.bucket(prefill[1]) if q and prefill[1] >= 1 else -1
-        key = (int(batch), self.bucket(n_seq), q, p)
+        key = (int(batch), self.bucket(n_seq), q if p >= 0 else 0, p)
         c = self._cache.get(key)
         if c is not None and len(c) > n_draft:
             self.hits += 1
