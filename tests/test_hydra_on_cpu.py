@@ -120,19 +120,27 @@ def test_short_form_unknown_strategy_lists_available():
     assert "Could not find 'rollout/nope'" in r.stderr
 
 
-def test_rlhfspec_engines_get_the_selection_and_need_a_profile():
+def _compose_with_drafter(strategy: str, spec_k: int):
+    """``rollout=<strategy>`` with ``profile=h100-7b`` and ``spec_k``: (base overrides, the rollout
+    config as a dataclass, the drafter's SpecOptions as the engine builds them)."""
     from verl.utils.config import omega_conf_to_dataclass
 
-    from verl_ext.rollout.manager import _check_drafter_config
     from verl_ext.spec import SpecOptions
 
-    base = ["rollout@actor_rollout_ref.rollout=rlhfspec", "actor_rollout_ref.rollout.name=vllm"]
+    base = [f"rollout@actor_rollout_ref.rollout={strategy}", "actor_rollout_ref.rollout.name=vllm"]
     cfg = compose_verl(base + ["actor_rollout_ref.rollout.custom.verl_ext.options.profile=h100-7b",
-                               "actor_rollout_ref.rollout.custom.verl_ext.options.spec_k=24"])
+                               f"actor_rollout_ref.rollout.custom.verl_ext.options.spec_k={spec_k}"])
     rollout = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout)
     vllm = rollout.engine_kwargs["vllm"]
-    assert vllm["speculative_config"]["num_speculative_tokens"] == 24
-    spec = SpecOptions.from_dict({**vllm["additional_config"]["verl_ext_spec"], "k": 24})  # what the drafter does
+    assert vllm["speculative_config"]["num_speculative_tokens"] == spec_k
+    spec = SpecOptions.from_dict({**vllm["additional_config"]["verl_ext_spec"], "k": spec_k})  # what the drafter does
+    return base, cfg, rollout, spec
+
+
+def test_rlhfspec_engines_get_the_selection_and_need_a_profile():
+    from verl_ext.rollout.manager import _check_drafter_config
+
+    base, cfg, rollout, spec = _compose_with_drafter("rlhfspec", 24)
     assert spec.select and spec.select_profile == "h100-7b" and spec.min_prob == 0.0 and spec.acceptance == ()
     assert spec.draft_selector() is not None
     settings = VerlExtSettings.from_custom(rollout.custom)
@@ -143,19 +151,10 @@ def test_rlhfspec_engines_get_the_selection_and_need_a_profile():
 
 
 def test_specactor_composes_with_its_drafter_and_needs_a_ladder_or_profile():
-    from verl.utils.config import omega_conf_to_dataclass
-
     from verl_ext.pipe import make_strategy
     from verl_ext.pipe.strategy import StrategyConfigError
-    from verl_ext.spec import SpecOptions
 
-    base = ["rollout@actor_rollout_ref.rollout=specactor", "actor_rollout_ref.rollout.name=vllm"]
-    cfg = compose_verl(base + ["actor_rollout_ref.rollout.custom.verl_ext.options.profile=h100-7b",
-                               "actor_rollout_ref.rollout.custom.verl_ext.options.spec_k=12"])
-    rollout = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout)
-    vllm = rollout.engine_kwargs["vllm"]
-    assert vllm["speculative_config"]["num_speculative_tokens"] == 12
-    spec = SpecOptions.from_dict({**vllm["additional_config"]["verl_ext_spec"], "k": 12})
+    base, cfg, rollout, spec = _compose_with_drafter("specactor", 12)
     assert spec.scopes == "request+group"
     settings = VerlExtSettings.from_custom(rollout.custom)
     assert settings.strategy == "specactor"
