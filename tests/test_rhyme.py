@@ -41,6 +41,7 @@ def test_aimd_transitions():
         AimdWindows(start=0)
     with pytest.raises(ValueError):
         SpecOptions(k=4, aimd=True, aimd_start=8)
+    assert SpecOptions(k=1).k == 1  # the window start is not checked without AIMD windows
 
 
 def test_native_replay_applies_the_same_aimd_rule():

@@ -104,7 +104,8 @@ class SpecOptions:
             raise ValueError(f"spec group_source must be 'local' or 'remote', got {self.group_source!r}")
         if self.max_bytes < 0:
             raise ValueError(f"spec max_bytes must be >= 0 (0 = no cap), got {self.max_bytes}")
-        if not 1 <= self.aimd_start <= self.k:
+        # the window start only matters with AIMD windows or a cut-off derived for it
+        if (self.aimd or self.cutoff_profile) and not 1 <= self.aimd_start <= self.k:
             raise ValueError(f"spec aimd_start must be in [1, k={self.k}], got {self.aimd_start}")
         if self.aimd_step < 0:
             raise ValueError(f"spec aimd_step must be >= 0, got {self.aimd_step}")
