@@ -13,6 +13,7 @@ from verl_ext.pipe import StrategyConfigError, make_strategy
 from verl_ext.pipe.buffer import RequestBuffer
 from verl_ext.rollout.dispatcher import prompt_group_id
 from verl_ext.sim.clock import run_virtual
+from verl_ext.sim.drafting import ReplayDrafter
 from verl_ext.sim.instance import SimInstance
 from verl_ext.sim.source import TraceSource
 
@@ -135,12 +136,13 @@ def test_discard_removes_a_waiting_request():
 
 
 # -- divided rollout on simulated instances ---------------------------------------------------
-def _sim(strategy, options=None, cap=4000, seqs=8, instances=3, groups=6, samples=4, hi=300):
+def _sim(strategy, options=None, cap=4000, seqs=8, instances=3, groups=6, samples=4, hi=300, replay=None):
     tr = _trace(groups=groups, samples=samples, hi=hi, seed=5)
     src = TraceSource(tr)
     cost = _cost(cap=cap, seqs=seqs)
-    insts = [SimInstance(f"sim-{i}", cost, src) for i in range(instances)]
     strat = make_strategy(strategy, options)
+    drafter = None if replay is None else ReplayDrafter(strat.engine_spec(cost), src, replay)
+    insts = [SimInstance(f"sim-{i}", cost, src, drafter) for i in range(instances)]
 
     async def main():
         loop = asyncio.get_running_loop()
@@ -165,6 +167,19 @@ def test_chunks_continue_to_the_exact_response(context):
     # admission reserves context + whole chunk: the engines never preempt
     assert sum(i.preemptions for i in insts) == 0
     assert all(i.kv_peak <= i.cost.kv_capacity_tokens for i in insts)
+
+
+@pytest.mark.parametrize("replay", ["lockstep", "exact"])
+def test_drafted_chunks_continue_to_the_exact_response(replay):
+    # A continuation that comes back to an instance is a new engine request: with ``exact``
+    # replay it used to collide with its earlier chunk's group sequence in the shared index.
+    tr, insts, strat, arm = _sim("seer", {"chunk_size": 32, "affinity_slack": 1.0}, replay=replay)
+    for i, c in enumerate(arm.completions):
+        assert list(c.token_ids) == tr.response(i).tolist() and c.finish_reason == "stop"
+    m = strat.metrics()
+    assert m["stays"] > 0 and m["continuations"] > len(tr)
+    assert arm.metrics["accepted_tokens"] > 0
+    assert sum(c.num_steps for c in arm.completions) < arm.metrics["output_tokens"]
 
 
 def test_original_max_tokens_is_kept_across_chunks():

@@ -85,6 +85,11 @@ class ReplayDrafter:
         self._listeners: list = []  # instances told when a response finishes (adaptive drafting)
         self._rows: dict[str, np.ndarray] = {}
         self._ends: dict[str, int] = {}
+        #: exact mode: the index key of each started request. A request that comes back (a later
+        #: chunk, or a resubmission) is a new engine request with its own group sequence, as in
+        #: the vLLM drafter, so each start gets a fresh key.
+        self._ik: dict[str, str] = {}
+        self._starts = 0
         self._aimd = spec.aimd_windows()  # exact mode's per-request windows (replay keeps its own)
         self._aimd_at: dict[str, tuple[int, int]] = {}  # key -> (position observed at, window before)
         if self.mask & SCOPE_HISTORY:
@@ -237,7 +242,9 @@ class ReplayDrafter:
         prompt = np.asarray(request.prompt_ids, dtype=np.int32)
         self._rows[key] = np.concatenate([prompt, target.tokens]).astype(np.int32, copy=False)
         self._ends[key] = len(self._rows[key])
-        self._start(key, request, prompt)
+        self._starts += 1
+        self._ik[key] = f"{key}\x00{self._starts}"
+        self._start(self._ik[key], request, prompt)
 
     def step(self, keys: list[str], positions: np.ndarray, caps: Optional[np.ndarray] = None, selector=None,
              kv_tokens: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
@@ -268,7 +275,7 @@ class ReplayDrafter:
             if ks[j] <= 0:  # no draft this step: plain decoding
                 emitted[j], drafted[j] = 1, 0
                 continue
-            (toks, _, _, _), _ = self.index.propose(key, ks[j], context=row[:pos], scopes=self.mask,
+            (toks, _, _, _), _ = self.index.propose(self._ik[key], ks[j], context=row[:pos], scopes=self.mask,
                                                    min_match=s.min_match, max_match=s.max_match,
                                                    min_prob=s.min_prob)
             left = end - pos
@@ -288,7 +295,7 @@ class ReplayDrafter:
         for key, p in zip(keys, pos.tolist()):
             self._sync(key, p)
         ks = np.full(len(keys), s.k, dtype=np.int64) if caps is None else np.minimum(np.asarray(caps, dtype=np.int64), s.k)
-        toks, n, probs, _ = self.index.batch_propose(keys, ks, scopes=self.mask, min_match=s.min_match,
+        toks, n, probs, _ = self.index.batch_propose([self._ik[k] for k in keys], ks, scopes=self.mask, min_match=s.min_match,
                                                      max_match=s.max_match, min_prob=s.min_prob)
         scores = cumulative_scores(probs, n)
         lengths, _ = selector.select_lengths(scores, n, kv_tokens)
@@ -305,15 +312,16 @@ class ReplayDrafter:
         return np.minimum(acc + 1, left), lengths
 
     def _sync(self, key: str, pos: int) -> None:
-        have = self.index.context_length(key)
+        ik = self._ik[key]
+        have = self.index.context_length(ik)
         if have < pos:
-            self.index.append(key, self._rows[key][have:pos])
+            self.index.append(ik, self._rows[key][have:pos])
 
     def drop(self, key: str) -> None:
         """Forget ``key`` without syncing it (a request that left before running again)."""
         if key in self._rows:
             del self._rows[key], self._ends[key]
-            self.index.finish(key)
+            self.index.finish(self._ik.pop(key))
             if self._aimd is not None:
                 self._aimd.drop(key)
                 self._aimd_at.pop(key, None)
