@@ -360,3 +360,19 @@ def test_proposer_local_groups_write_and_no_caps():
     b.finish("a")
     b.step({"b": [12]})
     assert p.index.group_counts("g") == (1, 2) and p.capped_tokens == 0 and not p._group_of
+
+
+def test_proposer_group_write_switches_a_remote_engine_to_local_trees():
+    p = _proposer(scopes="request+group", k=4, max_depth=DEPTH, group_source="remote")
+    b = _Batch(p)
+    b.add("early", [1, 2, 3], "g")  # started before the switch: reads, never writes
+    b.step()
+    assert p.rpc("group_write", True) is True
+    b.add("a", [1, 2, 3], "g")
+    b.add("b", [1, 2, 3], "g")
+    b.step()
+    b.step({"a": [10, 11, 12, 13, 14], "b": [10], "early": [10, 11]})
+    assert p.index.group_counts("g") == (0, 2)  # a and b, not early
+    assert b.step({"b": [11]})["b"] == [12, 13, 14]  # b drafts from a through the engine's own tree
+    with pytest.raises(ValueError, match="true or false"):
+        p.rpc("group_write", "yes")

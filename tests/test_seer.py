@@ -2,6 +2,7 @@
 admission, placement) on simulated instances, cancellation, and its configuration."""
 
 import asyncio
+import os
 
 import pytest
 
@@ -328,3 +329,65 @@ def test_seer_starts_no_draft_server_for_engines_without_a_drafter():
         return strat._state(pool).dgds
 
     assert run_virtual(main()) is None and strat.metrics()["dgds_start_failures"] == 0
+
+
+def test_engines_take_every_core():
+    from verl_ext.pipe.seer import engines_take_every_core
+
+    cores = sorted(os.sched_getaffinity(0))
+
+    class Eng:
+        def __init__(self, cpu_cores):
+            self.cpu_cores = cpu_cores
+
+    split = [Eng(",".join(map(str, cores[: len(cores) // 2] or cores))), Eng(",".join(map(str, cores[len(cores) // 2:])))]
+    assert engines_take_every_core(split)
+    assert engines_take_every_core([Eng(f"{cores[0]}-{cores[-1]}")]) == (cores == list(range(cores[0], cores[-1] + 1)))
+    assert not engines_take_every_core([Eng(None)])  # a GPU engine / vLLM's default binding
+    assert not engines_take_every_core([Eng("999999")])  # pinned elsewhere: the host's cores are free
+    if len(cores) > 1:
+        assert not engines_take_every_core(split[:1])
+
+
+@pytest.mark.parametrize("dgds", ["auto", True])
+def test_dgds_auto_uses_engine_local_trees_where_engines_hold_every_core(dgds, monkeypatch):
+    from verl_ext.pipe.pool import InstancePool
+
+    tr = _trace(groups=1, samples=2, seed=1)
+    inst = SimInstance("sim-0", _cost(), TraceSource(tr))
+    inst.cpu_cores = ",".join(map(str, sorted(os.sched_getaffinity(0))))  # a pinned CPU engine, all cores
+    calls = []
+
+    async def drafter_call(op, *args):
+        calls.append((op, *args))
+
+    async def import_drafts(blobs):
+        return [0] * len(blobs)
+
+    inst.drafting, inst.drafter_call, inst.import_drafts = True, drafter_call, import_drafts
+    started = []
+
+    class NoServer:  # stands in for the Ray-backed client: records that the server would start
+        def __init__(self, **kw):
+            started.append(kw)
+            raise RuntimeError("no Ray in this test")
+
+    monkeypatch.setattr("verl_ext.spec.dgds.DGDSClient", NoServer)
+    strat = make_strategy("seer", {"dgds": dgds})
+    assert strat.engine_spec().group_source == "remote"  # engines start without writing group trees
+
+    async def main():
+        pool = InstancePool([inst])
+        await strat.prepare(pool)
+        return strat._state(pool).dgds
+
+    assert run_virtual(main()) is None
+    m = strat.metrics()
+    if dgds == "auto":
+        assert calls == [("group_write", True)] and not started and m["dgds_auto_off"] == 1
+        assert m["dgds_start_failures"] == 0
+    else:  # explicit true: the server is tried (and here fails: request-scope drafts, counted)
+        assert not calls and len(started) == 1 and m["dgds_auto_off"] == 0 and m["dgds_start_failures"] == 1
+    assert make_strategy("seer", {"dgds": False}).engine_spec().group_source == "local"
+    with pytest.raises(StrategyConfigError, match="dgds must be true, false or auto"):
+        make_strategy("seer", {"dgds": "sometimes"})

