@@ -4,6 +4,7 @@ admission, placement) on simulated instances, cancellation, and its configuratio
 import asyncio
 import os
 
+import numpy as np
 import pytest
 
 from test_sim import _cost, _requests, _trace
@@ -391,3 +392,35 @@ def test_dgds_auto_uses_engine_local_trees_where_engines_hold_every_core(dgds, m
     assert make_strategy("seer", {"dgds": False}).engine_spec().group_source == "local"
     with pytest.raises(StrategyConfigError, match="dgds must be true, false or auto"):
         make_strategy("seer", {"dgds": "sometimes"})
+
+
+def test_siblings_spread_over_equally_loaded_instances():
+    """Greedy-like groups (every sample of a group equally long, groups of different lengths), all
+    admitted at once on 2 instances: each group's samples split 2/2, so both instances get the
+    same work; placing by load alone put 3 of some groups' samples on one instance."""
+    from verl_ext.trace.format import Trace
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for g, n in enumerate([400, 40, 300, 20, 250, 60, 350, 30]):
+        prompt = rng.integers(0, 40, 10).tolist()
+        for j in range(4):
+            rows.append(dict(epoch=0, step=0, prompt_uid=f"p{g}", sample_index=j, prompt_ids=prompt,
+                             response_ids=rng.integers(0, 40, n).tolist(), reward=0.0, finish_reason="stop",
+                             instance=None, submit_s=float("nan"), finish_s=float("nan")))
+    tr = Trace.from_rows(rows)
+    src = TraceSource(tr)
+    insts = [SimInstance(f"sim-{i}", _cost(cap=100_000, seqs=64), src) for i in range(2)]
+    strat = make_strategy("seer", {"speculative": False})
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        return await run_strategy(strat, insts, _requests(tr, max_tokens=1000), lambda r, t: 0.0,
+                                  clock=loop.time, sample_telemetry=False)
+
+    arm = run_virtual(main())
+    placed = {}
+    for rec in arm.pool.records:
+        placed.setdefault(rec.group_id, []).append(rec.instance)
+    assert all(sorted(v) == ["sim-0", "sim-0", "sim-1", "sim-1"] for v in placed.values()), placed
+    assert insts[0].generated == insts[1].generated == int(tr.response_lengths().sum()) // 2

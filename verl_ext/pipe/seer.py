@@ -9,7 +9,9 @@ grouped speculative decoding.
   token from the target model given that prefix. A seeded request's later chunks get derived
   seeds (``SamplingSpec.for_chunk``) so chunks do not reuse one random stream.
 * **Load balancing and placement.** Each chunk goes to the least-loaded instance (load: the
-  larger of its running fraction and its reserved-KV fraction). An instance takes a chunk only
+  larger of its running fraction and its reserved-KV fraction); among instances within one
+  chunk of that load, to the one running the fewest of its siblings (a group's lengths are
+  correlated, so siblings placed together pile one group's work onto one instance). An instance takes a chunk only
   while the KV it reserves for its running chunks, each at its full context plus its whole chunk
   (``kv_capacity_tokens``, from telemetry), stays within capacity, and while it runs fewer than
   ``max_running`` chunks: the highest concurrency that cannot preempt. A chunk stays on the
@@ -42,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections import Counter
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -154,6 +157,7 @@ class _Slots:
         self.kv_budget = None if cap is None else int(cap * opts.kv_fraction)
         self.running = 0
         self.reserved = 0
+        self.groups: Counter = Counter()  # running chunks per group id
 
     def fits(self, need: int) -> bool:
         if self.running >= self.max_running:
@@ -165,6 +169,11 @@ class _Slots:
     def load(self) -> float:
         run = self.running / self.max_running
         return run if not self.kv_budget else max(run, self.reserved / self.kv_budget)
+
+    def one_more(self, need: int) -> float:
+        """How much one more chunk reserving ``need`` KV tokens adds to ``load``."""
+        run = 1 / self.max_running
+        return run if not self.kv_budget else max(run, need / self.kv_budget)
 
 
 class _Rollout:
@@ -231,6 +240,7 @@ class _Rollout:
             return False
         slots.running += 1  # reserved now: the next pick in this cycle must see it
         slots.reserved += need
+        slots.groups[r.request.group_id] += 1
         self.tasks[r] = asyncio.ensure_future(self._run_chunk(r, slots, chunk, need))
         return True
 
@@ -249,7 +259,13 @@ class _Rollout:
         least = min(fits, key=lambda s: (s.load(), s.running, s.instance.name))
         if holder is not None and holder in fits and holder.load() <= least.load() + self.opts.affinity_slack:
             return holder
-        return least
+        # Among instances within one chunk of the least load, the one running the fewest of the
+        # request's siblings: a group's lengths are correlated (section 3.2), so siblings placed
+        # together would pile one group's work onto one instance.
+        near = least.load() + least.one_more(need) + 1e-12
+        g = r.request.group_id
+        return min((s for s in fits if s.load() <= near),
+                   key=lambda s: (s.groups[g], s.load(), s.running, s.instance.name))
 
     async def _run_chunk(self, r: BufferedRequest, slots: _Slots, chunk: int, need: int) -> None:
         inst = slots.instance
@@ -279,6 +295,9 @@ class _Rollout:
         finally:
             slots.running -= 1
             slots.reserved -= need
+            slots.groups[r.request.group_id] -= 1
+            if not slots.groups[r.request.group_id]:
+                del slots.groups[r.request.group_id]
             if dgds is not None:
                 dgds.unserve(inst, r.request.group_id)
             self.tasks.pop(r, None)
