@@ -9,7 +9,7 @@ grouped speculative decoding.
   token from the target model given that prefix. A seeded request's later chunks get derived
   seeds (``SamplingSpec.for_chunk``) so chunks do not reuse one random stream.
 * **Load balancing and placement.** Each chunk goes to the least-loaded instance (load: the
-  larger of its running fraction and its reserved-KV fraction); among instances within one
+  larger of its running fraction and its reserved-KV fraction); among instances within half a
   chunk of that load, to the one running the fewest of its siblings (a group's lengths are
   correlated, so siblings placed together pile one group's work onto one instance). An instance takes a chunk only
   while the KV it reserves for its running chunks, each at its full context plus its whole chunk
@@ -259,10 +259,11 @@ class _Rollout:
         least = min(fits, key=lambda s: (s.load(), s.running, s.instance.name))
         if holder is not None and holder in fits and holder.load() <= least.load() + self.opts.affinity_slack:
             return holder
-        # Among instances within one chunk of the least load, the one running the fewest of the
-        # request's siblings: a group's lengths are correlated (section 3.2), so siblings placed
-        # together would pile one group's work onto one instance.
-        near = least.load() + least.one_more(need) + 1e-12
+        # Among instances within half a chunk of the least load (as loaded, give or take context
+        # lengths), the one running the fewest of the request's siblings: a group's lengths are
+        # correlated (section 3.2), so siblings placed together would pile one group's work onto
+        # one instance.
+        near = least.load() + 0.5 * least.one_more(need) + 1e-12
         g = r.request.group_id
         return min((s for s in fits if s.load() <= near),
                    key=lambda s: (s.groups[g], s.load(), s.running, s.instance.name))
