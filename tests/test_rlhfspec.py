@@ -400,3 +400,74 @@ def test_selection_on_simulated_engines_keeps_outputs_and_drafts():
     assert sum(s.accepted_tokens for s in sims) > 0
     with pytest.raises(ValueError, match="exact"):
         make_drafter(spec, sims[0].source, mode="lockstep")
+
+
+# -- online step-time calibration ---------------------------------------------------------------
+def test_step_time_calibration_recovers_the_drafts_true_cost():
+    from verl_ext.spec.select import StepTimeCalibration
+
+    rng = np.random.default_rng(0)
+    cal = StepTimeCalibration()
+    assert cal.draft_scale == 1.0
+    for _ in range(400):  # the engine: base 5% dearer than profiled, drafts 1.8x
+        t0, dt = rng.uniform(0.05, 0.2), rng.uniform(0.0, 0.05)
+        cal.observe((1.05 * t0 + 1.8 * dt) * rng.uniform(0.95, 1.05), t0, dt)
+    assert cal.draft_scale == pytest.approx(1.8 / 1.05, rel=0.06) and cal.a == pytest.approx(1.05, rel=0.03)
+    plain = StepTimeCalibration()
+    for _ in range(50):  # no drafts measured: the draft cost keeps its prior
+        plain.observe(0.11, 0.1, 0.0)
+    assert plain.s == pytest.approx(1.0) and 1.0 < plain.a < 1.1 and plain.draft_scale == pytest.approx(1 / plain.a)
+    few = StepTimeCalibration()
+    few.observe(0.1 + 3 * 0.05, 0.1, 0.05)  # one step cannot override the profile
+    assert 1.0 < few.draft_scale < 2.0  # (the truth is 3)
+    for bad in ((float("nan"), 0.1, 0.0), (-1.0, 0.1, 0.0), (0.1, 0.0, 0.0)):
+        few.observe(*bad)
+    assert few.steps == 1
+
+
+def test_calibrated_selector_drafts_less_where_drafts_cost_more_than_profiled():
+    cost = load_cost_model("cpu-smollm2")
+    rng = np.random.default_rng(1)
+    b, w = 32, 16
+    scores = np.sort(rng.uniform(0.4, 1.0, (b, w)), axis=1)[:, ::-1].astype(np.float32)
+    lens = np.full(b, w, dtype=np.int32)
+    n_seq = b * 300.0
+    sel = DraftSelector(cost, AcceptanceModel())
+    _, before = sel.select_lengths(scores, lens, n_seq)
+    assert before.n > 0
+    true = dataclasses.replace(cost, draft_token_s=cost.draft_token_s + 2 * cost.token_s)  # drafts 3x a token
+    for nd in range(0, 200, 4):
+        sel.calibrate(float(true.step_time(b, n_seq, 0, nd)), b, n_seq, nd)
+    sel.calibrate(100.0, b, n_seq, 8)  # a stall: ignored
+    assert sel.calibration.steps == 50 and sel.calibration.draft_scale > 1.5
+    _, after = sel.select_lengths(scores, lens, n_seq)
+    assert after.n < before.n
+    assert sel.stats()["select_calib_draft_scale"] == sel.calibration.draft_scale
+
+
+def test_proposer_times_decode_steps_and_calibrates_its_selector():
+    from _util import ProposerBatch, make_proposer
+
+    cost = load_cost_model("cpu-smollm2")
+    p = make_proposer(scopes="request", k=8, select=True, select_profile="cpu-smollm2", min_prob=0.0)
+    now = [0.0]
+    p._clock = lambda: now[0]
+    b = ProposerBatch(p, verify=True)
+    pattern = [5, 6, 7, 8, 9, 10, 11, 12] * 6
+    for i in range(4):
+        b.add(f"r{i}", [1, 2, 3] + pattern, "g")
+    drafts = b.step()  # prefill step: not timed
+    slow = dataclasses.replace(cost, draft_token_s=cost.draft_token_s + 2 * cost.token_s)
+    for _ in range(12):
+        nd = sum(len(d) for d in drafts.values())
+        n_seq = sum(len(r) for r in b.rows.values())
+        now[0] += float(slow.step_time(len(b.rows), n_seq, 0, nd))  # the engine runs the step
+        drafts = b.step({r: d + [pattern[(len(b.rows[r]) + len(d) - 3) % 8]] for r, d in drafts.items()},
+                        emitted_counts=True)
+    cal = p.selector.calibration
+    assert cal.steps == 12  # every decode step after the first call
+    assert p.rpc("stats")["select_calib_steps"] == 12
+    if cal.td > 0:  # drafts were verified: their cost is learnt to be dearer than profiled
+        assert cal.draft_scale > 1.2
+    q = make_proposer(scopes="request", k=8, select=True, select_profile="cpu-smollm2", select_calibrate=False)
+    assert not q.calibrate
