@@ -62,6 +62,9 @@ def test_ab_with_drafting_on_and_off(tmp_path, model_dir):
     assert on["tokens_per_step"] == pytest.approx(1.0 + on["accepted_tokens"] / (on["output_tokens"] / on["tokens_per_step"]), rel=0.05)
     assert on["tokens_per_step"] > 1.0
     assert on["spec"]["scopes"] == "request+group" and on["spec"]["k"] == 4
+    # each drafting engine's own counters, read after the arm (plain engines have none)
+    assert "drafters" not in off and [d["instance"] for d in on["drafters"]] == ["vllm-0"]
+    assert sum(d["proposed_tokens"] for d in on["drafters"]) >= on["draft_tokens"] > 0
     # rhyme: HistoSpec drafts only once history exists; greedy outputs equal plain decoding's
     first, second = s["rhyme"]["epochs"]
     assert first["draft_tokens"] == 0 and first["strategy/histopipe_active"] == 0

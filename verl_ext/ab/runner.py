@@ -408,6 +408,7 @@ async def _run_one(label, strategy, spec, engine_factory, cfg, epochs, score, to
                              for r, c, reward in zip(requests, arm.completions, arm.rewards))
                 store.close_step(step)
             per_epoch.append(arm.metrics)
+        drafters = await _drafter_stats(instances) if spec is not None else []
     finally:
         await asyncio.gather(*(inst.shutdown() for inst in instances), return_exceptions=True)
     requests = epochs[-1]
@@ -425,6 +426,8 @@ async def _run_one(label, strategy, spec, engine_factory, cfg, epochs, score, to
     metrics = dict(arm.metrics)
     if len(epochs) > 1:
         metrics["epochs"] = per_epoch
+    if drafters:
+        metrics["drafters"] = drafters
     return StrategyRun(
         name=label,
         metrics=metrics if spec is None else {**metrics, "spec": spec.to_dict()},
@@ -432,6 +435,22 @@ async def _run_one(label, strategy, spec, engine_factory, cfg, epochs, score, to
         timeline=arm.timeline,
         responses=responses,
     )
+
+
+async def _drafter_stats(instances) -> list[dict]:
+    """Each drafting engine's drafter counters (``stats`` RPC: index size, selector, calibration)
+    after the arm, numbers only; an engine that cannot answer is skipped."""
+    out = []
+    for inst in instances:
+        if not getattr(inst, "drafting", False):
+            continue
+        try:
+            st = await inst.drafter_call("stats")
+        except Exception:  # diagnostics only
+            continue
+        out.append({"instance": inst.name, **{k: v for k, v in st.items()
+                                               if isinstance(v, (int, float)) and not isinstance(v, bool)}})
+    return out
 
 
 async def _timed_epoch(desc, strategy, instances, requests, score, cfg, progress) -> ArmResult:
