@@ -374,6 +374,7 @@ def test_dgds_auto_uses_engine_local_trees_where_engines_hold_every_core(dgds, m
             raise RuntimeError("no Ray in this test")
 
     monkeypatch.setattr("verl_ext.spec.dgds.DGDSClient", NoServer)
+    monkeypatch.setattr("ray.is_initialized", lambda: True)  # no Ray cluster for this test
     strat = make_strategy("seer", {"dgds": dgds})
     assert strat.engine_spec().group_source == "remote"  # engines start without writing group trees
 
