@@ -438,7 +438,7 @@ async def _run_one(label, strategy, spec, engine_factory, cfg, epochs, score, to
 
 
 async def _drafter_stats(instances) -> list[dict]:
-    """Each drafting engine's drafter counters (``stats`` RPC: index size, selector, calibration)
+    """Each drafting engine's drafter counters (``stats`` RPC: index size, imports, selector)
     after the arm, numbers only; an engine that cannot answer is skipped."""
     out = []
     for inst in instances:
