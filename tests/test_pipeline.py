@@ -152,3 +152,77 @@ def test_pipeline_bad_input(tmp_path, capsys):
     _bad(tmp_path, capsys, [*small, "--pipeline", "sync", "--strategies", "baseline@later"], "unknown pipeline mode")
     _bad(tmp_path, capsys, [*small, "--pipeline", "sync", "--steps", "9"], "more than the epoch's 8 prompts")
     _bad(tmp_path, capsys, ["--pipeline", "stream"], "--pipeline needs --sim")
+
+
+# -- inter-step migration (RhymeRL 6.3; verl_ext.pipe.defer) ---------------------------------------
+_INTER = "rhyme[histospec=false,inter_step=true]"
+
+
+def _outlier_arm(label, mode, step, rank, length=1500):
+    """The pipeline over a trace whose ``rank``-th shortest prompt of step ``step`` (1-based; -1 =
+    longest) has one outlier response of ``length`` tokens; returns (trace, rows, uid, result)."""
+    base = _two_epoch_trace(groups=16, samples=4)
+    _, rows, _ = select_epoch(base, 1)
+    batch = split_steps(base.prompt_uid, rows, 4, seed=0)[step - 1]
+    uid = sorted(set(base.prompt_uid[batch].tolist()), key=lambda u: int(u[1:]))[rank]
+    tr = _two_epoch_trace(groups=16, samples=4, outlier=(uid, 1, length))
+    _, rows, history = select_epoch(tr, 1)
+    batches = split_steps(tr.prompt_uid, rows, 4, seed=0)
+    r = run_pipeline_arm(label, SimConfig(instances=4, spec_k=8), _cost(), tr, rows, history, batches, 2000, mode,
+                         T_TRAIN, keep_completions=True)
+    return tr, rows, uid, r
+
+
+@pytest.mark.parametrize("mode", ["one_step_off", "stream"])
+def test_inter_step_migration_defers_a_long_groups_outlier_to_the_next_step(mode):
+    tr, rows, uid, r = _outlier_arm(_INTER, mode, step=1, rank=-1)
+    m, st = r.metrics, r.metrics["steps"]
+    assert m["strategy/deferrals"] == 1 and m["strategy/migrations"] == 0
+    # its whole group (4 samples) trains with step 2; every sample is trained exactly once
+    assert m["deferred_samples"] == 4
+    assert [t["trained_samples"] for t in st] == [12, 20, 16, 16]
+    assert [(t["deferred_out"], t["deferred_in"]) for t in st] == [(1, 0), (0, 1), (0, 0), (0, 0)]
+    trained = [c for comps in r.completions for c in comps]
+    assert sorted(c.request_id for c in trained) == sorted({x["request_id"] for x in r.records})
+    assert len(trained) == len(rows) and m["output_tokens"] == int(tr.response_lengths()[rows].sum())
+    # the outlier's tokens are the trace's response, whole and in order, across the two steps
+    (row,) = [i for i in rows if tr.prompt_uid[i] == uid and tr.sample_index[i] == 1]
+    (out,) = [c for c in r.completions[1] if c.token_ids and len(c.token_ids) == 1500]
+    assert list(out.token_ids) == tr.response(row).tolist() and out.finish_reason == "stop"
+    recs = sorted((x for x in r.records if x["request_id"] == out.request_id), key=lambda x: x["submit_s"])
+    assert [x["step"] for x in recs][-1] == 2 and {x["step"] for x in recs} == {1, 2}
+    assert sum(x["output_tokens"] for x in recs) == 1500
+    # step 1 rolled out (and trained) without waiting for it; it resumed once step 2 was dispatched
+    assert st[0]["rollout_end_s"] < recs[-1]["finish_s"]
+    assert recs[-1]["submit_s"] >= st[1]["dispatch_s"]
+    assert all(x["finish_s"] <= st[1]["rollout_end_s"] for x in recs)
+    # and the pipeline is faster than with the outlier migrated within step 1
+    _, _, _, intra = _outlier_arm("rhyme[histospec=false]", mode, step=1, rank=-1)
+    assert intra.metrics["strategy/migrations"] == 1 and intra.metrics["deferred_samples"] == 0
+    assert m["pipeline_s"] < intra.metrics["pipeline_s"]
+
+
+def test_inter_step_migration_keeps_short_groups_and_the_last_step_within_the_step():
+    """The paper migrates outliers of short ranking groups within the step; the epoch's last step
+    has no next step to defer to."""
+    for step, rank in ((1, 0), (4, -1)):
+        _, _, _, r = _outlier_arm(_INTER, "stream", step=step, rank=rank)
+        assert r.metrics["strategy/deferrals"] == 0 and r.metrics["strategy/migrations"] == 1, (step, rank)
+        assert r.metrics["deferred_samples"] == 0
+
+
+def test_inter_step_migration_is_refused_where_nothing_carries_it(tmp_path, capsys):
+    from verl_ext.ab.runner import make_arm
+    from verl_ext.config.settings import VerlExtSettings
+    from verl_ext.pipe.strategy import StrategyConfigError
+
+    with pytest.raises(StrategyConfigError, match="on-policy `sync` pipeline"):
+        _outlier_arm(_INTER, "sync", step=1, rank=-1)
+    with pytest.raises(StrategyConfigError, match="a single rollout"):
+        make_arm(_INTER)
+    with pytest.raises(StrategyConfigError, match="veRL 0.9 rollout manager"):
+        VerlExtSettings.from_custom({"verl_ext": {"strategy": "rhyme", "options": {"inter_step": True}}})
+    with pytest.raises(StrategyConfigError, match="needs histopipe=true and migration=true"):
+        make_arm("rhyme[inter_step=true,migration=false]", carrier=None)
+    _bad(tmp_path, capsys, ["--sim", "--prompts", "8", "--samples", "2", "--mean-len", "64", "--max-len", "256",
+                            "--strategies", _INTER], "a single rollout")

@@ -21,6 +21,7 @@ from typing import Callable, Optional, Sequence
 
 from verl_ext.ab.metrics import SCHEMA, rollout_metrics
 from verl_ext.engine.instance import GenRequest, Instance, SamplingSpec
+from verl_ext.pipe.defer import require_carrier
 from verl_ext.pipe.pool import InstancePool
 from verl_ext.pipe.strategy import Strategy, make_strategy
 from verl_ext.spec._suffix import SCOPE_HISTORY
@@ -148,13 +149,21 @@ def parse_arm(name: str, spec_k: int = 8, allow_history: bool = False):
     return base, SpecOptions(scopes=scopes, k=spec_k)
 
 
-def make_arm(label: str, spec_k: int = 8, allow_history: bool = False, cost=None):
+#: what a caller of ``make_arm`` is by default, for the error refusing inter-step migration
+SINGLE_ROLLOUT = "a single rollout (`verl-ext ab` without `--pipeline`, `verl-ext record`)"
+
+
+def make_arm(label: str, spec_k: int = 8, allow_history: bool = False, cost=None,
+             carrier: Optional[str] = SINGLE_ROLLOUT):
     """(strategy, SpecOptions or None) for one ``--strategies`` entry: ``name[key=value,...]``
     sets strategy options, ``+spec[:scopes]`` turns on drafting explicitly; otherwise the
-    strategy's own ``engine_spec`` (e.g. ``seer``'s grouped drafting) decides."""
+    strategy's own ``engine_spec`` (e.g. ``seer``'s grouped drafting) decides. ``carrier``: None
+    when the caller carries deferred samples to the next step (off-policy pipelines), else what
+    the caller is, for the error refusing a strategy that defers (``verl_ext.pipe.defer``)."""
     base, options, tail = parse_options_label(label)
     name, spec = parse_arm(base + tail, spec_k, allow_history)
     strategy = make_strategy(name, options)  # unknown name or option -> clear error
+    require_carrier(strategy, carrier is None, carrier)
     if spec is None:
         spec = strategy.engine_spec(cost)
     return strategy, spec

@@ -151,7 +151,13 @@ class VerlExtSettings:
             raise StrategyConfigError(f"custom.verl_ext.seed must be an integer, got {seed!r}")
         # Validate eagerly (unknown strategy, unknown or ill-typed options) so that a bad config
         # fails when the manager is built, not in the middle of the first rollout.
-        parse_options(get_strategy_class(strategy).Options, options, f"strategy '{strategy}'")
+        parsed = parse_options(get_strategy_class(strategy).Options, options, f"strategy '{strategy}'")
+        if getattr(parsed, "inter_step", False):  # verl_ext.pipe.defer: veRL's trainers cannot carry them
+            raise StrategyConfigError(
+                f"strategy '{strategy}': options.inter_step=true defers samples to the next training step, which "
+                "verl_ext's veRL 0.9 rollout manager does not do (it returns every sample of the batch it was "
+                "given); set inter_step=false. Inter-step migration runs in `verl-ext ab --sim --pipeline "
+                "one_step_off|stream`")
         trace = TraceSettings.parse(raw.get("trace"))
         history = HistorySettings.parse(raw.get("history"))
         return cls(strategy=strategy, options=options, seed=seed, trace=trace, history=history)

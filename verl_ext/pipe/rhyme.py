@@ -33,9 +33,19 @@ HistoPipe scheduling from last epoch's lengths.
   ``alpha`` (10%) of its group's requests still running, it continues on the least-loaded instance
   of the whole pool (prompt + tokens re-prefilled there, ``verl_ext.pipe.chunks``); otherwise it
   continues where it is, re-checked every ``recheck_tokens``. Sampling stays exact (a continuation
-  is the same request with a longer prompt). Inter-step migration (deferring a sample to the next
-  step) changes which step trains on the sample; it is not implemented (it would need veRL's
-  one-step-off-policy mode).
+  is the same request with a longer prompt).
+* **Inter-step migration (section 6.3), opt-in (``inter_step``).** Outliers of the longest
+  ranking groups (the top ``inter_step_groups`` share; the paper migrates outliers of short groups
+  within the step and defers those of long groups) are deferred to the next training step instead:
+  the strategy stops the request after its chunk and returns a partial completion with finish
+  reason ``deferred`` (``verl_ext.pipe.defer``), handing its state (``Chunked``) to the driver's
+  carrier (``set_deferral``); the driver resumes it in the next step (prompt + tokens
+  re-prefilled, the same request) and its group trains with that step. This changes which step
+  trains on the sample and with which weights (its first tokens come one step earlier than the
+  step's own), so it needs an off-policy trainer: only drivers that carry deferred samples accept
+  it (``verl-ext ab --sim --pipeline one_step_off|stream``); veRL's trainers, single rollouts and
+  the ``sync`` pipeline refuse it with a clear error. Without a carrier for a step (the epoch's
+  last step) outliers migrate within the step.
 
 Knob ladder of the paper's Figure 14: ``histopipe=false`` (HistoSpec only), ``two_tier=false``
 (equal instance blocks), ``histospec=false`` (no drafting), ``migration=false``.
@@ -53,6 +63,7 @@ import numpy as np
 
 from verl_ext.engine.instance import Completion, GenRequest, Instance
 from verl_ext.pipe.chunks import Chunked
+from verl_ext.pipe.defer import NO_CARRIER, deferred_completion, is_deferred
 from verl_ext.pipe.histopipe import (
     MIGRATE_ALPHA,
     group_time,
@@ -113,9 +124,15 @@ class RhymeOptions:
     #: quarter of the variance of the next ranks; RhymeRL's workloads keep ~80% of responses in
     #: their predicted group of 8-16 (Table 2), far above it
     min_rank_corr: float = 0.5
+    #: inter-step migration: defer outliers of the longest ranking groups to the next training
+    #: step (off-policy; needs a driver that carries them, see the module docstring)
+    inter_step: bool = False
+    #: inter-step migration: the share of ranking groups, the longest, whose outliers are deferred
+    #: (the others migrate within the step)
+    inter_step_groups: float = 0.5
 
     def __post_init__(self):
-        for name in ("histospec", "histopipe", "two_tier", "migration", "batch_cutoff"):
+        for name in ("histospec", "histopipe", "two_tier", "migration", "batch_cutoff", "inter_step"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.ranking_groups < 0:
@@ -134,6 +151,11 @@ class RhymeOptions:
             raise ValueError(f"need 1 <= min_match <= max_match, got {self.min_match}, {self.max_match}")
         if not -1.0 <= self.min_rank_corr <= 1.0:
             raise ValueError(f"min_rank_corr must be in [-1, 1] (-1 = never fall back), got {self.min_rank_corr}")
+        if not 0.0 < self.inter_step_groups <= 1.0:
+            raise ValueError(f"inter_step_groups must be in (0, 1], got {self.inter_step_groups}")
+        if self.inter_step and not (self.histopipe and self.migration):
+            raise ValueError("inter_step defers HistoPipe's migration outliers: it needs histopipe=true and "
+                             "migration=true")
 
 
 class LocalHistory:
@@ -197,7 +219,8 @@ class RhymeStrategy(Strategy):
         self._served: dict = {}  # instance name -> uids whose history it holds
         self._predicted: dict = {}  # uid -> historical median length, for the step being rolled out
         self._observed: dict = {}  # uid -> [response lengths] of that step
-        self._m = {"migrations": 0, "migration_checks": 0, "histopipe_active": 0, "histopipe_fallbacks": 0,
+        self._carry = NO_CARRIER  # inter-step migration: the driver's carrier (set_deferral)
+        self._m = {"migrations": 0, "migration_checks": 0, "deferrals": 0, "histopipe_active": 0, "histopipe_fallbacks": 0,
                    "history_prompts": 0, "unknown_prompts": 0, "served_histories": 0, "history_failures": 0}
 
     # -- inputs -------------------------------------------------------------------------------
@@ -209,6 +232,15 @@ class RhymeStrategy(Strategy):
     def begin_step(self, step: int) -> None:
         """The training step the next requests belong to (1-based; odd = ascending order)."""
         self.step = int(step)
+
+    @property
+    def defers_samples(self) -> bool:
+        return self.options.inter_step
+
+    def set_deferral(self, carry) -> None:
+        """Inter-step migration's carrier for this step: ``carry(state)`` takes a deferred
+        request's ``Chunked`` state into the next step (None: no next step, migrate within it)."""
+        self._carry = carry
 
     def observe_train_time(self, seconds: float) -> None:
         """The last training step's time: tier 2's ``t0`` floor is the larger of it and
@@ -440,7 +472,7 @@ class RhymeStrategy(Strategy):
 
     async def _run_observed(self, r: GenRequest, pool: InstancePool, plan: Optional[_Plan]) -> Completion:
         c = await self._run(r, pool, plan)
-        if r.group_id in self._predicted:  # the rank check's evidence for the next step
+        if r.group_id in self._predicted and not is_deferred(c):  # the rank check's evidence for the next step
             self._observed.setdefault(r.group_id, []).append(len(c.token_ids))
         return c
 
@@ -467,6 +499,10 @@ class RhymeStrategy(Strategy):
                 if not migrated:
                     self._m["migration_checks"] += 1
                     if should_migrate(st.generated, top, plan.beta, plan.running[g], plan.size[g], self.options.alpha):
+                        if self._defers(g, plan):
+                            self._m["deferrals"] += 1
+                            self._carry(st)
+                            return deferred_completion(st, c)
                         others = [i for i in pool.instances.values() if i is not inst]
                         if others:
                             inst = self._pick(others, pool)
@@ -475,6 +511,19 @@ class RhymeStrategy(Strategy):
                 chunk = st.remaining if migrated else min(self.options.recheck_tokens, st.remaining)
         finally:
             plan.running[g] -= 1
+
+    def _defers(self, g: int, plan: _Plan) -> bool:
+        """Whether an outlier of ranking group ``g`` is deferred to the next step rather than
+        migrated within this one: inter-step migration on, a carrier for this step, and ``g``
+        among the longest ``inter_step_groups`` of the plan's ranking groups."""
+        o = self.options
+        if not o.inter_step or self._carry is None:
+            return False
+        if self._carry is NO_CARRIER:
+            raise StrategyConfigError("strategy 'rhyme': inter_step=true needs a driver that carries deferred "
+                                      "samples to the next step; none was set (set_deferral)")
+        n = len(plan.blocks)
+        return g >= n - max(1, round(o.inter_step_groups * n))
 
     def metrics(self) -> dict[str, float]:
         return {k: float(v) for k, v in self._m.items()}

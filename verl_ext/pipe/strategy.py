@@ -88,6 +88,17 @@ class Strategy(abc.ABC):
         """How long the last training step took (the simulator's pipeline passes it; strategies
         that plan against the trainer's pace, like ``rhyme``'s tier 2, may use it)."""
 
+    @property
+    def defers_samples(self) -> bool:
+        """Whether the strategy may defer samples to the next training step (inter-step
+        migration, ``verl_ext.pipe.defer``); drivers that cannot carry them refuse it."""
+        return False
+
+    def set_deferral(self, carry) -> None:
+        """The driver's carrier for deferred samples of the coming step: ``carry(state)`` resumes
+        a ``Chunked`` state in the next step; None: there is no next step. Only drivers that run
+        consecutive off-policy steps call it."""
+
     def set_history(self, history) -> None:
         """The history provider (``verl_ext.history.HistoryClient`` or a stand-in with the same
         coroutines), for strategies with ``uses_history``."""

@@ -27,6 +27,15 @@ instances themselves are shared and batch whatever work of any step they hold.
 The modes other than ``sync`` change which weights generate a sample (off-policyness 1): they
 measure what an off-policy trainer would gain, not something ``rollout=rhyme`` does to an
 on-policy veRL run.
+
+**Inter-step migration** (RhymeRL section 6.3, ``rhyme[inter_step=true]``; ``verl_ext.pipe.defer``):
+in ``one_step_off`` and ``stream`` modes each step's strategy gets a carrier (none in the last
+step). A deferred request leaves its step's rollout; once the next step is dispatched the pipeline
+resumes it on that step's least-loaded instance (prompt + tokens re-prefilled), and it counts
+towards that step's rollout end and training. Its whole GRPO group trains with that step
+(``deferred_samples``: samples trained one step late); its first tokens were sampled with the
+weights of the step before (off-policyness up to 2 for those tokens in these modes). ``sync``
+refuses it: it is veRL's on-policy loop.
 """
 
 from __future__ import annotations
@@ -35,14 +44,18 @@ import asyncio
 import math
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
 from verl_ext.engine.instance import Completion, GenRequest, Instance, Telemetry
+from verl_ext.pipe.chunks import Chunked
+from verl_ext.pipe.defer import is_deferred
 from verl_ext.pipe.pool import InstancePool
 
 MODES = ("sync", "one_step_off", "stream")
+#: the ``sync`` pipeline does not carry deferred samples (``verl_ext.ab.runner.make_arm``'s carrier)
+SYNC_REFUSES = "the on-policy `sync` pipeline"
 #: default training share of a synchronous step (RhymeRL section 1: rollout takes 84-91%)
 TRAIN_SHARE = 0.15
 #: virtual seconds between a step's dispatch and its instances' gates opening: every request of
@@ -74,7 +87,10 @@ class StepTimes:
     rollout_end_s: float = math.nan  # its last sample finished
     train_start_s: float = math.nan
     train_end_s: float = math.nan
-    output_tokens: int = 0
+    output_tokens: int = 0  # tokens of the samples this step trains on
+    deferred_out: int = 0  # requests deferred from this step to the next
+    deferred_in: int = 0  # requests of the step before resumed in this step
+    trained_samples: int = 0  # samples this step trains on (a deferred request's group moves with it)
 
 
 class StepInstance(Instance):
@@ -128,6 +144,10 @@ class Pipeline:
         self._trained[0].set()
         self._rolled = {s: asyncio.Event() for s in range(0, steps + 1)}
         self._rolled[0].set()
+        self._pools: dict = {}  # step -> its InstancePool, once dispatched
+        self._carried: dict = defaultdict(list)  # step -> [(Chunked, on_done)] waiting for its dispatch
+        self._resumed: dict = defaultdict(list)  # step -> [tasks] of deferred requests resumed in it
+        self.deferred_samples = 0  # samples trained one step late (deferred requests and their groups)
 
     @staticmethod
     def _now() -> float:
@@ -180,8 +200,39 @@ class Pipeline:
         if self.mode == "one_step_off":
             await self._rolled[step - 1].wait()
 
+    # -- inter-step migration ------------------------------------------------------------------------
+    def carry(self, step: int, st: Chunked, on_done: Optional[Callable[[], None]] = None) -> None:
+        """Resume the deferred request ``st`` in ``step`` (now if it is dispatched, else at its
+        dispatch); ``on_done`` runs when it has finished."""
+        if not 1 <= step <= self.steps:
+            raise ValueError(f"cannot carry a request into step {step} of {self.steps}")
+        self.times[step].deferred_in += 1
+        self.times[step - 1].deferred_out += 1
+        if step in self._pools:
+            self._resume(step, st, on_done)
+        else:
+            self._carried[step].append((st, on_done))
+
+    def _resume(self, step: int, st: Chunked, on_done) -> None:
+        self._resumed[step].append(asyncio.ensure_future(self._run_resumed(self._pools[step], st, on_done)))
+
+    @staticmethod
+    async def _run_resumed(pool: InstancePool, st: Chunked, on_done) -> Completion:
+        try:
+            req = st.next_request(st.remaining)
+            c = await pool.run(pool.least_loaded(req.request_id), req)
+            st.add(c)
+            return st.result(c)
+        finally:
+            if on_done is not None:
+                on_done()
+
     async def _train(self, step: int, rollout: asyncio.Future) -> None:
         await rollout
+        # requests deferred into this step: all are carried once the step before has rolled out
+        await self._rolled[step - 1].wait()
+        if self._resumed[step]:
+            await asyncio.gather(*self._resumed[step])
         t = self.times[step]
         t.rollout_end_s = self._now()
         self._rolled[step].set()
@@ -195,7 +246,8 @@ class Pipeline:
                   rollout: Callable[[int, Sequence[GenRequest], InstancePool], "asyncio.Future"],
                   seed: int = 0) -> list[list[Completion]]:
         """Run ``rollout(step, requests, pool)`` (a strategy's rollout; 1-based steps) for every
-        step in turn as the mode allows; return each step's completions."""
+        step in turn as the mode allows; return each step's completions: a deferred request
+        (``carry``) appears complete in the step that resumed it, after that step's own."""
         if len(step_requests) != self.steps:
             raise ValueError(f"expected {self.steps} steps of requests, got {len(step_requests)}")
         loop = asyncio.get_running_loop()
@@ -206,19 +258,37 @@ class Pipeline:
                 self.times[s].dispatch_s = self._now()
                 pool = InstancePool([StepInstance(i, s, self) for i in self.instances], seed=seed + s, clock=loop.time)
                 pool.t0 = 0.0  # records in absolute virtual time
+                self._pools[s] = pool
+                for st, on_done in self._carried.pop(s, ()):
+                    self._resume(s, st, on_done)
                 task = asyncio.ensure_future(rollout(s, reqs, pool))
                 rollouts.append(task)
                 asyncio.ensure_future(self._routed_after(s))
                 trains.append(asyncio.ensure_future(self._train(s, task)))
             await asyncio.gather(*trains)
-            out = [t.result() for t in rollouts]
+            out = self._trained_sets(step_requests, [t.result() for t in rollouts])
         except BaseException:
-            for t in (*rollouts, *trains):
+            resumed = [t for ts in self._resumed.values() for t in ts]
+            for t in (*rollouts, *trains, *resumed):
                 t.cancel()
-            await asyncio.gather(*rollouts, *trains, return_exceptions=True)
+            await asyncio.gather(*rollouts, *trains, *resumed, return_exceptions=True)
             raise
         for s, comps in enumerate(out, start=1):
             self.times[s].output_tokens = sum(len(c.token_ids) for c in comps)
+            self.times[s].trained_samples = len(comps)
+        return out
+
+    def _trained_sets(self, step_requests, results) -> list[list[Completion]]:
+        """The completions each step trains on: its own, less the GRPO groups with a deferred
+        member, which train with the next step together with the resumed request."""
+        out, held = [], []
+        for s, (reqs, comps) in enumerate(zip(step_requests, results), start=1):
+            late = {r.group_id for r, c in zip(reqs, comps) if is_deferred(c)}
+            mine = [c for r, c in zip(reqs, comps) if r.group_id not in late]
+            waiting = [c for r, c in zip(reqs, comps) if r.group_id in late and not is_deferred(c)]
+            out.append(held + mine + [t.result() for t in self._resumed[s]])
+            held = waiting
+            self.deferred_samples += len(waiting) + sum(is_deferred(c) for c in comps)
         return out
 
     # -- results -----------------------------------------------------------------------------------
@@ -236,6 +306,7 @@ class Pipeline:
             "throughput_tok_s": tokens / end if end > 0 else 0.0,
             "step_s": end / len(steps),
             "t_train_s": self.t_train,
+            "deferred_samples": self.deferred_samples,
             # the fraction of instance-time, up to the last sample, an instance held no step's work
             "bubble_fraction": 1.0 - busy / (n * rollout_end) if rollout_end > 0 else None,
             "steps": [vars(t) for t in steps],
@@ -249,11 +320,12 @@ class PipelineResult:
     metrics: dict
     spans: dict = field(default_factory=dict)  # (instance, step) -> [start, end]
     records: list = field(default_factory=list)  # RequestRecord dicts (absolute times) with their step
+    completions: Optional[list] = None  # per step, what it trained on (``keep_completions``)
 
 
 # -- arms ------------------------------------------------------------------------------------------
 def run_pipeline_arm(label: str, cfg, cost, trace, rows, history, batches, max_tokens: int, mode: str,
-                     t_train: float, progress: bool = False) -> PipelineResult:
+                     t_train: float, progress: bool = False, keep_completions: bool = False) -> PipelineResult:
     """One ``--strategies`` entry over ``batches`` (trace rows per step) in ``mode``: a fresh
     strategy object per step (steps overlap), the instances and their drafter shared."""
     from verl_ext.ab.runner import make_arm
@@ -265,7 +337,8 @@ def run_pipeline_arm(label: str, cfg, cost, trace, rows, history, batches, max_t
     from verl_ext.sim.source import TraceSource
     from verl_ext.spec import SCOPE_HISTORY
 
-    first, spec = make_arm(label, cfg.spec_k, allow_history=True, cost=cost)
+    carrier = None if mode != "sync" else SYNC_REFUSES
+    first, spec = make_arm(label, cfg.spec_k, allow_history=True, cost=cost, carrier=carrier)
     if spec is not None and history is None and first.uses_history and spec.mask == SCOPE_HISTORY:
         spec = None  # no earlier epoch: nothing to draft from
     epoch = int(trace.epoch[rows[0]])
@@ -280,7 +353,7 @@ def run_pipeline_arm(label: str, cfg, cost, trace, rows, history, batches, max_t
     step_requests = [build_requests(trace, b, max_tokens) for b in batches]
     pipe = Pipeline(sims, mode, t_train, len(batches))
     per_step: list[dict] = []
-    records: list[dict] = []
+    pools: dict = {}
     bar = None
     if progress:
         from tqdm import tqdm
@@ -288,12 +361,22 @@ def run_pipeline_arm(label: str, cfg, cost, trace, rows, history, batches, max_t
         bar = tqdm(total=len(batches), desc=f"{label[:24]:>24} {mode}", unit="step", leave=True)
 
     async def rollout(step: int, reqs, pool):
-        strategy = first if step == 1 else make_arm(label, cfg.spec_k, allow_history=True, cost=cost)[0]
+        strategy = first if step == 1 else make_arm(label, cfg.spec_k, allow_history=True, cost=cost,
+                                                    carrier=carrier)[0]
         if strategy.uses_history:
             strategy.set_history(LocalHistory(store))
         strategy.begin_step(epoch + step)  # history holds steps <= epoch
         strategy.observe_train_time(t_train)
         uids = sorted({r.group_id for r in reqs})
+        deferred: set = set()  # their histories stay loaded until the resumed request finishes
+
+        def carry(st):
+            uid = st.request.group_id
+            deferred.add(uid)
+            pipe.carry(step + 1, st, (lambda: drafter.drop_histories([uid])) if lazy else None)
+
+        if strategy.defers_samples:
+            strategy.set_deferral(carry if step < len(batches) else None)
         if lazy:
             drafter.load_histories(uids)
         try:
@@ -301,18 +384,19 @@ def run_pipeline_arm(label: str, cfg, cost, trace, rows, history, batches, max_t
         finally:
             await strategy.close()
             if lazy:
-                drafter.drop_histories(uids)
+                drafter.drop_histories([u for u in uids if u not in deferred])
         per_step.append({"step": step, **strategy.metrics()})
-        records.extend({"step": step, **asdict(r)} for r in pool.records)
+        pools[step] = pool  # its records once the pipeline is done (a resumed request ends later)
         if bar is not None:
             bar.update()
         return out
 
     try:
-        run_virtual(pipe.run(step_requests, rollout, seed=cfg.seed))
+        trained = run_virtual(pipe.run(step_requests, rollout, seed=cfg.seed))
     finally:
         if bar is not None:
             bar.close()
+    records = [{"step": step, **asdict(r)} for step in sorted(pools) for r in pools[step].records]
     m = pipe.metrics()
     generated = sum(s.generated for s in sims)
     request_steps = sum(s.request_steps for s in sims)
@@ -324,12 +408,13 @@ def run_pipeline_arm(label: str, cfg, cost, trace, rows, history, batches, max_t
         "preemptions": sum(s.preemptions for s in sims),
         "strategy_steps": sorted(per_step, key=lambda d: d["step"]),
     })
-    for key in ("migrations", "histopipe_active", "histopipe_fallbacks"):
+    for key in ("migrations", "deferrals", "histopipe_active", "histopipe_fallbacks"):
         if any(key in d for d in per_step):
             m[f"strategy/{key}"] = float(sum(d.get(key, 0.0) for d in per_step))
     if spec is not None:
         m["spec"] = {**spec.to_dict(), "replay": drafter.mode}
-    return PipelineResult(f"{label}@{mode}", mode, m, dict(pipe.spans), records)
+    return PipelineResult(f"{label}@{mode}", mode, m, dict(pipe.spans), records,
+                          trained if keep_completions else None)
 
 
 def arm_mode(label: str, default: str) -> tuple[str, str]:
@@ -361,8 +446,9 @@ def run_pipeline_ab(cfg, progress: bool = True, trace=None) -> dict:
     cfg.validate()
     cost = load_cost_model(cfg.preset)
     arms = [arm_mode(label, cfg.pipeline) for label in cfg.strategies]
-    for label, _ in arms:
-        make_arm(label, cfg.spec_k, allow_history=True, cost=cost)  # bad labels fail before any work
+    for label, mode in arms:  # bad labels fail before any work
+        make_arm(label, cfg.spec_k, allow_history=True, cost=cost,
+                 carrier=None if mode != "sync" else SYNC_REFUSES)
     out = Path(cfg.out)
     _check_out_dir(out)
     trace = trace if trace is not None else load_workload(cfg)
