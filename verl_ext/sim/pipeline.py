@@ -323,6 +323,48 @@ class PipelineResult:
     completions: Optional[list] = None  # per step, what it trained on (``keep_completions``)
 
 
+def step_rollout(pipe: Pipeline, new_strategy: Callable, history=None, history_steps: int = 0, t_train: float = 0.0,
+                 drafter=None, on_step: Optional[Callable] = None) -> Callable:
+    """The ``rollout`` callback of ``Pipeline.run`` for a strategy on any instances (simulated or
+    real): ``new_strategy(step)`` makes each step's strategy, which gets ``history`` (a history
+    provider, for strategies with ``uses_history``), the global step ``history_steps + step``
+    (history holds steps up to ``history_steps``), ``t_train`` as the last training time, and
+    inter-step migration's carrier into ``pipe`` (none in the last step). ``drafter``: the
+    simulator's shared drafter whose histories are loaded per step (``load_histories`` /
+    ``drop_histories``; a deferred prompt's stay until its resumed request is done).
+    ``on_step(step, strategy, pool)`` runs after each step's own rollout."""
+
+    async def rollout(step: int, reqs, pool):
+        strategy = new_strategy(step)
+        if strategy.uses_history:
+            strategy.set_history(history)
+        strategy.begin_step(history_steps + step)
+        strategy.observe_train_time(t_train)
+        uids = sorted({r.group_id for r in reqs})
+        deferred: set = set()
+
+        def carry(st: Chunked) -> None:
+            uid = st.request.group_id
+            deferred.add(uid)
+            pipe.carry(step + 1, st, (lambda: drafter.drop_histories([uid])) if drafter is not None else None)
+
+        if strategy.defers_samples:
+            strategy.set_deferral(carry if step < pipe.steps else None)
+        if drafter is not None:
+            drafter.load_histories(uids)
+        try:
+            out = await strategy.rollout(reqs, pool)
+        finally:
+            await strategy.close()
+            if drafter is not None:
+                drafter.drop_histories([u for u in uids if u not in deferred])
+        if on_step is not None:
+            on_step(step, strategy, pool)
+        return out
+
+    return rollout
+
+
 # -- arms ------------------------------------------------------------------------------------------
 def run_pipeline_arm(label: str, cfg, cost, trace, rows, history, batches, max_tokens: int, mode: str,
                      t_train: float, progress: bool = False, keep_completions: bool = False) -> PipelineResult:
@@ -360,37 +402,17 @@ def run_pipeline_arm(label: str, cfg, cost, trace, rows, history, batches, max_t
 
         bar = tqdm(total=len(batches), desc=f"{label[:24]:>24} {mode}", unit="step", leave=True)
 
-    async def rollout(step: int, reqs, pool):
-        strategy = first if step == 1 else make_arm(label, cfg.spec_k, allow_history=True, cost=cost,
-                                                    carrier=carrier)[0]
-        if strategy.uses_history:
-            strategy.set_history(LocalHistory(store))
-        strategy.begin_step(epoch + step)  # history holds steps <= epoch
-        strategy.observe_train_time(t_train)
-        uids = sorted({r.group_id for r in reqs})
-        deferred: set = set()  # their histories stay loaded until the resumed request finishes
-
-        def carry(st):
-            uid = st.request.group_id
-            deferred.add(uid)
-            pipe.carry(step + 1, st, (lambda: drafter.drop_histories([uid])) if lazy else None)
-
-        if strategy.defers_samples:
-            strategy.set_deferral(carry if step < len(batches) else None)
-        if lazy:
-            drafter.load_histories(uids)
-        try:
-            out = await strategy.rollout(reqs, pool)
-        finally:
-            await strategy.close()
-            if lazy:
-                drafter.drop_histories([u for u in uids if u not in deferred])
+    def on_step(step, strategy, pool):
         per_step.append({"step": step, **strategy.metrics()})
         pools[step] = pool  # its records once the pipeline is done (a resumed request ends later)
         if bar is not None:
             bar.update()
-        return out
 
+    def new_strategy(step):
+        return first if step == 1 else make_arm(label, cfg.spec_k, allow_history=True, cost=cost, carrier=carrier)[0]
+
+    rollout = step_rollout(pipe, new_strategy, LocalHistory(store) if first.uses_history else None, epoch, t_train,
+                           drafter if lazy else None, on_step)
     try:
         trained = run_virtual(pipe.run(step_requests, rollout, seed=cfg.seed))
     finally:
