@@ -197,3 +197,15 @@ def test_factory_picks_trainer_flavour():
     v0 = VerlExtAgentLoopManager.manager_cls(compose_verl(["rollout@actor_rollout_ref.rollout=baseline", "trainer.use_v1=false"]))
     assert issubclass(v1, AgentLoopManagerTQ)  # the default trainer (use_v1=true)
     assert issubclass(v0, AgentLoopManager) and not issubclass(v0, AgentLoopManagerTQ)
+
+
+@pytest.mark.parametrize("mode", ["colocate_async", "separate_async"])
+def test_async_trainers_are_refused_with_a_clear_error(mode):
+    """veRL's async trainers abort requests at weight syncs and resume them in their own client;
+    verl_ext's client would pass the aborted response on to training, so the factory refuses."""
+    from verl_ext.pipe.strategy import StrategyConfigError
+    from verl_ext.rollout.manager import VerlExtAgentLoopManager
+
+    config = compose_verl(["rollout@actor_rollout_ref.rollout=baseline", f"trainer.v1.trainer_mode={mode}"])
+    with pytest.raises(StrategyConfigError, match=f"trainer_mode={mode} aborts and resumes"):
+        VerlExtAgentLoopManager.manager_cls(config)

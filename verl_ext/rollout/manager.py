@@ -32,7 +32,7 @@ from verl.utils.ray_utils import auto_await
 from verl.workers.rollout.llm_server import LLMServerClient
 
 from verl_ext.config.settings import VerlExtSettings
-from verl_ext.pipe.strategy import get_strategy_class
+from verl_ext.pipe.strategy import StrategyConfigError, get_strategy_class
 from verl_ext.rollout.dispatcher import StrategyDispatcher, prompt_group_id, server_handles_from_load_balancer
 from verl_ext.trace import verl_hook
 
@@ -281,7 +281,18 @@ class VerlExtAgentLoopManager:
 
     @classmethod
     def manager_cls(cls, config) -> type:
-        use_v1 = bool(config.trainer.get("use_v1", True)) if "trainer" in config else True
+        trainer = config.get("trainer") or {}
+        use_v1 = bool(trainer.get("use_v1", True))
+        mode = (trainer.get("v1") or {}).get("trainer_mode", "sync") if use_v1 else "sync"
+        if mode != "sync":
+            # veRL's async trainers abort in-flight requests at weight syncs and rely on
+            # FullyAsyncLLMServerClient to resume them; verl_ext's client would hand the agent loop
+            # the aborted, truncated response, which would then be trained on
+            raise StrategyConfigError(
+                f"verl_ext rollout managers run with veRL's synchronous trainers (trainer.v1.trainer_mode=sync, "
+                f"or trainer.use_v1=false); trainer.v1.trainer_mode={mode} aborts and resumes requests at weight "
+                f"syncs, which verl_ext's LLM client does not do yet. Use trainer_mode=sync, or drop "
+                f"agent.agent_loop_manager_class to run veRL's own manager")
         return _v1_cls() if use_v1 else VerlExtAgentLoopManagerV0
 
     @classmethod
