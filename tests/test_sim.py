@@ -3,6 +3,7 @@
 replay modes, the oracle, and bad input."""
 
 import asyncio
+import dataclasses
 import random
 
 import numpy as np
@@ -189,6 +190,52 @@ def test_group_scope_helps_and_lockstep_is_close_to_exact():
         tps[mode] = _run("baseline", insts, _requests(tr)).metrics["tokens_per_step"]
     assert tps["exact"] > tps["cached"] * 1.05, tps  # siblings' text is drafted
     assert tps["lockstep"] == pytest.approx(tps["exact"], rel=0.1)
+
+
+def _with_extra(reqs, **extra):
+    return [dataclasses.replace(r, extra={**r.extra, **extra}) for r in reqs]
+
+
+@pytest.mark.parametrize("mode", ["lockstep", "exact"])
+def test_per_request_windows_cap_drafts_like_the_engine(mode):
+    """``spec_window`` (what the vLLM proposer reads per request) caps a request's drafts per
+    step in every replay mode: 0 decodes plainly, 2 drafts at most 2 tokens a step."""
+    tr = _trace(groups=6, samples=4, seed=7)
+    src = TraceSource(tr)
+
+    def arm(reqs):
+        insts = [SimInstance(f"sim-{i}", _cost(), src, ReplayDrafter(SpecOptions(scopes="request+group", k=6), src, mode))
+                 for i in range(2)]
+        out = _run("baseline", insts, reqs)
+        for i, c in enumerate(out.completions):
+            assert list(c.token_ids) == tr.response(i).tolist()
+        return out.metrics, sum(x.request_steps for x in insts)
+
+    full, _ = arm(_requests(tr))
+    off, steps = arm(_with_extra(_requests(tr), spec_window=0))
+    assert off["draft_tokens"] == 0 and steps == int(tr.response_lengths().sum())  # one token per step
+    two, steps = arm(_with_extra(_requests(tr), spec_window=2))
+    assert 0 < two["draft_tokens"] <= 2 * steps and two["tokens_per_step"] <= 3.0
+    assert full["tokens_per_step"] > two["tokens_per_step"] > 1.0
+
+
+def test_per_request_scopes_narrow_exact_replay():
+    """``spec_scopes="request"`` keeps a request off its group's tree (exact replay), as on the
+    engine: group drafting finds the siblings' shared text, request-only drafting does not."""
+    tr = _trace(groups=8, samples=4, seed=7)
+    src = TraceSource(tr)
+    tps = {}
+    for name, reqs in (("group", _requests(tr)), ("request", _with_extra(_requests(tr), spec_scopes="request")),
+                       ("bad", _with_extra(_requests(tr), spec_scopes="nonsense"))):
+        insts = [SimInstance(f"sim-{i}", _cost(), src, ReplayDrafter(SpecOptions(scopes="request+group", k=6), src, "exact"))
+                 for i in range(2)]
+        tps[name] = _run("baseline", insts, reqs).metrics
+    cached = [SimInstance(f"sim-{i}", _cost(), src, ReplayDrafter(SpecOptions(scopes="request", k=6), src, "cached"))
+              for i in range(2)]
+    alone = _run("baseline", cached, _requests(tr)).metrics
+    assert tps["group"]["tokens_per_step"] > tps["request"]["tokens_per_step"] * 1.05
+    assert tps["request"]["draft_tokens"] == alone["draft_tokens"]  # exactly request-scope drafting
+    assert tps["bad"]["draft_tokens"] == 0  # a bad per-request value means no drafts, as on the engine
 
 
 def test_oracle_beats_baseline_on_a_long_tail_and_needs_true_lengths():

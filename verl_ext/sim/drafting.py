@@ -34,6 +34,11 @@ current plans end at the next step boundary. ``exact`` proposes at most the cap.
 ``lockstep`` replay schedules drafted with the full ``k``; the instance splits a step whose draft
 exceeds the cap (``split_schedule``). That is an approximation: it assumes that the drafter,
 re-proposing from the longer context after a capped step, continues the same accepted run.
+
+Per-request drafting (``GenRequest.extra``, as the vLLM proposer reads it): ``spec_window`` caps
+the request's drafts in every mode (the instance's draft cap: 0 = plain decoding);
+``spec_scopes`` narrows its scopes in ``exact`` mode only (``cached`` and ``lockstep`` replay with
+the drafter's scopes).
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ from verl_ext.engine.instance import GenRequest
 from verl_ext.history.store import history_weight
 from verl_ext.sim.source import Target, TraceSource
 from verl_ext.spec import SCOPE_GROUP, SCOPE_HISTORY, DraftIndex
-from verl_ext.spec.options import SpecOptions
+from verl_ext.spec.options import SpecOptions, request_drafting
 from verl_ext.spec.select import cumulative_scores
 
 MODES = ("auto", "cached", "lockstep", "exact")
@@ -89,6 +94,7 @@ class ReplayDrafter:
         #: chunk, or a resubmission) is a new engine request with its own group sequence, as in
         #: the vLLM drafter, so each start gets a fresh key.
         self._ik: dict[str, str] = {}
+        self._masks: dict[str, int] = {}  # exact mode: keys whose request narrowed the scopes
         self._starts = 0
         self._aimd = spec.aimd_windows()  # exact mode's per-request windows (replay keeps its own)
         self._aimd_at: dict[str, tuple[int, int]] = {}  # key -> (position observed at, window before)
@@ -148,10 +154,11 @@ class ReplayDrafter:
                 out[j] = len(done) / max(1, len(self.source.group_rows(g)))
         return out
 
-    def _start(self, key: str, request: GenRequest, prompt: np.ndarray) -> None:
-        group = request.group_id if self.mask & SCOPE_GROUP else ""
-        history = request.group_id if self.mask & SCOPE_HISTORY else ""
-        self.index.start_request(key, prompt, group=group, history=history, scopes=self.mask)
+    def _start(self, key: str, request: GenRequest, prompt: np.ndarray, mask: Optional[int] = None) -> None:
+        mask = self.mask if mask is None else mask
+        group = request.group_id if mask & SCOPE_GROUP else ""
+        history = request.group_id if mask & SCOPE_HISTORY else ""
+        self.index.start_request(key, prompt, group=group, history=history, scopes=mask)
 
     def _replay(self, keys, rows, starts, ends, max_steps=-1):
         s = self.spec
@@ -244,7 +251,12 @@ class ReplayDrafter:
         self._ends[key] = len(self._rows[key])
         self._starts += 1
         self._ik[key] = f"{key}\x00{self._starts}"
-        self._start(self._ik[key], request, prompt)
+        # per-request scopes (``spec_scopes``, as the vLLM proposer reads them; the window is the
+        # instance's draft cap); only exact mode drafts per request
+        mask, _ = request_drafting(request.extra, self.mask)
+        if mask != self.mask:
+            self._masks[key] = mask
+        self._start(self._ik[key], request, prompt, mask)
 
     def step(self, keys: list[str], positions: np.ndarray, caps: Optional[np.ndarray] = None, selector=None,
              kv_tokens: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
@@ -275,7 +287,8 @@ class ReplayDrafter:
             if ks[j] <= 0:  # no draft this step: plain decoding
                 emitted[j], drafted[j] = 1, 0
                 continue
-            (toks, _, _, _), _ = self.index.propose(self._ik[key], ks[j], context=row[:pos], scopes=self.mask,
+            (toks, _, _, _), _ = self.index.propose(self._ik[key], ks[j], context=row[:pos],
+                                                   scopes=self._masks.get(key, self.mask),
                                                    min_match=s.min_match, max_match=s.max_match,
                                                    min_prob=s.min_prob)
             left = end - pos
@@ -321,6 +334,7 @@ class ReplayDrafter:
         """Forget ``key`` without syncing it (a request that left before running again)."""
         if key in self._rows:
             del self._rows[key], self._ends[key]
+            self._masks.pop(key, None)
             self.index.finish(self._ik.pop(key))
             if self._aimd is not None:
                 self._aimd.drop(key)

@@ -61,10 +61,12 @@ from verl_ext.engine.instance import FINISH_ABORT, Completion, GenRequest, Insta
 from verl_ext.sim.drafting import split_schedules
 from verl_ext.sim.source import Target, TokenView, TraceSource
 from verl_ext.spec.adaptive import draft_caps
+from verl_ext.spec.options import request_drafting
 
 
 class _Req:
-    __slots__ = ("request", "target", "future", "pos", "left", "kv", "steps", "emit", "draft", "sj", "aborted", "ctx0")
+    __slots__ = ("request", "target", "future", "pos", "left", "kv", "steps", "emit", "draft", "sj", "aborted", "ctx0",
+                 "window")
 
     def __init__(self, request: GenRequest, target: Target, future: asyncio.Future):
         self.request = request
@@ -79,6 +81,7 @@ class _Req:
         self.sj = 0  # next step of the schedule
         self.aborted = False
         self.ctx0 = target.prompt_len
+        self.window: Optional[int] = request_drafting(request.extra, 0)[1]  # ``spec_window``
 
 
 class SimInstance(Instance):
@@ -479,6 +482,11 @@ class SimInstance(Instance):
         above HistoSpec's cut-off for this instance's acceptance rate so far (except a probe step,
         ``BatchCutoff``). ``commit``: this is the next plan's decision (else only a comparison)."""
         caps = self._caps() if self._adaptive else None
+        windows = [r.window for r in self.running]
+        if any(w is not None for w in windows):  # per-request windows (``spec_window``)
+            k = self.drafter.spec.k
+            win = np.array([k if w is None else min(w, k) for w in windows], dtype=np.int64)
+            caps = win if caps is None else np.minimum(caps, win)
         cut = None
         if self._cutoff is not None:
             B = len(self.running)

@@ -5,12 +5,32 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
+from typing import Optional
 
 from verl_ext.spec._suffix import SCOPE_GROUP, SCOPE_HISTORY, SCOPE_REQUEST
 
 SCOPES = {"request": SCOPE_REQUEST, "group": SCOPE_GROUP, "history": SCOPE_HISTORY}
 # vLLM's rejection sampler asserts max_spec_len <= 128 (MAX_SPEC_LEN)
 MAX_K = 128
+
+
+def request_drafting(ident, mask: int) -> tuple[int, Optional[int]]:
+    """One request's drafting from its per-request keys (``GenRequest.extra``, or the vLLM
+    request's ``extra_args["verl_ext"]``): ``spec_scopes`` narrows the engine's scope ``mask``,
+    ``spec_window`` caps its drafts (0: none). Returns (scopes mask, window or None). A bad value
+    must not break an engine: it means no drafts for that request."""
+    window = None
+    if ident.get("spec_scopes"):
+        try:
+            mask &= scope_mask(ident["spec_scopes"])
+        except ValueError:
+            mask = 0
+    if ident.get("spec_window") is not None:
+        try:
+            window = max(0, int(ident["spec_window"]))
+        except (TypeError, ValueError):
+            window = 0
+    return mask, window
 
 
 def scope_mask(scopes: str) -> int:

@@ -46,7 +46,7 @@ import numpy as np
 from verl_ext.spec._suffix import SCOPE_GROUP, SCOPE_HISTORY, DraftIndex
 from verl_ext.spec.adaptive import draft_caps
 from verl_ext.spec.dgds import import_deltas
-from verl_ext.spec.options import MAX_K, SpecOptions, scope_mask
+from verl_ext.spec.options import MAX_K, SpecOptions, request_drafting
 from verl_ext.spec.select import cumulative_scores
 
 
@@ -250,16 +250,9 @@ class SuffixProposer:
         scopes = self.scopes
         if self.greedy_only and getattr(sampling_params, "temperature", 0.0) > 0:
             scopes = 0  # see __init__: sampled requests are not drafted on this engine
-        if ident.get("spec_scopes"):  # per-request narrowing, e.g. "group"
-            try:
-                scopes &= scope_mask(ident["spec_scopes"])
-            except ValueError:
-                scopes = 0  # a bad per-request value must not break the engine: no drafts
-        if ident.get("spec_window") is not None:
-            try:
-                self._window[req_id] = max(0, int(ident["spec_window"]))
-            except (TypeError, ValueError):
-                self._window[req_id] = 0  # a bad per-request value must not break the engine: no drafts
+        scopes, window = request_drafting(ident, scopes)  # per-request narrowing and window
+        if window is not None:
+            self._window[req_id] = window
         group = str(group) if group is not None and scopes & SCOPE_GROUP else ""
         self.index.start_request(
             req_id,
