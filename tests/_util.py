@@ -80,11 +80,12 @@ class ProposerBatch:
         self.rows: dict = {}
         self.new, self.finished = [], set()
 
-    def add(self, rid, prompt, group, history=None):
+    def add(self, rid, prompt, group, history=None, **extra):
+        """A new request ``rid``; ``extra``: more per-request keys (``request_id``, ``spec_window``)."""
         from types import SimpleNamespace
 
         self.rows[rid] = list(prompt)
-        ident = {"group_id": group, **({"prompt_key": history} if history is not None else {})}
+        ident = {"group_id": group, **({"prompt_key": history} if history is not None else {}), **extra}
         sp = SimpleNamespace(temperature=0.0, extra_args={"verl_ext": ident})
         self.new.append(SimpleNamespace(req_id=rid, prompt_token_ids=list(prompt), sampling_params=sp))
 

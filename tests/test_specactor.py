@@ -257,6 +257,97 @@ def test_a_winning_copy_returns_the_whole_response_with_its_prefix():
     assert st.metrics()["bon_divergent"] == 1
 
 
+def test_algorithm_2_reconfigures_running_requests_on_simulated_engines():
+    """Every cooldown, requests below the average acceptance get the window for their own rate
+    (set_spec_windows on the engines); outputs are unchanged and Best-of-N still works with it."""
+    from test_rlhfspec import _run, _same_tokens
+
+    st, sims, reqs, want = _setup(min_tokens=4, best_of_n=False, cooldown=2)
+    calls = []
+    for s in sims:
+        orig = s.set_spec_windows
+
+        async def spy(windows, orig=orig):
+            calls.append(dict(windows))
+            return await orig(windows)
+
+        s.set_spec_windows = spy
+    arm = _run(st, sims, reqs)
+    _same_tokens(arm, reqs, want)
+    m = st.metrics()
+    assert m["reconfigured_running"] > 0 and m.get("bon_copies", 0) == 0
+    assert sum(len(c) for c in calls) == m["reconfigured_running"]
+    lad = st.ladder()
+    assert all(0 <= w <= st.options.spec_k for c in calls for w in c.values())
+    assert any(w != lad.best_window(st._method, lad.methods[st._method].acceptance, 1) for c in calls for w in c.values())
+    off, sims2, reqs2, _ = _setup(min_tokens=4, best_of_n=False, reconfigure=False, cooldown=2)
+    _run(off, sims2, reqs2)
+    assert off.metrics().get("reconfigured_running", 0) == 0 and off._loop_task is None
+
+
+def test_simulated_engine_applies_new_windows_to_running_requests():
+    """set_spec_windows on a simulated engine caps a running request's drafts from the next step
+    on (0: plain decoding), as the vLLM drafter's set_windows op does."""
+    import asyncio
+
+    from test_rlhfspec import _sim_setup
+
+    from verl_ext.sim.clock import run_virtual
+    from verl_ext.sim.drafting import make_drafter
+    from verl_ext.sim.instance import SimInstance
+    from verl_ext.spec import SpecOptions
+
+    sims, reqs, want = _sim_setup(prompts=2, samples=2, instances=1)
+    spec = SpecOptions(scopes="request+group", k=8)
+    step_s = sims[0].cost.step_time(4, 400)
+
+    def run(windows_after):
+        sim = SimInstance("sim-0", sims[0].cost, sims[0].source, make_drafter(spec, sims[0].source, "exact"))
+
+        async def main():
+            tasks = [asyncio.ensure_future(sim.generate(r)) for r in reqs]
+            n = None
+            if windows_after is not None:
+                await asyncio.sleep(windows_after * step_s)
+                n = await sim.set_spec_windows({**{r.request_id: 0 for r in reqs}, "gone": 3})
+            return n, await asyncio.gather(*tasks)
+
+        n, out = run_virtual(main())
+        for r, c in zip(reqs, out):
+            assert list(c.token_ids) == list(want[r.request_id])
+        return n, sim
+
+    _, full = run(None)
+    n, late = run(20)
+    _, early = run(0.5)
+    assert n == len(reqs)  # "gone" is not running there
+    assert full.draft_tokens > late.draft_tokens > early.draft_tokens
+    assert early.draft_tokens <= 8 * len(reqs)  # at most the step already planned drafted
+    assert early.request_steps > late.request_steps > full.request_steps
+
+
+def test_proposer_set_windows_reconfigures_a_running_requests_drafts():
+    """The vLLM drafter's set_windows op (Algorithm 2 on a real engine) addresses requests by
+    verl_ext's request id, across the engine requests it ran as, and caps their next drafts."""
+    from _util import ProposerBatch, make_proposer
+
+    p = make_proposer(scopes="request", k=8, min_match=1, max_match=4, min_prob=0.0)
+    b = ProposerBatch(p)
+    loop = [1, 2, 3, 4, 5, 6, 7, 8, 9] * 4
+    b.add("a#1", loop, "g", request_id="a", spec_window=8)
+    b.add("b#1", loop, "g", request_id="b")
+    first = b.step()
+    assert len(first["a#1"]) == 8 and len(first["b#1"]) == 8
+    assert p.rpc("set_windows", {"a": 2, "b": 0, "gone": 5}) == 2
+    nxt = b.step({"a#1": [1], "b#1": [1]})
+    assert len(nxt["a#1"]) == 2 and nxt["b#1"] == []
+    b.finish("a#1")
+    b.step({"b#1": [2]})
+    assert p.rpc("set_windows", {"a": 4}) == 0 and "a" not in p._engine_ids and "a#1" not in p._window
+    with pytest.raises(ValueError, match="set_windows needs"):
+        p.rpc("set_windows", [("b", 1)])
+
+
 def test_sampled_requests_never_get_copies():
     from test_rlhfspec import _run, _same_tokens
 

@@ -3,6 +3,7 @@ copies (a slow request copied onto the freed engine, the first copy to finish wi
 aborted) are token-identical to `baseline`, and no engine slot is left behind; a request whose
 window is 0 is not drafted."""
 
+import asyncio
 import dataclasses
 
 import pytest
@@ -63,3 +64,30 @@ async def test_a_zero_window_request_is_not_drafted(spec_engine, model_dir):
     c2 = await spec_engine.generate(dataclasses.replace(req, request_id="drafted", extra={}))
     assert list(c2.token_ids) == list(c.token_ids)
     assert spec_engine.telemetry().draft_tokens > before  # the same request with a window drafts
+
+
+async def test_set_spec_windows_stops_a_running_requests_drafts(spec_engine, model_dir):
+    """Algorithm 2 on the real engine: set_spec_windows reaches the drafter of a running request
+    (addressed by its request id) and its drafts stop; its tokens are unchanged."""
+    req = _requests(model_dir, prompts=1, samples=1)[0]
+    req = dataclasses.replace(req, request_id="reconf", sampling=req.sampling.with_max_tokens(160))
+    want = await spec_engine.generate(dataclasses.replace(req, request_id="reconf-ref"))
+    seen, changed, at = [], asyncio.Event(), {}
+
+    def on_tokens(delta):
+        seen.extend(delta)
+        if len(seen) >= 40 and not changed.is_set():
+            changed.set()
+
+    before = spec_engine.telemetry().draft_tokens
+    task = asyncio.ensure_future(spec_engine.generate(req, on_tokens=on_tokens))
+    await changed.wait()
+    assert await spec_engine.set_spec_windows({"reconf": 0, "not-running": 3}) == 1
+    at["drafts"] = spec_engine.telemetry().draft_tokens
+    assert at["drafts"] > before  # it was drafting until then
+    c = await task
+    assert list(c.token_ids) == list(want.token_ids) and len(c.token_ids) == 160
+    # after the change at most the step in flight drafted (k = SPEC_K tokens)
+    from conftest import SPEC_K
+
+    assert spec_engine.telemetry().draft_tokens - at["drafts"] <= SPEC_K

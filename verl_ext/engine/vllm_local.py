@@ -208,6 +208,12 @@ class VLLMInstance(Instance):
         results = await self.engine.collective_rpc("verl_ext_drafter", args=(op, *args))
         return results[0]
 
+    async def set_spec_windows(self, windows: dict) -> int:
+        """New draft windows of running requests (the drafter's ``set_windows`` op)."""
+        if not self.drafting:
+            return 0
+        return int(await self.drafter_call("set_windows", {str(k): int(v) for k, v in windows.items()}))
+
     async def import_drafts(self, blobs: list[bytes]) -> list[int]:
         """Import group-tree deltas from the grouped draft server (``verl_ext.spec.dgds``) into
         the engine's drafter, all in one ``collective_rpc``. Returns, per blob, the tokens it

@@ -18,6 +18,13 @@ speculation planning, request-level reconfiguration, and lossless Best-of-N draf
   being upstreamed), so engines run **coupled** speculation with per-request windows
   (``GenRequest.extra["spec_window"]``: the ladder's best window, or Algorithm 2's for a
   below-average request's copies); ``metrics()['decoupled_engine']`` is 0 to say so.
+* **Reconfiguration of running requests (Algorithm 2, ``reconfigure``).** Every ``cooldown``
+  engine steps, each running request's acceptance is estimated from its tokens per step; those
+  below the average get the ladder's best coupled window for their own rate at their instance's
+  batch, the others the window at the historical rate. Changed windows go to the engines with
+  ``Instance.set_spec_windows`` (vLLM: the drafter's ``set_windows`` op; the simulator: the
+  request's draft cap). Switching a request between coupled and decoupled mode needs a decoupled
+  engine, which vLLM lacks.
 * **Best-of-N (section 4.2, Algorithm 3, ``verl_ext.pipe.bon``).** When an instance has no
   request left, the requests with the lowest acceptance get copies on the freed instances with
   other methods, within ``b_max`` requests per instance. A copy resumes from the request's tokens
@@ -79,6 +86,9 @@ class SpecActorOptions:
     spec_k: int = 16
     #: Best-of-N copies for the tail (greedy requests only: see the module docstring)
     best_of_n: bool = True
+    #: Algorithm 2 on running requests: every ``cooldown`` engine steps, requests below the
+    #: average acceptance get the best window for their own rate (engines with set_spec_windows)
+    reconfigure: bool = True
     #: most requests an instance verifies with copies on it (Algorithm 3's b_max); 0 = 8
     b_max: int = 0
     #: engine steps between two Best-of-N decisions
@@ -87,7 +97,7 @@ class SpecActorOptions:
     min_tokens: int = 16
 
     def __post_init__(self):
-        for name in ("speculation", "best_of_n"):
+        for name in ("speculation", "best_of_n", "reconfigure"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not 1 <= self.spec_k <= 128:
@@ -117,10 +127,12 @@ def parse_acceptance(text: str) -> dict[str, float]:
 class _Run:
     """One copy of a request on one instance (the original is the first)."""
 
-    __slots__ = ("instance", "method", "task", "prefix", "steps0", "tokens", "original")
+    __slots__ = ("instance", "method", "task", "prefix", "steps0", "tokens", "original", "window")
 
-    def __init__(self, instance: Instance, method: Optional[str], prefix: list, steps0: int, original: bool = False):
+    def __init__(self, instance: Instance, method: Optional[str], prefix: list, steps0: int, original: bool = False,
+                 window: int = 0):
         self.original = original
+        self.window = window  # its draft window (spec_window)
         self.instance = instance
         self.method = method
         self.task: Optional[asyncio.Task] = None
@@ -280,8 +292,9 @@ class SpecActorStrategy(Strategy):
         inst = pool.least_loaded(rid)
         live = self._live[rid] = _Live(request)
         batch = max(1, pool.inflight[inst.name] + 1)
-        run = _Run(inst, self._method, [], 0, original=True)
-        self._start(live, run, self._with_plan(request, self._method, self._window(self._method, None, batch)), pool)
+        window = self._window(self._method, None, batch)
+        run = _Run(inst, self._method, [], 0, original=True, window=window)
+        self._start(live, run, self._with_plan(request, self._method, window), pool)
         self._ensure_loop(pool)
         try:
             return await self._finish(live, pool)
@@ -358,22 +371,30 @@ class SpecActorStrategy(Strategy):
                           extra={**c.extra, "bon_method": run.method, "bon_instance": run.instance.name})
 
     # -- Best-of-N ---------------------------------------------------------------------------
+    def _bon_on(self, pool: InstancePool) -> bool:
+        return self.options.best_of_n and len(pool.instances) >= 2 and len(self._usable(self.ladder())) >= 1
+
     def _ensure_loop(self, pool: InstancePool) -> None:
         o = self.options
-        if not (o.speculation and o.best_of_n and self._engine_drafts) or len(pool.instances) < 2:
+        if not (o.speculation and self._engine_drafts):
             return
-        if len(self._usable(self.ladder())) < 1:
+        if not (self._bon_on(pool) or o.reconfigure):
             return
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = asyncio.ensure_future(self._bon_loop(pool))
 
     async def _bon_loop(self, pool: InstancePool) -> None:
+        """Every ``cooldown`` engine steps: Algorithm 2 on the running requests, then Algorithm 3."""
         poll = FIRST_POLL_S
         while self._live:
             await asyncio.sleep(poll)
             step_s = self._step_seconds(pool)
             if step_s:
                 poll = max(1e-4, self.options.cooldown * step_s)
+            if self.options.reconfigure:
+                await self._reconfigure_running(pool)
+            if not self._bon_on(pool):
+                continue
             t0 = time.perf_counter()
             try:
                 copies = self._decide(pool)
@@ -388,8 +409,54 @@ class SpecActorStrategy(Strategy):
                 req = self._copy_request(live.request, prefix, method, window)
                 if req is None:
                     continue
-                self._start(live, _Run(inst, method, prefix, steps0), req, pool)
+                self._start(live, _Run(inst, method, prefix, steps0, window=window), req, pool)
                 self._m["bon_copies"] += 1
+
+    def _rate(self, live: _Live, fallback: Optional[str]):
+        """(acceptance per draft token, tokens so far, steps so far) of a request's original run
+        since it started, or None before ``min_tokens``: tokens per step above one, over the
+        window drafted at a lone request (an estimate: the engines report no per-request counts)."""
+        tokens, steps = self._progress(live)
+        if tokens is None or len(tokens) < self.options.min_tokens or steps <= 0:
+            return None
+        w = max(1, self._window(live.runs[0].method or fallback, None, 1))
+        return min(1.0, max(0.0, (len(tokens) / steps - 1.0) / w)), tokens, steps
+
+    async def _reconfigure_running(self, pool: InstancePool) -> None:
+        """Algorithm 2 on running requests (coupled engines): a request whose acceptance is below
+        the average of those measured gets the ladder's best window for its own rate at its
+        instance's batch; the others the best window at the historical rate. Changed windows go
+        to the engines in one ``set_spec_windows`` call each (engines without it keep theirs)."""
+        if self._method is None:
+            return
+        rates = {}
+        for rid, live in self._live.items():
+            run = live.runs[0] if live.runs and live.runs[0].original else None
+            got = self._rate(live, self._method) if run is not None and run.method is not None else None
+            if got is not None:
+                rates[rid] = (got[0], run)
+        if len(rates) < 2:
+            return
+        mean = sum(p for p, _ in rates.values()) / len(rates)
+        changes: dict = {}
+        for rid, (p, run) in rates.items():
+            b = max(1, pool.inflight[run.instance.name])
+            w = self._window(run.method, p if p < mean else None, b)
+            if w != run.window:
+                changes.setdefault(run.instance.name, {})[rid] = (w, run)
+        for name, ws in changes.items():
+            inst = pool.instances[name]
+            fn = getattr(inst, "set_spec_windows", None)
+            if fn is None:
+                continue
+            try:
+                n = await fn({rid: w for rid, (w, _) in ws.items()})
+            except Exception as exc:  # a window is an optimisation: keep the old one
+                logger.warning("specactor: could not reconfigure windows on %s (%s)", name, exc)
+                continue
+            for w, run in ws.values():
+                run.window = w
+            self._m["reconfigured_running"] += n
 
     def _step_seconds(self, pool: InstancePool) -> Optional[float]:
         """Seconds per engine step, averaged since the strategy first saw each instance (a
@@ -440,11 +507,10 @@ class SpecActorStrategy(Strategy):
                                    "need position-keyed sampling, which this engine does not offer; they decode once")
                 self._m["bon_refused_sampled"] += 1
                 continue
-            tokens, steps = self._progress(live)
-            if tokens is None or len(tokens) < o.min_tokens or steps <= 0:
+            got = self._rate(live, methods[0])
+            if got is None:
                 continue
-            w = max(1, self._window(live.runs[0].method or methods[0], None, 1))
-            rates[rid] = min(1.0, max(0.0, (len(tokens) / steps - 1.0) / w))
+            rates[rid], tokens, steps = got
             running[rid] = {(r.method, r.instance.name) for r in live.runs}
             snap[rid] = (tokens, steps)
         if not rates:

@@ -336,6 +336,22 @@ class SimInstance(Instance):
             if r.left == 0:
                 self.drafter.response_done(r.request, r.target, r.pos)
 
+    async def set_spec_windows(self, windows: dict) -> int:
+        """New draft windows (``spec_window``) of running or waiting requests; a running batch
+        whose caps change ends its current plan at the next step. Returns how many changed."""
+        n = 0
+        for rid, w in windows.items():
+            r = self._by_id.get(str(rid))
+            if r is not None and self.drafter is not None:
+                r.window = max(0, int(w))
+                n += 1
+        if n and self._timer is not None and self._plan_caps is not None and self.running:
+            if not np.array_equal(self._draft_caps(commit=False), self._plan_caps):
+                self._touch()
+        elif n and self._timer is not None and self._plan_caps is None and self.running:
+            self._touch()  # the plan drafted k each: any window changes it
+        return n
+
     def group_finished(self, group: str) -> None:
         """A response of ``group`` finished somewhere (the drafter tells; adaptive drafting): if
         that changes the draft caps of the running batch, end the current plan at the next step."""

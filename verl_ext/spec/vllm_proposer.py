@@ -11,7 +11,8 @@ Per engine step (CPU drafters run synchronously after the step's bookkeeping):
      (``SamplingParams.extra_args["verl_ext"]["group_id"]``) and history
      (``["prompt_key"]``, default: the group id) trees; ``["spec_scopes"]`` (e.g. ``"group"``)
      narrows the engine's scopes for one request and ``["spec_window"]`` caps its drafts (0: none;
-     SpecActor's per-request window);
+     SpecActor's per-request window; the ``set_windows`` RPC changes the windows of running
+     requests, addressed by ``["request_id"]``: Algorithm 2's reconfiguration);
   3. one native call appends every row's new tokens and proposes a draft per row, at most
      ``k`` tokens and never past ``max_model_len``; rows in a partial prefill get none. With
      ``adaptive`` on, each row's draft is further capped by ``verl_ext.spec.adaptive.draft_caps``
@@ -67,7 +68,7 @@ def drafts_sampled_requests() -> bool:
 
 
 RPC_OPS = ("add_history", "add_histories", "drop_history", "save", "load", "stats", "import_groups", "group_counts",
-           "group_write")
+           "group_write", "set_windows")
 
 
 class SuffixProposer:
@@ -92,6 +93,8 @@ class SuffixProposer:
         self.aimd = self.options.aimd_windows()  # per-request AIMD windows (RhymeRL), or None
         self._last_draft: dict[str, int] = {}  # request id -> tokens drafted for it last step
         self._window: dict[str, int] = {}  # request id -> its own draft window (SpecActor), when set
+        self._engine_ids: dict[str, set] = {}  # verl_ext request id -> this engine's request ids of it
+        self._rid_of: dict[str, str] = {}  # this engine's request id -> verl_ext's
         self.cutoff = self.options.batch_cutoff()  # HistoSpec's batch-size cut-off, or None
         # RLHFSpec's workload-aware selection (verl_ext.spec.select), or None
         self.selector = self.options.draft_selector()
@@ -136,6 +139,7 @@ class SuffixProposer:
             index.finish(req_id)
             self._group_of.pop(req_id, None)
             self._window.pop(req_id, None)
+            self._forget(req_id)
             if self.aimd is not None:
                 self.aimd.drop(req_id)
             self._last_draft.pop(req_id, None)
@@ -242,6 +246,14 @@ class SuffixProposer:
                 frac[i] = f
         return draft_caps(self.k, b, opts.knee_tokens, frac, opts.sibling_boost)
 
+    def _forget(self, req_id: str) -> None:
+        rid = self._rid_of.pop(req_id, None)
+        ids = self._engine_ids.get(rid) if rid is not None else None
+        if ids is not None:
+            ids.discard(req_id)
+            if not ids:
+                del self._engine_ids[rid]
+
     # -- request identity ------------------------------------------------------------------
     def _start(self, req_id: str, prompt, sampling_params) -> None:
         ident = ((getattr(sampling_params, "extra_args", None) or {}).get("verl_ext") or {})
@@ -253,6 +265,9 @@ class SuffixProposer:
         scopes, window = request_drafting(ident, scopes)  # per-request narrowing and window
         if window is not None:
             self._window[req_id] = window
+        if ident.get("request_id") is not None:  # set_windows addresses requests by verl_ext's id
+            self._engine_ids.setdefault(str(ident["request_id"]), set()).add(req_id)
+            self._rid_of[req_id] = str(ident["request_id"])
         group = str(group) if group is not None and scopes & SCOPE_GROUP else ""
         self.index.start_request(
             req_id,
@@ -292,6 +307,16 @@ class SuffixProposer:
             if isinstance(args[0], str):
                 return tuple(self.index.group_counts(args[0]))
             return {str(g): tuple(self.index.group_counts(str(g))) for g in args[0]}
+        if op == "set_windows":  # ({request id: window}): new draft windows of running requests
+            windows = args[0]
+            if not isinstance(windows, dict):
+                raise ValueError(f"set_windows needs {{request id: window}}, got {type(windows).__name__}")
+            n = 0
+            for rid, w in windows.items():
+                for eid in self._engine_ids.get(str(rid), ()):
+                    self._window[eid] = max(0, int(w))
+                    n += 1
+            return n
         if op == "group_write":  # (bool): whether requests started from now on write their group trees
             if not isinstance(args[0], bool):
                 raise ValueError(f"group_write needs true or false, got {args[0]!r}")
