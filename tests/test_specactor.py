@@ -402,3 +402,83 @@ def test_profile_ladder_cli_measures_suffix_acceptance_on_a_trace(tmp_path, caps
     bad = parser.parse_args(["profile", "--ladder", "cpu-smollm2", "--method", "x=suffix:request@trace", "--out", str(out)])
     with pytest.raises(LadderError, match="--ladder-trace"):
         bad.func(bad)
+
+
+# -- the simulator's synthetic drafting (draft-model methods) --------------------------------------
+def _synthetic_run(methods, default="m", window=None, k=6, extra=None, strategy="baseline", opts=None):
+    from test_rlhfspec import _run, _sim_setup
+
+    from verl_ext.sim.instance import SimInstance
+    from verl_ext.sim.synthetic import SyntheticDrafter
+    from verl_ext.spec import SpecOptions
+
+    sims, reqs, want = _sim_setup(prompts=4, samples=4, instances=2)
+    drafter = SyntheticDrafter(SpecOptions(k=k), methods, default, seed=3)
+    sims = [SimInstance(s.name, s.cost, s.source, drafter) for s in sims]
+    reqs = [dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, temperature=0.0),
+                                extra={**r.extra, **(extra or {}), **({"spec_window": window} if window is not None else {})})
+            for r in reqs]
+    st = make_strategy(strategy, opts or {})
+    if strategy == "specactor":
+        st.engine_spec(sims[0].cost)
+    arm = _run(st, sims, reqs)
+    for r, c in zip(reqs, arm.completions):
+        assert list(c.token_ids) == list(want[r.request_id])  # outputs are the target's
+    return arm, sims, st
+
+
+def test_synthetic_drafter_accepts_at_the_methods_rate():
+    """A fixed rate p and window w emit tau_coupled(p, w) tokens per step on average; rates 0
+    and 1 give one token and w + 1 tokens per step (until a response's end)."""
+    from verl_ext.sim.synthetic import SyntheticMethod
+
+    for p in (0.0, 0.5, 0.8):
+        arm, sims, _ = _synthetic_run({"m": SyntheticMethod(p, concentration=1e9)}, window=4)
+        drafted = sum(s.draft_tokens for s in sims)
+        if p == 0.0:
+            assert arm.metrics["tokens_per_step"] == 1.0 and drafted > 0
+        else:
+            assert arm.metrics["tokens_per_step"] == pytest.approx(tau_coupled(p, 4), rel=0.06), p
+    arm, _, _ = _synthetic_run({"m": SyntheticMethod(1.0)}, window=3)
+    assert arm.metrics["tokens_per_step"] > 3.9  # 4 per step but the last steps of each response
+
+
+def test_synthetic_rates_are_per_request_and_method_and_draft_models_cost_time():
+    from verl_ext.sim.cost import load_cost_model
+    from verl_ext.sim.synthetic import SyntheticDrafter, SyntheticMethod
+    from verl_ext.spec import SpecOptions
+
+    d = SyntheticDrafter(SpecOptions(k=4), {"a": SyntheticMethod(0.6), "b": SyntheticMethod(0.6)}, "a", seed=1)
+    rates = [d.rate(f"r{i}", "a") for i in range(200)]
+    assert rates == [d.rate(f"r{i}", "a") for i in range(200)]  # the same in every arm
+    assert np.mean(rates) == pytest.approx(0.6, abs=0.05) and np.std(rates) > 0.05
+    assert np.corrcoef(rates, [d.rate(f"r{i}", "b") for i in range(200)])[0, 1] < 0.3  # methods independent
+    free, _, _ = _synthetic_run({"m": SyntheticMethod(0.6)}, window=4)
+    paid, _, _ = _synthetic_run({"m": SyntheticMethod(0.6, draft_cost=load_cost_model("h100-1.5b"))}, window=4)
+    assert paid.metrics["tokens_per_step"] == free.metrics["tokens_per_step"]  # same draws
+    assert paid.metrics["wall_s"] > free.metrics["wall_s"] * 1.05  # the draft model's steps
+    with pytest.raises(ValueError, match="default method"):
+        SyntheticDrafter(SpecOptions(k=4), {"a": SyntheticMethod(0.6)}, "zz")
+
+
+def test_specactor_drafts_model_methods_per_request_in_the_simulator(tmp_path):
+    """With model_methods, the ladder's draft-model methods are selected and sent per request
+    (spec_method); without it, a ladder of model methods leaves real engines decoding plainly."""
+    from verl_ext.sim.cost import load_cost_model
+    from verl_ext.sim.synthetic import SyntheticMethod
+
+    cost = load_cost_model("h100-7b")
+    lad = DraftLadder.build(cost, [DraftMethod("small", "model", 0.7, drafter="h100-0.5b"),
+                                   DraftMethod("big", "model", 0.8, drafter="h100-1.5b")], max_window=8)
+    path = tmp_path / "ladder.json"
+    lad.save(path)
+    methods = {"small": SyntheticMethod(0.7, draft_cost=load_cost_model("h100-0.5b")),
+               "big": SyntheticMethod(0.8, draft_cost=load_cost_model("h100-1.5b"))}
+    arm, sims, st = _synthetic_run(methods, default="small", k=8, strategy="specactor",
+                                   opts={"ladder": str(path), "model_methods": True, "spec_k": 8, "min_tokens": 4})
+    assert st.metrics()["selected_method"] >= 0 and arm.metrics["tokens_per_step"] > 1.5
+    from verl_ext.engine.instance import GenRequest, SamplingSpec
+
+    planned = st._with_plan(GenRequest("r", "g", [1], SamplingSpec()), "big", 3)
+    assert planned.extra == {"spec_window": 3, "spec_method": "big"}  # no suffix scopes for a model
+    assert make_strategy("specactor", {"ladder": str(path)}).engine_spec(cost) is None

@@ -95,9 +95,13 @@ class SpecActorOptions:
     cooldown: int = 8
     #: tokens a request must have generated before it may get a copy (its rate is measured)
     min_tokens: int = 16
+    #: the engines can draft the ladder's draft-model methods per request
+    #: (``GenRequest.extra["spec_method"]``): the simulator's ``SyntheticDrafter``; a vLLM engine
+    #: speculates with one method, so real engines use the suffix methods only
+    model_methods: bool = False
 
     def __post_init__(self):
-        for name in ("speculation", "best_of_n", "reconfigure"):
+        for name in ("speculation", "best_of_n", "reconfigure", "model_methods"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not 1 <= self.spec_k <= 128:
@@ -178,6 +182,7 @@ class SpecActorStrategy(Strategy):
         self._engine_drafts: Optional[bool] = None  # whether the engines were started with a drafter
         self._plan = None
         self._selected = False  # this step's initial selection is made
+        self._step_batch = 1  # per-instance batch the step was selected at
         self._live: dict[str, _Live] = {}
         self._worker_method: dict[str, str] = {}  # instances given a method by Best-of-N
         self._loop_task: Optional[asyncio.Task] = None
@@ -203,8 +208,10 @@ class SpecActorStrategy(Strategy):
         return self._ladder
 
     def _usable(self, lad) -> list[str]:
-        """Methods this project's engines can draft per request (suffix-tree scopes)."""
-        return [n for n, m in lad.methods.items() if m.kind == "suffix"]
+        """Methods the engines can draft per request: suffix-tree scopes, and draft models with
+        ``model_methods`` (the simulator)."""
+        kinds = ("suffix", "model") if self.options.model_methods else ("suffix",)
+        return [n for n, m in lad.methods.items() if m.kind in kinds]
 
     def select(self, batch: int, cost=None) -> Optional[str]:
         """The initial selection at a per-worker ``batch`` (None: plain decoding)."""
@@ -272,10 +279,12 @@ class SpecActorStrategy(Strategy):
     def _with_plan(self, request: GenRequest, method: Optional[str], window: int) -> GenRequest:
         if not self._engine_drafts:
             return request
-        scopes = self.ladder().methods[method].scopes if method is not None else ""
+        m = self.ladder().methods[method] if method is not None else None
         extra = {**request.extra, "spec_window": int(window)}
-        if scopes:
-            extra["spec_scopes"] = scopes
+        if m is not None and m.kind == "suffix" and m.scopes:
+            extra["spec_scopes"] = m.scopes
+        if method is not None:
+            extra["spec_method"] = method
         return dataclasses.replace(request, extra=extra)
 
     # -- dispatch ----------------------------------------------------------------------------
@@ -287,11 +296,14 @@ class SpecActorStrategy(Strategy):
             self.engine_spec()
         if not self._selected:
             self._selected = True
+            self._step_batch = self.options.batch
             if self._engine_drafts:
                 self.select(self.options.batch)
         inst = pool.least_loaded(rid)
         live = self._live[rid] = _Live(request)
-        batch = max(1, pool.inflight[inst.name] + 1)
+        # the window for the batch the instance will run: the step's per-instance batch (its
+        # first requests arrive to an empty engine that the rest of the step fills)
+        batch = max(1, pool.inflight[inst.name] + 1, self._step_batch)
         window = self._window(self._method, None, batch)
         run = _Run(inst, self._method, [], 0, original=True, window=window)
         self._start(live, run, self._with_plan(request, self._method, window), pool)
@@ -548,7 +560,8 @@ class SpecActorStrategy(Strategy):
         if self._engine_drafts is None:
             self.engine_spec()
         if self._engine_drafts and requests:
-            self.select(-(-len(requests) // len(pool.instances)))
+            self._step_batch = -(-len(requests) // len(pool.instances))
+            self.select(self._step_batch)
             self._selected = True
             if self._method is not None:
                 self._plan_for(len(requests), len(pool.instances) * self.options.verify_gpus)
