@@ -7,13 +7,15 @@ acceptance per method; the draft models' time from their cost models). Arms:
 * ``baseline``: plain decoding (veRL);
 * ``vanilla``: every request drafts with one method (``--vanilla``) at one fixed window, the
   ladder's best at the initial per-instance batch (VanillaSpec: vLLM's coupled speculation);
-* ``specactor`` without Best-of-N and reconfiguration: the ladder's initial selection, its window
-  per request at the instance's batch at dispatch;
+* ``decoupled``: the same method with its draft model on a GPU of its own per instance, at the
+  best decoupled window (TGS model); one drafter GPU per TP-4 verifier means 4/5 of the
+  instances for the same GPUs (``SyntheticDrafter(decoupled=True)``);
+* ``specactor`` without Best-of-N and reconfiguration (decoupled, same GPUs): the ladder's initial
+  selection, its window per request at the step's per-instance batch;
 * ``+ reconfiguration``: Algorithm 2 on running requests;
 * ``+ Best-of-N``: Algorithm 3's copies on freed instances (greedy: copies are lossless).
 
-Decoupled execution (Algorithm 1's plans on separate drafter GPUs) is not simulated: its rung is
-missing from this ladder (see docs/BENCHMARKS.md). Prints a table and writes JSON.
+Prints a table and writes JSON.
 
     python scripts/bench_specactor_sim.py --instances 16 --prompts 128 --samples 16 --out runs/bench_specactor_sim.json
 """
@@ -38,6 +40,7 @@ from verl_ext.sim.source import TraceSource
 from verl_ext.sim.synthetic import SyntheticDrafter, SyntheticMethod
 from verl_ext.spec import SpecOptions
 from verl_ext.spec.ladder import DraftLadder, DraftMethod
+from verl_ext.spec.tgs import DECOUPLED
 
 #: the paper's methods for a 32B target (section 5.1); rates as in the ladder figures of
 #: docs/BENCHMARKS.md (assumed: model rates are not measurable here)
@@ -77,27 +80,36 @@ def main(argv=None) -> int:
     reqs = [dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, temperature=0.0)) for r in reqs]
     per = -(-len(reqs) // args.instances)
     w_van = ladder.best_window(args.vanilla, ladder.methods[args.vanilla].acceptance, per)
+    n_dec = max(1, args.instances * 4 // 5)  # one drafter GPU beside each TP-4 verifier
+    per_dec = -(-len(reqs) // n_dec)
+    times = ladder.methods[args.vanilla].times(cost)
+    w_dec, _ = times.best_window(ladder.methods[args.vanilla].acceptance, per_dec, DECOUPLED, g_d=1, w_max=args.spec_k)
     spec = SpecOptions(scopes="request", k=args.spec_k)
     opts = {"ladder": str(tmp), "model_methods": True, "spec_k": args.spec_k, "min_tokens": 64}
+    # (label, strategy, options, drafting, decoupled, window for the baseline strategy)
     arms = [
-        ("baseline", "baseline", {}, False),
-        (f"vanilla ({args.vanilla}, w={w_van})", "baseline", {}, True),
-        ("specactor, no reconfiguration, no Best-of-N", "specactor", {"reconfigure": False, "best_of_n": False}, True),
-        ("+ reconfiguration (Algorithm 2)", "specactor", {"best_of_n": False}, True),
-        ("+ Best-of-N (Algorithm 3)", "specactor", {}, True),
+        ("baseline", "baseline", {}, False, False, None),
+        (f"vanilla, coupled ({args.vanilla}, w={w_van})", "baseline", {}, True, False, w_van),
+        (f"decoupled ({args.vanilla}, w={w_dec}, {n_dec} instances)", "baseline", {}, True, True, w_dec),
+        ("specactor, decoupled, no reconfig., no Best-of-N", "specactor", {"reconfigure": False, "best_of_n": False},
+         True, True, None),
+        ("+ reconfiguration (Algorithm 2)", "specactor", {"best_of_n": False}, True, True, None),
+        ("+ Best-of-N (Algorithm 3)", "specactor", {}, True, True, None),
+        ("specactor, coupled (all on)", "specactor", {}, True, False, None),
     ]
     out = {"config": vars(args), "requests": len(reqs), "per_instance": per,
            "response_tokens": int(trace.response_lengths()[rows].sum()), "arms": {}}
     base = None
     print(f"{len(reqs)} requests on {args.instances} x {args.preset} ({per} per instance), "
           f"{out['response_tokens']:,} tokens; methods {', '.join(f'{n}@{p}' for n, _, p in METHODS)}")
-    for label, name, extra, drafts in arms:
+    for label, name, extra, drafts, decoupled, window in arms:
         t0 = time.perf_counter()
-        drafter = SyntheticDrafter(spec, synth, args.vanilla, seed=args.seed) if drafts else None
-        sims = [SimInstance(f"sim-{i}", cost, source, drafter, record_timeline=False) for i in range(args.instances)]
+        drafter = SyntheticDrafter(spec, synth, args.vanilla, seed=args.seed, decoupled=decoupled) if drafts else None
+        n = n_dec if decoupled else args.instances
+        sims = [SimInstance(f"sim-{i}", cost, source, drafter, record_timeline=False) for i in range(n)]
         rq = reqs
-        if name == "baseline" and drafts:
-            rq = [dataclasses.replace(r, extra={**r.extra, "spec_method": args.vanilla, "spec_window": w_van}) for r in reqs]
+        if window is not None:
+            rq = [dataclasses.replace(r, extra={**r.extra, "spec_method": args.vanilla, "spec_window": window}) for r in reqs]
         st = make_strategy(name, {**opts, **extra} if name == "specactor" else {})
         if name == "specactor":
             st.engine_spec(cost)
@@ -114,7 +126,7 @@ def main(argv=None) -> int:
                 raise AssertionError(f"{label}: {r.request_id} lost tokens")
         m = arm.metrics
         base = base or m["wall_s"]
-        row = {"wall_s": m["wall_s"], "vs_baseline": base / m["wall_s"], "tail_s": m.get("tail_s"),
+        row = {"instances": n, "wall_s": m["wall_s"], "vs_baseline": base / m["wall_s"], "tail_s": m.get("tail_s"),
                "tokens_per_step": m.get("tokens_per_step"), "draft_tokens": m.get("draft_tokens"),
                "strategy": {k: v for k, v in st.metrics().items() if k in ("bon_copies", "bon_wins", "reconfigured_running",
                                                                       "selected_method", "selected_speedup")},

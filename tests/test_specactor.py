@@ -405,7 +405,8 @@ def test_profile_ladder_cli_measures_suffix_acceptance_on_a_trace(tmp_path, caps
 
 
 # -- the simulator's synthetic drafting (draft-model methods) --------------------------------------
-def _synthetic_run(methods, default="m", window=None, k=6, extra=None, strategy="baseline", opts=None):
+def _synthetic_run(methods, default="m", window=None, k=6, extra=None, strategy="baseline", opts=None,
+                   decoupled=False):
     from test_rlhfspec import _run, _sim_setup
 
     from verl_ext.sim.instance import SimInstance
@@ -413,7 +414,7 @@ def _synthetic_run(methods, default="m", window=None, k=6, extra=None, strategy=
     from verl_ext.spec import SpecOptions
 
     sims, reqs, want = _sim_setup(prompts=4, samples=4, instances=2)
-    drafter = SyntheticDrafter(SpecOptions(k=k), methods, default, seed=3)
+    drafter = SyntheticDrafter(SpecOptions(k=k), methods, default, seed=3, decoupled=decoupled)
     sims = [SimInstance(s.name, s.cost, s.source, drafter) for s in sims]
     reqs = [dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, temperature=0.0),
                                 extra={**r.extra, **(extra or {}), **({"spec_window": window} if window is not None else {})})
@@ -459,6 +460,25 @@ def test_synthetic_rates_are_per_request_and_method_and_draft_models_cost_time()
     assert paid.metrics["wall_s"] > free.metrics["wall_s"] * 1.05  # the draft model's steps
     with pytest.raises(ValueError, match="default method"):
         SyntheticDrafter(SpecOptions(k=4), {"a": SyntheticMethod(0.6)}, "zz")
+
+
+def test_decoupled_rounds_overlap_drafting_and_waste_the_window_after_a_rejection():
+    """Decoupled: a round takes max(draft, verify) instead of their sum, and each rejection is
+    followed by a round over stale drafts that emits one token (the relaxed barrier's waste)."""
+    from verl_ext.sim.cost import load_cost_model
+    from verl_ext.sim.synthetic import SyntheticMethod
+
+    p, w = 0.7, 4
+    m = {"m": SyntheticMethod(p, concentration=1e9, draft_cost=load_cost_model("h100-1.5b"))}
+    coupled, _, _ = _synthetic_run(m, window=w)
+    dec, sims, _ = _synthetic_run(m, window=w, decoupled=True)
+    reject = 1 - p ** w
+    want = (tau_coupled(p, w) + reject) / (1 + reject)  # tokens per round, stale rounds included
+    assert dec.metrics["tokens_per_step"] == pytest.approx(want, rel=0.06)
+    assert sims[0].drafter.stale_rounds > 0
+    assert dec.metrics["tokens_per_step"] < coupled.metrics["tokens_per_step"]
+    # rounds are cheaper (overlap) though they emit fewer tokens: here the overlap wins
+    assert dec.metrics["wall_s"] < coupled.metrics["wall_s"]
 
 
 def test_specactor_drafts_model_methods_per_request_in_the_simulator(tmp_path):

@@ -486,9 +486,9 @@ class SimInstance(Instance):
         tau = np.asarray(tau, dtype=np.float64).copy()
         if P0:
             tau[0] = cost.step_time(B, self._kv, P0, 0 if D is None else D[:, 0].sum())
-        draft_s = getattr(self.drafter, "draft_seconds", None)
-        if draft_s is not None and self.drafter.per_step and D is not None:  # draft models run on the instance
-            tau[0] += draft_s([self._key(r) for r in self.running], D[:, 0], float(self._kv))
+        drafting = getattr(self.drafter, "with_drafting", None)
+        if drafting is not None and self.drafter.per_step and D is not None:  # draft models' time (synthetic)
+            tau[0] = drafting(float(tau[0]), [self._key(r) for r in self.running], D[:, 0], float(self._kv))
         if self._admit_next_step:  # end the plan after one step so the next step admits
             tau = tau[:1]
             if E is not None:

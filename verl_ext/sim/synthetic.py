@@ -15,8 +15,14 @@ model; its Figure 6 marks drafts accepted at a given rate):
   (the target's own token), never past the response's end; draws come from a per-request stream,
   so an arm's outcome does not depend on how the batch was composed;
 * a model method costs its draft model's time: ``w`` autoregressive draft steps of the drafting
-  requests on the instance's own GPUs (coupled speculation), from the draft model's
-  ``CostModel``; a model-free method costs nothing here.
+  requests, from the draft model's ``CostModel``; a model-free method costs nothing here.
+  **Coupled** (the default; vanilla speculative decoding): the draft model runs on the
+  instance's GPUs before each verification, so a step takes draft + verify time.
+  **Decoupled** (``decoupled=True``; SpecActor section 4.1): the draft model runs on its own GPU
+  (the caller gives it one: fewer instances for the same GPUs) at most ``w`` tokens ahead, so a
+  round takes ``max(w D(b), V_w(b))``; a rejection wastes the window drafted ahead from the
+  rejected prefix, so the request's next round verifies stale drafts and emits only the
+  target's own token (the relaxed barrier's ``2w - 1`` wasted tokens at most).
 
 The tokens emitted are the trace's, whatever the rates: outputs are the target's. The method of a
 request is ``GenRequest.extra["spec_method"]`` (default: ``default``); its window is the
@@ -66,14 +72,18 @@ class SyntheticDrafter:
     lazy_history = False
     mode = "synthetic"
 
-    def __init__(self, spec: SpecOptions, methods: Mapping[str, SyntheticMethod], default: str, seed: int = 0):
+    def __init__(self, spec: SpecOptions, methods: Mapping[str, SyntheticMethod], default: str, seed: int = 0,
+                 decoupled: bool = False):
         if default not in methods:
             raise ValueError(f"default method {default!r} is not among {sorted(methods)}")
         self.spec = spec
         self.methods = dict(methods)
         self.default = default
         self.seed = int(seed)
+        self.decoupled = bool(decoupled)
         self._req: dict[str, tuple] = {}  # key -> (method, p, end position, rng)
+        self._stale: dict[str, int] = {}  # decoupled: key -> position whose round verifies a stale window
+        self.stale_rounds = 0
 
     # -- the drafter interface of SimInstance (per_step) --------------------------------------
     def started(self, key: str) -> bool:
@@ -106,6 +116,10 @@ class SyntheticDrafter:
             w = int(min(ks[j], max(0, left - 1)))
             if w <= 0:
                 continue
+            if self.decoupled and self._stale.get(key) == pos:  # this round verifies a stale window
+                drafted[j] = w
+                self.stale_rounds += 1
+                continue
             # accepted prefix: the first rejection among w Bernoulli(p) trials
             if p >= 1.0:
                 a = w
@@ -115,7 +129,15 @@ class SyntheticDrafter:
                 a = min(int(rng.geometric(1.0 - p)) - 1, w)
             emitted[j] = min(a + 1, left)
             drafted[j] = w
+            if self.decoupled and a < w:
+                self._stale[key] = pos + int(emitted[j])
         return emitted, drafted
+
+    def with_drafting(self, verify_s: float, keys, drafted: np.ndarray, kv_tokens: float) -> float:
+        """A step's time with its draft models: coupled, draft then verify; decoupled, the slower
+        of the two pipelined stages."""
+        d = self.draft_seconds(keys, drafted, kv_tokens)
+        return max(verify_s, d) if self.decoupled else verify_s + d
 
     def draft_seconds(self, keys, drafted: np.ndarray, kv_tokens: float) -> float:
         """Time the step's draft models take on the instance: per model method, ``max w`` draft
@@ -135,9 +157,10 @@ class SyntheticDrafter:
 
     def finish(self, key: str, pos: int) -> None:
         self._req.pop(key, None)
+        self._stale.pop(key, None)
 
     def drop(self, key: str) -> None:
-        self._req.pop(key, None)
+        self.finish(key, 0)
 
     def response_done(self, request, target, emitted) -> bool:
         return False
