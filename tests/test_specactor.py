@@ -406,14 +406,14 @@ def test_profile_ladder_cli_measures_suffix_acceptance_on_a_trace(tmp_path, caps
 
 # -- the simulator's synthetic drafting (draft-model methods) --------------------------------------
 def _synthetic_run(methods, default="m", window=None, k=6, extra=None, strategy="baseline", opts=None,
-                   decoupled=False):
+                   decoupled=False, instances=2):
     from test_rlhfspec import _run, _sim_setup
 
     from verl_ext.sim.instance import SimInstance
     from verl_ext.sim.synthetic import SyntheticDrafter
     from verl_ext.spec import SpecOptions
 
-    sims, reqs, want = _sim_setup(prompts=4, samples=4, instances=2)
+    sims, reqs, want = _sim_setup(prompts=4, samples=4, instances=instances)
     drafter = SyntheticDrafter(SpecOptions(k=k), methods, default, seed=3, decoupled=decoupled)
     sims = [SimInstance(s.name, s.cost, s.source, drafter) for s in sims]
     reqs = [dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, temperature=0.0),
@@ -479,6 +479,31 @@ def test_decoupled_rounds_overlap_drafting_and_waste_the_window_after_a_rejectio
     assert dec.metrics["tokens_per_step"] < coupled.metrics["tokens_per_step"]
     # rounds are cheaper (overlap) though they emit fewer tokens: here the overlap wins
     assert dec.metrics["wall_s"] < coupled.metrics["wall_s"]
+
+
+def test_a_copy_that_finishes_first_wins_and_the_original_is_aborted(tmp_path):
+    """Best-of-N: the originals draft with a method that accepts nothing for them, the copies with
+    one that accepts almost everything; copies started on freed instances finish first, win, and
+    their originals are aborted (a copy started after the wait began must still be waited for)."""
+    from verl_ext.sim.cost import load_cost_model
+    from verl_ext.sim.synthetic import SyntheticMethod
+
+    cost = load_cost_model("h100-7b")
+    # the ladder's history says "bad" is the better method; the truth for these requests differs
+    lad = DraftLadder.build(cost, [DraftMethod("bad", "model", 0.8, drafter="h100-0.5b"),
+                                   DraftMethod("good", "model", 0.5, drafter="h100-0.5b")], max_window=8)
+    path = tmp_path / "ladder.json"
+    lad.save(path)
+    methods = {"bad": SyntheticMethod(0.0), "good": SyntheticMethod(0.95)}
+    arm, sims, st = _synthetic_run(methods, default="bad", k=8, strategy="specactor", instances=3,
+                                   opts={"ladder": str(path), "model_methods": True, "spec_k": 8, "min_tokens": 4,
+                                         "cooldown": 1, "reconfigure": False})
+    m = st.metrics()
+    assert m["selected_method"] == 0 and m["bon_copies"] > 0 and m["bon_wins"] > 0
+    aborted = [r for r in arm.pool.records if r.finish_reason == "abort"]
+    assert len(aborted) >= m["bon_wins"]  # each win aborted the original (and any other copy)
+    for s in sims:
+        assert s.telemetry().running == 0 and not s._by_id
 
 
 def test_specactor_drafts_model_methods_per_request_in_the_simulator(tmp_path):

@@ -146,12 +146,13 @@ class _Run:
 
 
 class _Live:
-    __slots__ = ("request", "runs", "deltas")
+    __slots__ = ("request", "runs", "deltas", "added")
 
     def __init__(self, request: GenRequest):
         self.request = request
         self.runs: list[_Run] = []
         self.deltas = 0  # the original's streamed deltas (~ engine steps)
+        self.added = asyncio.Event()  # a copy started: the wait for the first finisher includes it
 
 
 @register_strategy("specactor")
@@ -324,6 +325,7 @@ class SpecActorStrategy(Strategy):
 
         run.task = asyncio.ensure_future(pool.run(run.instance, req, on_tokens=on_tokens))
         live.runs.append(run)
+        live.added.set()
 
     async def _finish(self, live: _Live, pool: InstancePool) -> Completion:
         """Wait for the first copy to finish (not aborted), abort the others, and return the
@@ -333,7 +335,12 @@ class SpecActorStrategy(Strategy):
         while winner is None:
             pending = [r.task for r in live.runs if not r.task.done()]
             if pending:
-                await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                live.added.clear()
+                added = asyncio.ensure_future(live.added.wait())
+                try:  # wake on a finisher, or on a new copy (which may finish first)
+                    await asyncio.wait([*pending, added], return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    added.cancel()
             for r in list(live.runs):
                 if not r.task.done():
                     continue
