@@ -406,14 +406,14 @@ def test_profile_ladder_cli_measures_suffix_acceptance_on_a_trace(tmp_path, caps
 
 # -- the simulator's synthetic drafting (draft-model methods) --------------------------------------
 def _synthetic_run(methods, default="m", window=None, k=6, extra=None, strategy="baseline", opts=None,
-                   decoupled=False, instances=2):
+                   decoupled=False, instances=2, prompts=4, samples=4):
     from test_rlhfspec import _run, _sim_setup
 
     from verl_ext.sim.instance import SimInstance
     from verl_ext.sim.synthetic import SyntheticDrafter
     from verl_ext.spec import SpecOptions
 
-    sims, reqs, want = _sim_setup(prompts=4, samples=4, instances=instances)
+    sims, reqs, want = _sim_setup(prompts=prompts, samples=samples, instances=instances)
     drafter = SyntheticDrafter(SpecOptions(k=k), methods, default, seed=3, decoupled=decoupled)
     sims = [SimInstance(s.name, s.cost, s.source, drafter) for s in sims]
     reqs = [dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, temperature=0.0),
@@ -504,6 +504,46 @@ def test_a_copy_that_finishes_first_wins_and_the_original_is_aborted(tmp_path):
     assert len(aborted) >= m["bon_wins"]  # each win aborted the original (and any other copy)
     for s in sims:
         assert s.telemetry().running == 0 and not s._by_id
+
+
+def test_acceptance_from_tokens_inverts_the_tokens_per_step():
+    from verl_ext.pipe.specactor import acceptance_from_tokens
+
+    for w in (1, 3, 8):
+        for p in (0.1, 0.5, 0.9):
+            assert acceptance_from_tokens(tau_coupled(p, w), w) == pytest.approx(p, abs=1e-6)
+            r = 1 - p ** w
+            assert acceptance_from_tokens((tau_coupled(p, w) + r) / (1 + r), w, decoupled=True) == pytest.approx(p, abs=1e-6)
+    assert acceptance_from_tokens(1.0, 4) == 0.0 and acceptance_from_tokens(9.0, 4) == 1.0
+    assert acceptance_from_tokens(2.0, 0) == 0.0
+    with pytest.raises(StrategyConfigError, match="execution"):
+        make_strategy("specactor", {"execution": "pipelined"})
+
+
+def test_windows_open_in_the_tail_when_the_step_decodes_plainly(tmp_path):
+    """The initial selection finds no method that pays at the step's batch (plain decoding), but
+    one pays for a lone request: requests carry it with window 0, and reconfiguration opens their
+    windows once their instance's batch has drained."""
+    from verl_ext.sim.cost import load_cost_model
+    from verl_ext.sim.synthetic import SyntheticMethod
+
+    cost = load_cost_model("h100-7b")
+    lad = DraftLadder.build(cost, [DraftMethod("small", "model", 0.5, drafter="h100-0.5b")], max_window=8)
+    path = tmp_path / "ladder.json"
+    lad.save(path)
+    opts = {"ladder": str(path), "model_methods": True, "spec_k": 8, "min_tokens": 4, "cooldown": 1,
+            "best_of_n": False}
+    st = make_strategy("specactor", opts)
+    st.engine_spec(cost)
+    step_batch = 256  # 16 x 16 requests on one instance
+    assert st.select(step_batch) is None and st._tail_method == "small"
+    methods = {"small": SyntheticMethod(0.5, draft_cost=load_cost_model("h100-0.5b"))}
+    run = dict(default="small", k=8, strategy="specactor", instances=1, prompts=16, samples=16)
+    arm, sims, st = _synthetic_run(methods, opts=opts, **run)
+    m = st.metrics()
+    assert m["selected_method"] == -1 and m["reconfigured_running"] > 0 and arm.metrics["draft_tokens"] > 0
+    off, _, _ = _synthetic_run(methods, opts={**opts, "reconfigure": False}, **run)
+    assert off.metrics["draft_tokens"] == 0  # without it the step decodes plainly throughout
 
 
 def test_specactor_drafts_model_methods_per_request_in_the_simulator(tmp_path):

@@ -95,6 +95,10 @@ class SpecActorOptions:
     cooldown: int = 8
     #: tokens a request must have generated before it may get a copy (its rate is measured)
     min_tokens: int = 16
+    #: how the engines speculate: "coupled" (draft, then verify: vLLM) or "decoupled" (draft
+    #: models on GPUs of their own, pipelined with verification: the simulator's
+    #: SyntheticDrafter only); windows and the plain-decoding decision follow the TGS model of it
+    execution: str = "coupled"
     #: the engines can draft the ladder's draft-model methods per request
     #: (``GenRequest.extra["spec_method"]``): the simulator's ``SyntheticDrafter``; a vLLM engine
     #: speculates with one method, so real engines use the suffix methods only
@@ -111,6 +115,34 @@ class SpecActorOptions:
         if self.b_max < 0 or self.cooldown < 1 or self.min_tokens < 0 or self.batch < 1:
             raise ValueError("b_max and min_tokens must be >= 0, cooldown and batch >= 1")
         parse_acceptance(self.acceptance)
+        if self.execution not in ("coupled", "decoupled"):
+            raise ValueError(f"execution must be 'coupled' or 'decoupled', got {self.execution!r}")
+
+
+def acceptance_from_tokens(tokens_per_step: float, window: int, decoupled: bool = False) -> float:
+    """The per-token acceptance ``p`` at which speculation with ``window`` draft tokens emits
+    ``tokens_per_step`` on average, by bisection (both are increasing in ``p``); clipped to
+    [0, 1]. Coupled: ``tau_coupled(p, w) = (1 - p^(w+1)) / (1 - p)``. Decoupled (a round after
+    each rejection verifies stale drafts and emits one token): ``(tau_coupled + r) / (1 + r)``,
+    ``r = 1 - p^w``."""
+    from verl_ext.spec.tgs import tau_coupled
+
+    def tau(p):
+        t = tau_coupled(p, window)
+        return (t + 1 - p ** window) / (2 - p ** window) if decoupled else t
+
+    if window <= 0 or tokens_per_step <= 1.0:
+        return 0.0
+    if tokens_per_step >= window + 1:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        if tau(mid) < tokens_per_step:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
 
 
 def parse_acceptance(text: str) -> dict[str, float]:
@@ -131,12 +163,14 @@ def parse_acceptance(text: str) -> dict[str, float]:
 class _Run:
     """One copy of a request on one instance (the original is the first)."""
 
-    __slots__ = ("instance", "method", "task", "prefix", "steps0", "tokens", "original", "window")
+    __slots__ = ("instance", "method", "task", "prefix", "steps0", "tokens", "original", "window", "drafted", "rate")
 
     def __init__(self, instance: Instance, method: Optional[str], prefix: list, steps0: int, original: bool = False,
                  window: int = 0):
         self.original = original
         self.window = window  # its draft window (spec_window)
+        self.drafted = window > 0  # it has drafted: its acceptance can be measured
+        self.rate: Optional[float] = None  # its acceptance when last measured while drafting
         self.instance = instance
         self.method = method
         self.task: Optional[asyncio.Task] = None
@@ -183,6 +217,8 @@ class SpecActorStrategy(Strategy):
         self._engine_drafts: Optional[bool] = None  # whether the engines were started with a drafter
         self._plan = None
         self._selected = False  # this step's initial selection is made
+        self._tail_method: Optional[str] = None  # the best method for a lone request
+        self._dec_cache: dict = {}  # decoupled execution: (method, p, batch) -> (window, speedup)
         self._step_batch = 1  # per-instance batch the step was selected at
         self._live: dict[str, _Live] = {}
         self._worker_method: dict[str, str] = {}  # instances given a method by Best-of-N
@@ -219,11 +255,23 @@ class SpecActorStrategy(Strategy):
         from verl_ext.spec.ladder import pick
 
         lad = self.ladder(cost)
-        ranked = lad.rank(batch, self._history, self._usable(lad))
+        ranked = self._rank(batch)
         self._method = pick(ranked)
+        # plain decoding at the step's batch: requests still carry the method that pays for a
+        # lone request (window 0), so that reconfiguration can turn it on as the batch drains
+        self._tail_method = self._method or pick(self._rank(1))
         self._m["selected_speedup"] = ranked[0][1] if ranked else 0.0
         self._m["selected_method"] = -1 if self._method is None else list(lad.methods).index(self._method)
         return self._method
+
+    def _rank(self, batch: int) -> list:
+        """(method, speedup) best first at the methods' historical acceptance: the ladder's
+        coupled table, or the decoupled TGS model with ``execution="decoupled"``."""
+        lad = self.ladder()
+        if self.options.execution != "decoupled":
+            return lad.rank(batch, self._history, self._usable(lad))
+        got = [(n, self._speedup(n, self._history.get(n, lad.methods[n].acceptance), batch)) for n in self._usable(lad)]
+        return sorted(got, key=lambda x: -x[1])
 
     def engine_spec(self, cost=None):
         """Engines draft (the union of the usable methods' scopes, per-request windows) when some
@@ -275,7 +323,31 @@ class SpecActorStrategy(Strategy):
         lad = self.ladder()
         if p is None:
             p = self._history.get(method, lad.methods[method].acceptance)
+        if self.options.execution == "decoupled":
+            return self._decoupled(method, p, batch)[0]
         return max(1, min(self.options.spec_k, lad.best_window(method, p, batch)))
+
+    def _speedup(self, method: str, p: float, batch: int) -> float:
+        """The method's speedup over plain decoding at ``p`` and ``batch`` for this execution."""
+        if self.options.execution == "decoupled":
+            return self._decoupled(method, p, batch)[1]
+        return self.ladder().lookup(method, p, batch)
+
+    def _decoupled(self, method: str, p: float, batch: int) -> tuple[int, float]:
+        """(best decoupled window, its speedup over plain decoding) from the method's TGS times
+        against the ladder's verifier (one drafter GPU), cached on a grid of p and batch."""
+        key = (method, round(p, 2), 1 << max(0, int(batch) - 1).bit_length())
+        got = self._dec_cache.get(key)
+        if got is None:
+            from verl_ext.sim.cost import load_cost_model
+            from verl_ext.spec.tgs import DECOUPLED
+
+            if self._cost is None:
+                self._cost = load_cost_model(self.ladder().target)
+            t = self.ladder().methods[method].times(self._cost, verify_gpus=self.options.verify_gpus)
+            w, tgs = t.best_window(key[1], key[2], DECOUPLED, g_d=1, w_max=self.options.spec_k)
+            got = self._dec_cache[key] = (w, tgs / t.tgs_plain(key[2]))
+        return got
 
     def _with_plan(self, request: GenRequest, method: Optional[str], window: int) -> GenRequest:
         if not self._engine_drafts:
@@ -305,9 +377,10 @@ class SpecActorStrategy(Strategy):
         # the window for the batch the instance will run: the step's per-instance batch (its
         # first requests arrive to an empty engine that the rest of the step fills)
         batch = max(1, pool.inflight[inst.name] + 1, self._step_batch)
-        window = self._window(self._method, None, batch)
-        run = _Run(inst, self._method, [], 0, original=True, window=window)
-        self._start(live, run, self._with_plan(request, self._method, window), pool)
+        method = self._method or (self._tail_method if self.options.reconfigure else None)
+        window = self._window(self._method, None, batch)  # 0 while plain decoding pays more
+        run = _Run(inst, method, [], 0, original=True, window=window)
+        self._start(live, run, self._with_plan(request, method, window), pool)
         self._ensure_loop(pool)
         try:
             return await self._finish(live, pool)
@@ -433,34 +506,48 @@ class SpecActorStrategy(Strategy):
 
     def _rate(self, live: _Live, fallback: Optional[str]):
         """(acceptance per draft token, tokens so far, steps so far) of a request's original run
-        since it started, or None before ``min_tokens``: tokens per step above one, over the
-        window drafted at a lone request (an estimate: the engines report no per-request counts)."""
+        since it started, or None before ``min_tokens``: the rate whose coupled tokens per step at
+        the run's window match the measured ones (an estimate: the engines report no per-request
+        counts, and a window changed on the way blurs it)."""
         tokens, steps = self._progress(live)
         if tokens is None or len(tokens) < self.options.min_tokens or steps <= 0:
             return None
-        w = max(1, self._window(live.runs[0].method or fallback, None, 1))
-        return min(1.0, max(0.0, (len(tokens) / steps - 1.0) / w)), tokens, steps
+        run = live.runs[0]
+        w = run.window if run.window > 0 else max(1, self._window(run.method or fallback, None, 1))
+        return acceptance_from_tokens(len(tokens) / steps, w, self.options.execution == "decoupled"), tokens, steps
 
     async def _reconfigure_running(self, pool: InstancePool) -> None:
-        """Algorithm 2 on running requests (coupled engines): a request whose acceptance is below
-        the average of those measured gets the ladder's best window for its own rate at its
-        instance's batch; the others the best window at the historical rate. Changed windows go
-        to the engines in one ``set_spec_windows`` call each (engines without it keep theirs)."""
-        if self._method is None:
-            return
-        rates = {}
+        """Algorithm 2 on running requests: a request whose measured acceptance is below the
+        average of those measured gets the best window for its own rate at ``b = 1`` (as
+        ``verl_ext.spec.tgs.reconfigure``); the others keep theirs. Where the step decodes plainly
+        (the initial selection found no method that pays at the step's batch), a request's window
+        opens, for the method that pays for a lone request, once its instance's batch has drained
+        to where that method pays. Changed windows go to the engines in one ``set_spec_windows``
+        call each (engines without it keep theirs)."""
+        from verl_ext.spec.ladder import MIN_SPEEDUP
+
+        lad = self.ladder()
+        runs = []
         for rid, live in self._live.items():
             run = live.runs[0] if live.runs and live.runs[0].original else None
-            got = self._rate(live, self._method) if run is not None and run.method is not None else None
-            if got is not None:
-                rates[rid] = (got[0], run)
-        if len(rates) < 2:
-            return
-        mean = sum(p for p, _ in rates.values()) / len(rates)
+            if run is None or run.method is None:
+                continue
+            if run.window > 0:  # measured while it drafts
+                got = self._rate(live, run.method)
+                run.rate = got[0] if got is not None else run.rate
+            runs.append((rid, run))
+        measured = [run.rate for _, run in runs if run.rate is not None]
+        mean = sum(measured) / len(measured) if measured else 0.0
         changes: dict = {}
-        for rid, (p, run) in rates.items():
-            b = max(1, pool.inflight[run.instance.name])
-            w = self._window(run.method, p if p < mean else None, b)
+        for rid, run in runs:
+            if self._method is None:  # plain at the step's batch: open where the tail method pays
+                hist = self._history.get(run.method, lad.methods[run.method].acceptance)
+                b = max(1, pool.inflight[run.instance.name])
+                w = self._window(run.method, None, b) if self._speedup(run.method, hist, b) >= MIN_SPEEDUP else 0
+            elif run.rate is not None and len(measured) >= 2 and run.rate < mean:
+                w = self._window(run.method, run.rate, 1)
+            else:
+                continue
             if w != run.window:
                 changes.setdefault(run.instance.name, {})[rid] = (w, run)
         for name, ws in changes.items():
@@ -475,6 +562,7 @@ class SpecActorStrategy(Strategy):
                 continue
             for w, run in ws.values():
                 run.window = w
+                run.drafted = run.drafted or w > 0
             self._m["reconfigured_running"] += n
 
     def _step_seconds(self, pool: InstancePool) -> Optional[float]:
