@@ -19,12 +19,15 @@ speculation planning, request-level reconfiguration, and lossless Best-of-N draf
   (``GenRequest.extra["spec_window"]``: the ladder's best window, or Algorithm 2's for a
   below-average request's copies); ``metrics()['decoupled_engine']`` is 0 to say so.
 * **Reconfiguration of running requests (Algorithm 2, ``reconfigure``).** Every ``cooldown``
-  engine steps, each running request's acceptance is estimated from its tokens per step; those
-  below the average get the ladder's best coupled window for their own rate at their instance's
-  batch, the others the window at the historical rate. Changed windows go to the engines with
-  ``Instance.set_spec_windows`` (vLLM: the drafter's ``set_windows`` op; the simulator: the
-  request's draft cap). Switching a request between coupled and decoupled mode needs a decoupled
-  engine, which vLLM lacks.
+  engine steps, each drafting request's acceptance is inferred from its tokens per step at its
+  window; those below the average get the best window for their own rate at ``b = 1`` (as
+  ``verl_ext.spec.tgs.reconfigure``), the others keep theirs. Where the step decodes plainly (no
+  method pays at the step's batch), requests carry the method that pays for a lone request with
+  window 0, and their windows open once the instance's batch has drained to where it pays.
+  Changed windows go to the engines with ``Instance.set_spec_windows`` (vLLM: the drafter's
+  ``set_windows`` op; the simulator: the request's draft cap). Switching a request between
+  coupled and decoupled mode needs a decoupled engine, which vLLM lacks; ``execution=decoupled``
+  (the simulator's ``SyntheticDrafter``) takes windows from the decoupled TGS model.
 * **Best-of-N (section 4.2, Algorithm 3, ``verl_ext.pipe.bon``).** When an instance has no
   request left, the requests with the lowest acceptance get copies on the freed instances with
   other methods, within ``b_max`` requests per instance. A copy resumes from the request's tokens
@@ -163,13 +166,12 @@ def parse_acceptance(text: str) -> dict[str, float]:
 class _Run:
     """One copy of a request on one instance (the original is the first)."""
 
-    __slots__ = ("instance", "method", "task", "prefix", "steps0", "tokens", "original", "window", "drafted", "rate")
+    __slots__ = ("instance", "method", "task", "prefix", "steps0", "tokens", "original", "window", "rate")
 
     def __init__(self, instance: Instance, method: Optional[str], prefix: list, steps0: int, original: bool = False,
                  window: int = 0):
         self.original = original
         self.window = window  # its draft window (spec_window)
-        self.drafted = window > 0  # it has drafted: its acceptance can be measured
         self.rate: Optional[float] = None  # its acceptance when last measured while drafting
         self.instance = instance
         self.method = method
@@ -506,9 +508,9 @@ class SpecActorStrategy(Strategy):
 
     def _rate(self, live: _Live, fallback: Optional[str]):
         """(acceptance per draft token, tokens so far, steps so far) of a request's original run
-        since it started, or None before ``min_tokens``: the rate whose coupled tokens per step at
-        the run's window match the measured ones (an estimate: the engines report no per-request
-        counts, and a window changed on the way blurs it)."""
+        since it started, or None before ``min_tokens``: the rate whose tokens per step at the
+        run's window (``execution``'s model) match the measured ones (an estimate: the engines
+        report no per-request counts, and a window changed on the way blurs it)."""
         tokens, steps = self._progress(live)
         if tokens is None or len(tokens) < self.options.min_tokens or steps <= 0:
             return None
@@ -562,7 +564,6 @@ class SpecActorStrategy(Strategy):
                 continue
             for w, run in ws.values():
                 run.window = w
-                run.drafted = run.drafted or w > 0
             self._m["reconfigured_running"] += n
 
     def _step_seconds(self, pool: InstancePool) -> Optional[float]:

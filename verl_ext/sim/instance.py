@@ -345,11 +345,9 @@ class SimInstance(Instance):
             if r is not None and self.drafter is not None:
                 r.window = max(0, int(w))
                 n += 1
-        if n and self._timer is not None and self._plan_caps is not None and self.running:
-            if not np.array_equal(self._draft_caps(commit=False), self._plan_caps):
-                self._touch()
-        elif n and self._timer is not None and self._plan_caps is None and self.running:
-            self._touch()  # the plan drafted k each: any window changes it
+        if n and self._timer is not None and self.running and (  # (no plan caps: it drafted k each)
+                self._plan_caps is None or not np.array_equal(self._draft_caps(commit=False), self._plan_caps)):
+            self._touch()
         return n
 
     def group_finished(self, group: str) -> None:
