@@ -11,7 +11,8 @@ from dataclasses import dataclass, field, fields
 from importlib import resources
 from typing import Any, Mapping, Optional
 
-from verl_ext.pipe.strategy import StrategyConfigError, get_strategy_class, parse_options
+from verl_ext.pipe.defer import require_carrier
+from verl_ext.pipe.strategy import StrategyConfigError, get_strategy_class
 
 _KEYS = ("strategy", "options", "seed", "trace", "history")
 _TRACE_KEYS = ("dir", "every")
@@ -151,13 +152,9 @@ class VerlExtSettings:
             raise StrategyConfigError(f"custom.verl_ext.seed must be an integer, got {seed!r}")
         # Validate eagerly (unknown strategy, unknown or ill-typed options) so that a bad config
         # fails when the manager is built, not in the middle of the first rollout.
-        parsed = parse_options(get_strategy_class(strategy).Options, options, f"strategy '{strategy}'")
-        if getattr(parsed, "inter_step", False):  # verl_ext.pipe.defer: veRL's trainers cannot carry them
-            raise StrategyConfigError(
-                f"strategy '{strategy}': options.inter_step=true defers samples to the next training step, which "
-                "verl_ext's veRL 0.9 rollout manager does not do (it returns every sample of the batch it was "
-                "given); set inter_step=false. Inter-step migration runs in `verl-ext ab --sim --pipeline "
-                "one_step_off|stream`")
+        # (constructing the strategy parses its options; strategies start nothing until ``prepare``)
+        require_carrier(get_strategy_class(strategy)(options), False,
+                        "verl_ext's veRL 0.9 rollout manager (it returns every sample of the batch it was given)")
         trace = TraceSettings.parse(raw.get("trace"))
         history = HistorySettings.parse(raw.get("history"))
         return cls(strategy=strategy, options=options, seed=seed, trace=trace, history=history)

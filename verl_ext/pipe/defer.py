@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from verl_ext.engine.instance import Completion
 from verl_ext.pipe.chunks import Chunked
+from verl_ext.pipe.strategy import StrategyConfigError
 
 #: finish reason of a partial completion whose request goes on in the next training step
 FINISH_DEFERRED = "deferred"
@@ -48,8 +49,6 @@ def require_carrier(strategy, carries: bool, where: str) -> None:
     """Refuse a strategy that defers samples (``Strategy.defers_samples``) in a driver that
     cannot carry them to the next step, with a message saying where it can run."""
     if getattr(strategy, "defers_samples", False) and not carries:
-        from verl_ext.pipe.strategy import StrategyConfigError
-
         raise StrategyConfigError(
             f"strategy '{strategy.name}': inter_step=true defers samples to the next training step, which "
             f"{where} cannot do: it changes which step (and which weights) train on a sample, so it needs an "

@@ -54,13 +54,17 @@ from verl_ext.pipe.defer import is_deferred
 from verl_ext.pipe.pool import InstancePool
 
 MODES = ("sync", "one_step_off", "stream")
-#: the ``sync`` pipeline does not carry deferred samples (``verl_ext.ab.runner.make_arm``'s carrier)
-SYNC_REFUSES = "the on-policy `sync` pipeline"
 #: default training share of a synchronous step (RhymeRL section 1: rollout takes 84-91%)
 TRAIN_SHARE = 0.15
 #: virtual seconds between a step's dispatch and its instances' gates opening: every request of
 #: the step has been routed by then (routing takes no virtual time)
 _ROUTE_S = 1e-6
+
+
+def _carrier(mode: str):
+    """``make_arm``'s carrier for an arm in ``mode``: the off-policy modes carry deferred samples
+    (None), the on-policy ``sync`` pipeline does not."""
+    return None if mode != "sync" else "the on-policy `sync` pipeline"
 
 
 def split_steps(prompt_uids: np.ndarray, rows: np.ndarray, steps: int, seed: int = 0) -> list[np.ndarray]:
@@ -379,7 +383,7 @@ def run_pipeline_arm(label: str, cfg, cost, trace, rows, history, batches, max_t
     from verl_ext.sim.source import TraceSource
     from verl_ext.spec import SCOPE_HISTORY
 
-    carrier = None if mode != "sync" else SYNC_REFUSES
+    carrier = _carrier(mode)
     first, spec = make_arm(label, cfg.spec_k, allow_history=True, cost=cost, carrier=carrier)
     if spec is not None and history is None and first.uses_history and spec.mask == SCOPE_HISTORY:
         spec = None  # no earlier epoch: nothing to draft from
@@ -469,8 +473,7 @@ def run_pipeline_ab(cfg, progress: bool = True, trace=None) -> dict:
     cost = load_cost_model(cfg.preset)
     arms = [arm_mode(label, cfg.pipeline) for label in cfg.strategies]
     for label, mode in arms:  # bad labels fail before any work
-        make_arm(label, cfg.spec_k, allow_history=True, cost=cost,
-                 carrier=None if mode != "sync" else SYNC_REFUSES)
+        make_arm(label, cfg.spec_k, allow_history=True, cost=cost, carrier=_carrier(mode))
     out = Path(cfg.out)
     _check_out_dir(out)
     trace = trace if trace is not None else load_workload(cfg)
