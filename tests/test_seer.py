@@ -13,6 +13,7 @@ from verl_ext.ab.runner import make_arm, run_strategy, split_arms
 from verl_ext.engine.instance import FINISH_LENGTH, GenRequest, SamplingSpec, chunk_seed
 from verl_ext.pipe import StrategyConfigError, make_strategy
 from verl_ext.pipe.buffer import RequestBuffer
+from verl_ext.pipe.seer import auto_chunk
 from verl_ext.rollout.dispatcher import prompt_group_id
 from verl_ext.sim.clock import run_virtual
 from verl_ext.sim.drafting import ReplayDrafter
@@ -201,6 +202,31 @@ def test_original_max_tokens_is_kept_across_chunks():
     assert strat.metrics()["chunks"] == 4 * len(tr)  # 16 + 16 + 16 + 2
 
 
+def test_auto_chunks_are_an_eighth_of_max_tokens_with_a_floor():
+    assert [auto_chunk(m) for m in (192, 8192, 10000, 16384, 65536)] == [1024, 1024, 1280, 2048, 8192]
+    assert make_strategy("seer").options.chunk_size == "auto"
+    tr = _trace(groups=2, samples=2, lo=5000, hi=6000, seed=1)
+    src = TraceSource(tr)
+
+    def run(max_tokens):
+        strat = make_strategy("seer", {"speculative": False})  # chunk_size=auto
+
+        async def main():
+            loop = asyncio.get_running_loop()
+            return await run_strategy(strat, [SimInstance("sim-0", _cost(cap=100_000), src)],
+                                      _requests(tr, max_tokens=max_tokens), lambda r, t: 0.0, clock=loop.time,
+                                      sample_telemetry=False)
+
+        arm = run_virtual(main())
+        for i, c in enumerate(arm.completions):
+            assert list(c.token_ids) == tr.response(i).tolist()[:max_tokens]
+        return strat.metrics()["chunks"]
+
+    lengths = [min(int(n), 16384) for n in tr.response_lengths()]
+    assert run(16384) == sum(-(-n // 2048) for n in lengths)  # 2,048-token chunks
+    assert run(4096) == len(tr) * 4  # 1,024-token floor: 4 chunks to the 4,096 cap
+
+
 def test_chunks_stay_on_their_prefix_instance_unless_it_is_busier():
     _, _, sticky, _ = _sim("seer", {"chunk_size": 32, "speculative": False, "affinity_slack": 1.0})
     _, _, loose, _ = _sim("seer", {"chunk_size": 32, "speculative": False, "affinity_slack": -1.0})
@@ -265,6 +291,8 @@ def test_ablation_arms_and_engine_spec():
 
 @pytest.mark.parametrize("options,match", [
     ({"chunk_size": -1}, "chunk_size"),
+    ({"chunk_size": "8k"}, "chunk_size must be 'auto' or an integer"),
+    ({"chunk_size": 1.5}, "chunk_size"),
     ({"explore": 2}, "explore"),
     ({"context": "yes"}, "context must be true or false"),
     ({"chunk": 5}, "unknown option"),

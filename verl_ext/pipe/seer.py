@@ -2,7 +2,8 @@
 grouped speculative decoding.
 
 * **Divided rollout (section 4.2).** Every sample is its own request, generated in chunks of at
-  most ``chunk_size`` tokens. After each chunk the request returns to the ``RequestBuffer``
+  most ``chunk_size`` tokens (``auto``, the default: an eighth of the request's ``max_tokens``,
+  at least ``MIN_AUTO_CHUNK``; 8,192 for the paper's 64k-token responses). After each chunk the request returns to the ``RequestBuffer``
   (``verl_ext.pipe.buffer``) and is re-submitted with its prompt plus the tokens generated so
   far, until it stops (EOS / stop token) or reaches its original ``max_tokens``. Sampling stays
   exact: a continuation is the same request with a longer prompt; the engine draws each next
@@ -59,6 +60,19 @@ logger = logging.getLogger(__name__)
 
 #: engines that report no ``max_running`` take at most this many chunks at once
 DEFAULT_MAX_RUNNING = 256
+#: ``chunk_size=auto``: chunks of an eighth of a request's ``max_tokens``, at least this many
+#: tokens (shorter requests run whole), in multiples of ``AUTO_CHUNK_ALIGN``
+MIN_AUTO_CHUNK = 1024
+AUTO_CHUNK_ALIGN = 256
+
+
+def auto_chunk(max_tokens: int) -> int:
+    """``chunk_size=auto``: an eighth of ``max_tokens`` (8,192 for Seer's 64k-token responses,
+    section 4.2), rounded up to ``AUTO_CHUNK_ALIGN``, at least ``MIN_AUTO_CHUNK``. Eight chunks
+    give the least-loaded placement eight chances per long request to rebalance the instances;
+    measured in docs/BENCHMARKS.md (seer, chunk size)."""
+    eighth = -(-int(max_tokens) // 8)
+    return max(MIN_AUTO_CHUNK, -(-eighth // AUTO_CHUNK_ALIGN) * AUTO_CHUNK_ALIGN)
 
 
 def engines_take_every_core(instances) -> bool:
@@ -79,8 +93,9 @@ def engines_take_every_core(instances) -> bool:
 class SeerOptions:
     """Knobs of ``rollout=seer`` (``custom.verl_ext.options``); the defaults follow the paper."""
 
-    #: tokens per chunk; 0 = no division (each request runs to the end in one go)
-    chunk_size: int = 8192
+    #: tokens per chunk; 0 = no division (each request runs to the end in one go); "auto": an
+    #: eighth of each request's max_tokens, at least MIN_AUTO_CHUNK (``auto_chunk``)
+    chunk_size: Union[int, str] = "auto"
     #: Algorithm 1 (probes + LFS on L_g); false = the "no-context" ablation (FIFO chunks)
     context: bool = True
     #: first request of each group is its probe (speculative request)
@@ -120,8 +135,9 @@ class SeerOptions:
     dgds_append_every: int = 16
 
     def __post_init__(self):
-        if self.chunk_size < 0:
-            raise ValueError(f"chunk_size must be >= 0 (0 = no division), got {self.chunk_size}")
+        if self.chunk_size != "auto" and (isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int)
+                                          or self.chunk_size < 0):
+            raise ValueError(f"chunk_size must be 'auto' or an integer >= 0 (0 = no division), got {self.chunk_size!r}")
         if not 0.0 <= self.explore <= 1.0:
             raise ValueError(f"explore must be in [0, 1], got {self.explore}")
         if self.lengths not in ("estimate", "oracle"):
@@ -247,6 +263,8 @@ class _Rollout:
 
     def _chunk_tokens(self, r: BufferedRequest) -> int:
         size = self.opts.chunk_size
+        if size == "auto":
+            size = auto_chunk(r.ori_max_tokens)
         return r.remaining if size == 0 else min(size, r.remaining)
 
     def _select(self, r: BufferedRequest, need: int) -> Optional[_Slots]:
