@@ -16,6 +16,7 @@ import pytest
 
 from verl_ext.spec import SCOPE_GROUP, DraftIndex
 from verl_ext.spec.dgds import DGDSClient, GroupDraftServer, import_deltas, shard_of
+from verl_ext.spec.vllm_proposer import IMPORT_REFUSED
 from _util import ProposerBatch as _Batch, make_proposer as _proposer  # noqa: E402
 
 DEPTH = 12
@@ -326,6 +327,9 @@ def test_proposer_remote_groups_and_adaptive_caps():
     server.append([("ga", "done", 0, sibling, True), ("ga", "other", 0, [7, 7], False)])
     blob, _ = server.fetch({"ga": 0})["ga"]
     assert p.rpc("import_groups", [blob, b"junk"]) == [42, -1]
+    with pytest.raises(ValueError, match=IMPORT_REFUSED):  # strict: for RPCs that return nothing
+        p.rpc("import_groups", [blob, b"junk"], True)
+    assert p.rpc("import_groups", [blob], True) == [0]  # idempotent
     assert p.rpc("group_counts", "ga") == (1, 2) and p.rpc("group_counts", ["ga", "x"]) == {"ga": (1, 2), "x": (0, 0)}
     before = p.index.dump(SCOPE_GROUP, "ga")
     b = _Batch(p)
@@ -345,7 +349,7 @@ def test_proposer_remote_groups_and_adaptive_caps():
     assert b.step()["c"] == sibling[3:11]  # alone: budget 11, capped at k=8
     assert p.index.group_counts("ga") == (1, 2) and "a" not in p._group_of
     st = p.rpc("stats")
-    assert st["imported_tokens"] == 42 and st["import_refused"] == 1 and st["import_calls"] == 1
+    assert st["imported_tokens"] == 42 and st["import_refused"] == 2 and st["import_calls"] == 3
 
 
 def test_proposer_local_groups_write_and_no_caps():
@@ -376,3 +380,35 @@ def test_proposer_group_write_switches_a_remote_engine_to_local_trees():
     assert b.step({"b": [11]})["b"] == [12, 13, 14]  # b drafts from a through the engine's own tree
     with pytest.raises(ValueError, match="true or false"):
         p.rpc("group_write", "yes")
+
+
+def test_verl_server_imports_are_strict():
+    """``ReplicaInstance.import_drafts`` over veRL's ``collective_rpc`` (which returns nothing): True
+    when taken, False when the drafter refused a delta (the client resends in full), other errors
+    raise."""
+    from verl_ext.rollout.replica_instance import ReplicaInstance
+
+    class _Rpc:
+        def __init__(self, error=None):
+            self.error, self.calls = error, []
+
+        def remote(self, method, args=()):
+            self.calls.append((method, args))
+
+            async def run():
+                if self.error is not None:
+                    raise self.error
+
+            return run()
+
+    class _Handle:
+        def __init__(self, error=None):
+            self.collective_rpc = _Rpc(error)
+
+    ok = _Handle()
+    assert asyncio.run(ReplicaInstance("s0", ok, drafting=True).import_drafts([b"x"])) is True
+    assert ok.collective_rpc.calls == [("verl_ext_drafter", ("import_groups", [b"x"], True))]
+    refused = _Handle(RuntimeError(f"worker 0: ValueError: {IMPORT_REFUSED}: 1 of 1 group deltas"))
+    assert asyncio.run(ReplicaInstance("s0", refused, drafting=True).import_drafts([b"x"])) is False
+    with pytest.raises(RuntimeError, match="gone"):
+        asyncio.run(ReplicaInstance("s0", _Handle(RuntimeError("gone")), drafting=True).import_drafts([b"x"]))

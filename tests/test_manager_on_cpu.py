@@ -4,6 +4,7 @@ agent-loop workers, single-turn agent loop, `GlobalRequestLoadBalancer` and `LLM
 only the GPU inference servers are replaced by Ray actors with deterministic outputs.
 """
 
+import asyncio
 import time
 
 import numpy as np
@@ -19,8 +20,9 @@ from _util import compose_verl  # noqa: E402
 class FakeServer:
     """`vLLMHttpServer.generate`'s signature; returns `prompt[-1] + k` tokens, k = 1 + sum(prompt) % 5."""
 
-    def __init__(self, name):
+    def __init__(self, name, delay=0.0):
         self.name = name
+        self.delay = delay  # seconds per generate call
         self.calls = 0
         self.sampling = []  # the sampling params of every request
         self.rpcs = []  # collective_rpc calls
@@ -31,9 +33,11 @@ class FakeServer:
 
         self.calls += 1
         self.sampling.append((list(prompt_ids), dict(sampling_params)))
+        if self.delay:
+            await asyncio.sleep(self.delay)
         k = 1 + sum(prompt_ids) % 5
-        tokens = [(prompt_ids[-1] + i) % 1000 + 1 for i in range(k)]
-        return TokenOutput(token_ids=tokens[: sampling_params.get("max_tokens", k)], log_probs=[-0.5] * len(tokens),
+        tokens = [(prompt_ids[-1] + i) % 1000 + 1 for i in range(k)][: sampling_params.get("max_tokens", k)]
+        return TokenOutput(token_ids=tokens, log_probs=[-0.5] * len(tokens),
                            stop_reason="completed", extra_fields={"server": self.name})
 
     async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):  # vLLMHttpServer's signature
@@ -63,7 +67,7 @@ def _batch(k):
     )
 
 
-def _v0_manager(strategy, model_dir, n, *overrides):
+def _v0_manager(strategy, model_dir, n, *overrides, delay=0.0):
     """verl_ext's V0 manager for ``rollout=<strategy>`` over two fake servers (veRL's real load balancer)."""
     from verl.workers.rollout.llm_server import LLMServerClient
     from verl.workers.rollout.router import get_router_handle
@@ -77,7 +81,7 @@ def _v0_manager(strategy, model_dir, n, *overrides):
          "actor_rollout_ref.rollout.response_length=16", "trainer.use_v1=false",
          "data.return_raw_chat=true", *overrides],
     )
-    servers = {f"s{i}": FakeServer.remote(f"s{i}") for i in range(2)}
+    servers = {f"s{i}": FakeServer.remote(f"s{i}", delay) for i in range(2)}
     lb = get_router_handle(servers=servers, router_config_path=None, full_determinism=False)
     return VerlExtAgentLoopManager.create(config=config, llm_client=LLMServerClient(config, load_balancer_handle=lb)), servers
 
@@ -168,6 +172,47 @@ def test_manager_rhyme_feeds_history_and_serves_it_next_epoch(ray_local, model_d
             break
         time.sleep(0.1)
     assert ckpt.stat().st_size > 0
+
+
+def test_manager_seer_syncs_group_trees_across_servers(ray_local, model_dir):
+    """rollout=seer with verl_ext's drafter on veRL's servers: the grouped draft server gets every
+    chunk's tokens when the chunk returns and pushes each server the deltas of the groups it runs,
+    with strict imports (collective_rpc returns nothing); the servers stop writing their own group
+    trees. Outputs are those of the same rollout without the server."""
+    from verl_ext.spec._suffix import DraftIndex
+    from verl_ext.spec.dgds import import_deltas
+
+    n, opts = 4, "actor_rollout_ref.rollout.custom.verl_ext.options"
+    outs = {}
+    for dgds in ("true", "false"):
+        manager, servers = _v0_manager("seer", model_dir, n, f"{opts}.chunk_size=2", f"{opts}.dgds={dgds}",
+                                       f"{opts}.dgds_sync_interval_s=0.01", delay=0.05)
+        # the server starts beside the first step's first chunks; the second step runs with it up
+        first = manager.generate_sequences(_batch(3).repeat(repeat_times=n, interleave=True))
+        before = manager.verl_ext_metrics().get("verl_ext/seer/dgds_tokens", 0.0)
+        out = manager.generate_sequences(_batch(3).repeat(repeat_times=n, interleave=True))
+        outs[dgds] = (first, out)
+        seen = ray.get([s.seen.remote() for s in servers.values()])
+        ops = [[args for method, args in rpcs if method == "verl_ext_drafter"] for _, rpcs in seen]
+        if dgds == "false":
+            assert not any(a[0] == "import_groups" for o in ops for a in o)
+            continue
+        time.sleep(0.5)  # the last appends are flushed on the next sync tick
+        m = manager.verl_ext_metrics()
+        assert m["verl_ext/seer/dgds_degraded"] == 0 and out.meta_info["timing"]["verl_ext/seer/chunks"] > len(out)
+        # the second step's chunks went to the server (less the last appends of each group, which
+        # are dropped with the group's tree once all of it is done)
+        assert 0 < m["verl_ext/seer/dgds_tokens"] - before <= float(out.batch["response_mask"].sum())
+        for server_ops in ops:
+            assert ("group_write", False) in server_ops
+            imports = [a for a in server_ops if a[0] == "import_groups"]
+            assert imports and all(a[2] is True for a in imports)  # strict
+            index = DraftIndex(32, 0, 1)  # the deltas are real group trees: replay them
+            applied = [import_deltas(index, a[1]) for a in imports]
+            assert min(x for a in applied for x in a) >= 0 and sum(x for a in applied for x in a) > 0
+    for with_server, without in zip(outs["true"], outs["false"]):
+        for key in ("responses", "response_mask"):
+            assert with_server.batch[key].equal(without.batch[key])
 
 
 def test_manager_rejects_bad_settings(ray_local, model_dir):

@@ -227,6 +227,32 @@ def test_auto_chunks_are_an_eighth_of_max_tokens_with_a_floor():
     assert run(4096) == len(tr) * 4  # 1,024-token floor: 4 chunks to the 4,096 cap
 
 
+def test_each_rollout_probes_its_groups_again():
+    """Inside veRL one pool serves every training step: a group's length context lasts one
+    rollout, so the same prompts in the next step (next epoch) get probes again."""
+    from verl_ext.pipe.pool import InstancePool
+
+    tr = _trace(groups=3, samples=4, seed=2)
+    src = TraceSource(tr)
+    strat = make_strategy("seer", {"chunk_size": 32, "speculative": False})
+    insts = [SimInstance(f"sim-{i}", _cost(), src) for i in range(2)]
+
+    async def main():
+        pool = InstancePool(insts, clock=asyncio.get_running_loop().time)
+        picks = []
+        for _ in range(2):  # two steps with the same prompts
+            done = await asyncio.gather(*(strat.submit(r, pool) for r in _requests(tr, max_tokens=400)))
+            assert [list(c.token_ids) for c in done] == [tr.response(i).tolist() for i in range(len(tr))]
+            st = strat._state(pool)
+            picks.append(dict(st.buffer.picks))
+            assert st.buffer.groups == {} and st.buffer.waiting == 0  # nothing kept between steps
+        return picks
+
+    first, second = run_virtual(main())
+    probe_chunks = first["sfs"]
+    assert probe_chunks >= 3 and second["sfs"] == 2 * probe_chunks  # cumulative: as many probe picks again
+
+
 def test_chunks_stay_on_their_prefix_instance_unless_it_is_busier():
     _, _, sticky, _ = _sim("seer", {"chunk_size": 32, "speculative": False, "affinity_slack": 1.0})
     _, _, loose, _ = _sim("seer", {"chunk_size": 32, "speculative": False, "affinity_slack": -1.0})

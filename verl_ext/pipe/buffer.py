@@ -174,6 +174,13 @@ class RequestBuffer:
         if self.context:
             self._push_group(g)
 
+    def forget(self, g: GroupState) -> None:
+        """Drop group ``g`` (all of it finished): a request of the same group id that arrives later
+        starts a new group, with its own probe."""
+        if self.groups.get(g.group_id) is g:
+            del self.groups[g.group_id]
+        g.version += 1  # its C_rest heap entries are stale
+
     def discard(self, r: BufferedRequest) -> None:
         """``r`` is cancelled; drop it if it is waiting."""
         if r.state != "pending":

@@ -333,10 +333,15 @@ class _Rollout:
             self.buffer.requeue(r)
             return
         self.buffer.finished(r)
+        g = r.group
+        group_done = g.finished == g.members and not g.pending
+        if group_done:
+            # the group's length context lives for one rollout: the same prompt in a later step
+            # (next epoch) is probed again (Algorithm 1), and the buffer does not grow over training
+            self.buffer.forget(g)
         if self.dgds is not None:
             self.dgds.close(r.request.group_id, r.request.request_id)
-            g = r.group
-            if g.finished == g.members and not g.pending:  # the whole group is done: free its tree
+            if group_done:  # free its tree
                 self.drops.append(asyncio.ensure_future(self.dgds.drop([g.group_id])))
         if not r.future.done():
             r.future.set_result(r.gen.result(c))
@@ -371,11 +376,26 @@ class _Rollout:
             await client.start()
             if client.degraded:
                 self.strategy._dgds_start_failures += 1
+            else:
+                await self._group_trees_from_server(targets)
             self.dgds = client
         except Exception as exc:  # drafting is an optimisation: never fail the rollout over it
             logger.warning("seer: grouped draft server unavailable (%s: %s); engines draft from their own "
                            "requests only", type(exc).__name__, exc)
             self.strategy._dgds_start_failures += 1
+
+    async def _group_trees_from_server(self, targets) -> None:
+        """With the server up, the engines stop writing their own requests into their group trees
+        (the server's copy has those tokens): veRL's servers start with engine-local trees
+        (``group_source: local`` in seer.yaml) so that they keep them where no server runs.
+        Chunks already running when the server came up keep writing theirs."""
+        for inst in targets:
+            try:
+                await inst.drafter_call("group_write", False)
+            except Exception as exc:  # drafts only: that engine's trees then hold its requests twice
+                logger.warning("seer: engine %s did not switch to the draft server's group trees (%s: %s)",
+                               inst.name, type(exc).__name__, exc)
+                self.strategy._dgds_start_failures += 1
 
     async def _local_group_trees(self, targets) -> None:
         """``dgds=auto`` on engines that take every core: no server; each engine writes its own

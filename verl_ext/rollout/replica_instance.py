@@ -10,6 +10,9 @@ When the servers run verl_ext's vLLM drafter (``drafting``), each request also c
 and prompt key in ``SamplingParams.extra_args["verl_ext"]`` (read only by the drafter, for group
 and history drafts), and ``drafter_call`` reaches the drafter through veRL's public
 ``vLLMHttpServer.collective_rpc`` (which returns nothing: calls are fire-and-check, errors raise).
+``import_drafts`` takes the grouped draft server's deltas that way; veRL's servers do not stream,
+so ``generate`` hands a chunk's tokens to ``on_tokens`` (and so to the draft server) when the
+chunk ends.
 """
 
 from __future__ import annotations
@@ -68,6 +71,21 @@ class ReplicaInstance(Instance):
         if not self.drafting:
             raise RuntimeError(f"server {self.name} runs no verl_ext drafter")
         await self.handle.collective_rpc.remote("verl_ext_drafter", args=(op, *args))
+
+    async def import_drafts(self, blobs: list) -> bool:
+        """Import grouped draft server deltas (``verl_ext.spec.dgds``) into the server's drafter.
+        ``collective_rpc`` returns nothing, so the import is strict: True when every worker took
+        every delta, False when one was refused (the client then resends those groups in full);
+        other errors raise (the client retries, then stops pushing to this server)."""
+        from verl_ext.spec.vllm_proposer import IMPORT_REFUSED
+
+        try:
+            await self.drafter_call("import_groups", list(blobs), True)
+        except Exception as exc:
+            if IMPORT_REFUSED in str(exc):
+                return False
+            raise
+        return True
 
     async def generate(self, request: GenRequest, on_tokens=None) -> Completion:
         engine_id = uuid.uuid4().hex  # veRL sends a fresh id per turn, too

@@ -24,7 +24,8 @@ Per engine step (CPU drafters run synchronously after the step's bookkeeping):
 
 Group trees come from the engine's own requests (``group_source="local"``) or from the grouped
 draft server (``"remote"``, ``verl_ext.spec.dgds``): the front end pushes the server's deltas
-with the ``import_groups`` RPC, and the engine's requests read the group trees but do not write
+with the ``import_groups`` RPC (``strict``: raise when a delta is refused, for RPC layers that
+return nothing), and the engine's requests read the group trees but do not write
 them (the server's copy already has their tokens). The ``group_write`` RPC switches an engine to
 writing them itself for requests started afterwards (``seer`` with ``dgds=auto`` where no server
 runs).
@@ -67,6 +68,8 @@ def drafts_sampled_requests() -> bool:
     return not current_platform.is_cpu() or os.environ.get("VERL_EXT_SPEC_CPU_SAMPLING") == "1"
 
 
+#: marks the error of a strict ``import_groups`` that refused deltas (matched across RPC layers)
+IMPORT_REFUSED = "verl_ext drafter refused group deltas"
 RPC_OPS = ("add_history", "add_histories", "drop_history", "save", "load", "stats", "import_groups", "group_counts",
            "group_write", "set_windows")
 
@@ -297,11 +300,15 @@ class SuffixProposer:
             return self.index.save()
         if op == "load":
             return self.index.load(args[0])
-        if op == "import_groups":  # ([group delta blobs]) -> tokens applied per blob, -1 = refused
+        if op == "import_groups":  # ([group delta blobs][, strict]) -> tokens applied per blob, -1 = refused
             out = import_deltas(self.index, args[0])
             self.import_calls += 1
             self.imported_tokens += sum(n for n in out if n > 0)
             self.import_refused += sum(n < 0 for n in out)
+            if len(args) > 1 and args[1] and any(n < 0 for n in out):
+                # for callers whose RPC drops return values (veRL's collective_rpc): the others
+                # are applied; the caller resends the refused groups in full
+                raise ValueError(f"{IMPORT_REFUSED}: {sum(n < 0 for n in out)} of {len(out)} group deltas")
             return out
         if op == "group_counts":  # (group or [groups]) -> (closed, total) or {group: (closed, total)}
             if isinstance(args[0], str):
