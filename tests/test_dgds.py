@@ -371,7 +371,7 @@ def test_proposer_group_write_switches_a_remote_engine_to_local_trees():
     b = _Batch(p)
     b.add("early", [1, 2, 3], "g")  # started before the switch: reads, never writes
     b.step()
-    assert p.rpc("group_write", True) is True
+    assert p.rpc("group_write", True) is False  # answers the previous setting
     b.add("a", [1, 2, 3], "g")
     b.add("b", [1, 2, 3], "g")
     b.step()

@@ -77,6 +77,9 @@ async def test_greedy_identity_with_chunks_migrations_and_grouped_drafts(fp32_en
     assert m["dgds_degraded"] == 0 and m["dgds_bytes_synced"] > 0
     after = [e.telemetry() for e in (seer_engine, spec_engine)]
     assert sum(a.accepted_tokens - b.accepted_tokens for a, b in zip(after, before)) > 0
+    # with the server up, the engine started with local group trees stopped writing them; the
+    # strategy gave it its setting back when it closed (the op answers the previous one)
+    assert await spec_engine.drafter_call("group_write", True) is True
 
 
 async def test_temperature_one_chunks_keep_each_token_on_its_prefix(fp32_engine, workload):
@@ -146,7 +149,8 @@ async def test_dgds_auto_on_engines_holding_every_core_drafts_from_engine_local_
         got = await _rollout(seer, [seer_engine], reqs)
         counts = await seer_engine.drafter_call("group_counts", groups)
     finally:
-        await seer_engine.drafter_call("group_write", False)  # the module's engine serves remote trees again
+        restored = await seer_engine.drafter_call("group_write", False)  # the module's engine: remote trees
+    assert restored is False  # seer gave the engine its setting back when it closed
     assert [list(c.token_ids) for c in got.completions] == [list(c.token_ids) for c in want.completions]
     m = seer.metrics()
     assert m["dgds_auto_off"] == 1 and m["dgds_start_failures"] == 0 and "dgds_syncs" not in m

@@ -210,6 +210,7 @@ class _Rollout:
         self.dgds = None
         self.dgds_task: Optional[asyncio.Task] = None
         self.drops: list = []  # pending group drops on the draft server
+        self.group_writes: list = []  # (engine, its group_write before this rollout changed it)
         self.stats = {"chunks": 0, "continuations": 0, "migrations": 0, "stays": 0, "requests": 0}
 
     # -- entry --------------------------------------------------------------------------------
@@ -390,12 +391,8 @@ class _Rollout:
         (``group_source: local`` in seer.yaml) so that they keep them where no server runs.
         Chunks already running when the server came up keep writing theirs."""
         for inst in targets:
-            try:
-                await inst.drafter_call("group_write", False)
-            except Exception as exc:  # drafts only: that engine's trees then hold its requests twice
-                logger.warning("seer: engine %s did not switch to the draft server's group trees (%s: %s)",
-                               inst.name, type(exc).__name__, exc)
-                self.strategy._dgds_start_failures += 1
+            # drafts only if it fails: that engine's trees then hold its requests twice
+            await self._group_write(inst, False, "switch to the draft server's group trees")
 
     async def _local_group_trees(self, targets) -> None:
         """``dgds=auto`` on engines that take every core: no server; each engine writes its own
@@ -403,13 +400,32 @@ class _Rollout:
         self.strategy._dgds_auto_off = 1
         logger.info("seer: dgds=auto: the drafting engines take every CPU core of this host, so no grouped "
                     "draft server runs; group trees are engine-local")
-        for inst in targets:
+        for inst in targets:  # if it fails, the engine still drafts from each request's own tokens
+            await self._group_write(inst, True, "switch to engine-local group trees")
+
+    async def _group_write(self, inst, value: bool, what: str) -> None:
+        """Set the engine drafter's ``group_write``; ``close`` restores what it was. The op answers
+        the previous setting where the RPC returns answers; veRL's servers (no answer) start with
+        engine-local trees (seer.yaml)."""
+        try:
+            before = await inst.drafter_call("group_write", value)
+        except Exception as exc:
+            logger.warning("seer: engine %s did not %s (%s: %s)", inst.name, what, type(exc).__name__, exc)
+            self.strategy._dgds_start_failures += 1
+            return
+        before = True if before is None else bool(before)
+        if before != value:
+            self.group_writes.append((inst, before))
+
+    async def _restore_group_writes(self) -> None:
+        """Engines outlive a strategy (``verl-ext ab`` arms, tests): give back their setting."""
+        writes, self.group_writes = self.group_writes, []
+        for inst, before in writes:
             try:
-                await inst.drafter_call("group_write", True)
-            except Exception as exc:  # the engine still drafts from each request's own tokens
-                logger.warning("seer: engine %s did not switch to engine-local group trees (%s: %s); it drafts "
-                               "from its requests only", inst.name, type(exc).__name__, exc)
-                self.strategy._dgds_start_failures += 1
+                await inst.drafter_call("group_write", before)
+            except Exception as exc:  # the engine may be gone already
+                logger.warning("seer: could not restore group_write=%s on engine %s (%s: %s)", before, inst.name,
+                               type(exc).__name__, exc)
 
     async def close(self) -> None:
         if self.dgds_task is not None:
@@ -420,6 +436,7 @@ class _Rollout:
             self.drops.clear()
             await dgds.stop()
             self.strategy._last_dgds = dgds.metrics()
+        await self._restore_group_writes()
 
 
 @register_strategy("seer")

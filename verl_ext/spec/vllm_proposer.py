@@ -327,8 +327,8 @@ class SuffixProposer:
         if op == "group_write":  # (bool): whether requests started from now on write their group trees
             if not isinstance(args[0], bool):
                 raise ValueError(f"group_write needs true or false, got {args[0]!r}")
-            self.group_write = args[0]
-            return self.group_write
+            before, self.group_write = self.group_write, args[0]
+            return before  # the previous setting, for callers that restore it
         if op == "stats":
             return {
                 **self.index.stats(),
