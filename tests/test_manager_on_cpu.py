@@ -67,18 +67,40 @@ def _batch(k):
     )
 
 
-def _v0_manager(strategy, model_dir, n, *overrides, delay=0.0):
+def _compose_one_step_off(overrides):
+    """veRL's one-step-off-policy trainer config (``verl.experimental.one_step_off_policy``), whose
+    search path ``file://verl/trainer/config`` is relative to the directory holding ``verl``."""
+    import os
+
+    import verl
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    package = os.path.dirname(verl.__file__)
+    cwd = os.getcwd()
+    GlobalHydra.instance().clear()
+    try:
+        os.chdir(os.path.dirname(package))
+        with initialize_config_dir(config_dir=os.path.join(package, "experimental/one_step_off_policy/config"),
+                                   version_base=None):
+            return compose(config_name="one_step_off_ppo_trainer", overrides=list(overrides))
+    finally:
+        os.chdir(cwd)
+
+
+def _v0_manager(strategy, model_dir, n, *overrides, delay=0.0, compose=compose_verl):
     """verl_ext's V0 manager for ``rollout=<strategy>`` over two fake servers (veRL's real load balancer)."""
     from verl.workers.rollout.llm_server import LLMServerClient
     from verl.workers.rollout.router import get_router_handle
 
     from verl_ext.rollout.manager import VerlExtAgentLoopManager
 
-    config = compose_verl(
+    config = compose(
         [f"rollout@actor_rollout_ref.rollout={strategy}", f"actor_rollout_ref.model.path={model_dir}",
          "actor_rollout_ref.rollout.name=vllm", f"actor_rollout_ref.rollout.n={n}",
          "actor_rollout_ref.rollout.agent.num_workers=2", "actor_rollout_ref.rollout.prompt_length=128",
-         "actor_rollout_ref.rollout.response_length=16", "trainer.use_v1=false",
+         "actor_rollout_ref.rollout.response_length=16",
+         *(["trainer.use_v1=false"] if compose is compose_verl else []),
          "data.return_raw_chat=true", *overrides],
     )
     servers = {f"s{i}": FakeServer.remote(f"s{i}", delay) for i in range(2)}
@@ -215,6 +237,31 @@ def test_manager_seer_syncs_group_trees_across_servers(ray_local, model_dir):
             assert with_server.batch[key].equal(without.batch[key])
 
 
+def test_one_step_off_policy_trainer_gets_a_dataproto(ray_local, model_dir, tmp_path):
+    """veRL's one-step-off-policy trainer builds the manager from a config with use_v1=true but no
+    TransferQueue and unions what ``generate_sequences`` returns with its own batch
+    (``OneStepOffRayTrainer._async_gen_next_batch``): the factory gives it the V0 manager."""
+    n = 2
+    manager, servers = _v0_manager("rhyme", model_dir, n, f"trainer.default_local_dir={tmp_path}",
+                                   compose=_compose_one_step_off)
+    assert type(manager).__name__ == "VerlExtAgentLoopManagerV0"
+    import torch
+    from verl import DataProto
+
+    from verl.experimental.one_step_off_policy.ray_trainer import OneStepOffRayTrainer
+
+    # the trainer's batch (the dataloader's tensors besides these), split by veRL's own code
+    batch = DataProto.from_dict(tensors={"row": torch.arange(3)}, non_tensors=dict(_batch(3).non_tensor_batch))
+    gen_batch = OneStepOffRayTrainer._get_gen_batch(None, batch)  # (does not use self)
+    out = manager.generate_sequences(gen_batch.repeat(repeat_times=n, interleave=True))
+    merged = batch.repeat(repeat_times=n, interleave=True).union(out)
+    assert merged.batch["row"].tolist() == [i for i in range(3) for _ in range(n)]
+    assert len(merged) == 3 * n and list(merged.non_tensor_batch["uid"]) == [f"uid-{i}" for i in range(3) for _ in range(n)]
+    assert merged.batch["responses"].shape[0] == 3 * n
+    assert out.meta_info["timing"]["verl_ext/requests"] == 3 * n
+    assert sum(ray.get([s.num_calls.remote() for s in servers.values()])) == 3 * n
+
+
 def test_manager_rejects_bad_settings(ray_local, model_dir):
     from verl.workers.rollout.llm_server import LLMServerClient
     from verl.workers.rollout.router import get_router_handle
@@ -238,10 +285,15 @@ def test_factory_picks_trainer_flavour():
 
     from verl_ext.rollout.manager import VerlExtAgentLoopManager
 
-    v1 = VerlExtAgentLoopManager.manager_cls(compose_verl(["rollout@actor_rollout_ref.rollout=baseline"]))
-    v0 = VerlExtAgentLoopManager.manager_cls(compose_verl(["rollout@actor_rollout_ref.rollout=baseline", "trainer.use_v1=false"]))
-    assert issubclass(v1, AgentLoopManagerTQ)  # the default trainer (use_v1=true)
-    assert issubclass(v0, AgentLoopManager) and not issubclass(v0, AgentLoopManagerTQ)
+    base = "rollout@actor_rollout_ref.rollout=baseline"
+    # main_ppo's V1 trainer (use_v1=true, the default) enables TransferQueue before building the manager
+    v1 = VerlExtAgentLoopManager.manager_cls(compose_verl([base, "transfer_queue.enable=true"]))
+    v0 = VerlExtAgentLoopManager.manager_cls(compose_verl([base, "trainer.use_v1=false"]))
+    # the one-step-off-policy trainer: its config inherits use_v1=true, it wants a DataProto back
+    off = VerlExtAgentLoopManager.manager_cls(_compose_one_step_off([base]))
+    assert issubclass(v1, AgentLoopManagerTQ)
+    for cls in (v0, off):
+        assert issubclass(cls, AgentLoopManager) and not issubclass(cls, AgentLoopManagerTQ)
 
 
 @pytest.mark.parametrize("mode", ["colocate_async", "separate_async"])
@@ -251,6 +303,7 @@ def test_async_trainers_are_refused_with_a_clear_error(mode):
     from verl_ext.pipe.strategy import StrategyConfigError
     from verl_ext.rollout.manager import VerlExtAgentLoopManager
 
-    config = compose_verl(["rollout@actor_rollout_ref.rollout=baseline", f"trainer.v1.trainer_mode={mode}"])
+    config = compose_verl(["rollout@actor_rollout_ref.rollout=baseline", "transfer_queue.enable=true",
+                           f"trainer.v1.trainer_mode={mode}"])
     with pytest.raises(StrategyConfigError, match=f"trainer_mode={mode} aborts and resumes"):
         VerlExtAgentLoopManager.manager_cls(config)

@@ -1,11 +1,13 @@
 """veRL-facing rollout manager: ``agent.agent_loop_manager_class=verl_ext.rollout.manager.VerlExtAgentLoopManager``.
 
 veRL 0.9.1 builds the manager with ``cls.create(config=, llm_client=, teacher_client=,
-reward_loop_worker_handles=)`` in both trainers: the V1 trainer (``trainer.use_v1=true``, the
-default; ``verl/trainer/main_ppo.py``) and the legacy V0 ``RayPPOTrainer``
-(``verl/trainer/ppo/ray_trainer.py``). ``VerlExtAgentLoopManager.create`` returns the matching
-subclass: of ``AgentLoopManagerTQ`` (V1, outputs go to TransferQueue) or of ``AgentLoopManager``
-(V0, ``generate_sequences`` returns a ``DataProto``).
+reward_loop_worker_handles=)`` in three trainers: the V1 trainer (``trainer.use_v1=true``, the
+default; ``verl/trainer/main_ppo.py``, which enables TransferQueue), the legacy V0
+``RayPPOTrainer`` (``verl/trainer/ppo/ray_trainer.py``) and the one-step-off-policy trainer
+(``python -m verl.experimental.one_step_off_policy.main_ppo``: rollout of step N+1 overlaps
+training of step N). ``VerlExtAgentLoopManager.create`` returns the matching subclass: of
+``AgentLoopManagerTQ`` (V1, outputs go to TransferQueue) or of ``AgentLoopManager`` (V0 and
+one-step-off, ``generate_sequences`` returns a ``DataProto``).
 
 Both subclasses keep veRL's agent loops and workers. The only change is the LLM client handed to
 the workers: ``StrategyLLMClient`` sends each ``generate`` to the ``StrategyDispatcher`` actor,
@@ -282,7 +284,12 @@ class VerlExtAgentLoopManager:
     @classmethod
     def manager_cls(cls, config) -> type:
         trainer = config.get("trainer") or {}
-        use_v1 = bool(trainer.get("use_v1", True))
+        # V1 is veRL's main_ppo with trainer.use_v1=true, which turns TransferQueue on before it
+        # builds the manager. The V0 trainer and the one-step-off-policy trainer
+        # (verl.experimental.one_step_off_policy, whose config inherits use_v1=true but not
+        # TransferQueue) take a DataProto back from generate_sequences.
+        transfer_queue = bool((config.get("transfer_queue") or {}).get("enable", False))
+        use_v1 = bool(trainer.get("use_v1", True)) and transfer_queue
         mode = (trainer.get("v1") or {}).get("trainer_mode", "sync") if use_v1 else "sync"
         if mode != "sync":
             # veRL's async trainers abort in-flight requests at weight syncs and rely on
