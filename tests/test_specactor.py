@@ -481,6 +481,55 @@ def test_decoupled_rounds_overlap_drafting_and_waste_the_window_after_a_rejectio
     assert dec.metrics["wall_s"] < coupled.metrics["wall_s"]
 
 
+def test_a_request_switched_to_coupled_drafts_before_the_verification_and_wastes_no_window():
+    """Algorithm 2's per-request mode in decoupled execution (SyntheticDrafter.set_mode): a mixed
+    step takes max(V + D_coupled, D_decoupled); only decoupled requests verify stale windows."""
+    from verl_ext.engine.instance import GenRequest, SamplingSpec
+    from verl_ext.sim.cost import load_cost_model
+    from verl_ext.sim.synthetic import SyntheticDrafter, SyntheticMethod
+    from verl_ext.spec import SpecOptions
+
+    m = {"m": SyntheticMethod(0.0, concentration=1e9, draft_cost=load_cost_model("h100-1.5b"))}  # rejects all
+    d = SyntheticDrafter(SpecOptions(k=4), m, "m", seed=1, decoupled=True)
+    target = types.SimpleNamespace(prompt_len=3, tokens=list(range(40)))
+    for key in ("c", "d"):
+        d.start(key, GenRequest(key, "g", [1, 2, 3], SamplingSpec(max_tokens=40)), target)
+    d.set_mode("c", False)
+    assert not d.is_decoupled("c") and d.is_decoupled("d")
+    drafted = np.array([4, 4])
+    alone = [d.draft_seconds(["c", "d"], np.array(x), 0.0) for x in ([4, 0], [0, 4])]
+    assert d.with_drafting(0.01, ["c", "d"], drafted, 0.0) == pytest.approx(max(0.01 + alone[0], alone[1]))
+    emitted, _ = d.step(["c", "d"], [3, 3])  # both rejected: one token each
+    emitted, drafted = d.step(["c", "d"], [4, 4])
+    assert d.stale_rounds == 1 and list(drafted) == [4, 4]  # only "d" verified its stale window
+    coupled = SyntheticDrafter(SpecOptions(k=4), m, "m", seed=1)
+    coupled.set_mode("x", False)  # coupled execution: every request is coupled already
+    with pytest.raises(ValueError, match="decoupled execution"):
+        coupled.set_mode("x", True)
+
+
+def test_algorithm_2_switches_low_acceptance_requests_to_coupled_in_decoupled_execution(tmp_path):
+    """In decoupled execution, below-average requests get the better of the best coupled and
+    the best decoupled window at b = 1; with a draft model that rejects most of their drafts,
+    coupled wins (no wasted window). Outputs are the target's."""
+    from verl_ext.sim.cost import load_cost_model
+    from verl_ext.sim.synthetic import SyntheticMethod
+
+    cost = load_cost_model("h100-7b")
+    lad = DraftLadder.build(cost, [DraftMethod("m", "model", 0.6, drafter="h100-0.5b")], max_window=8)
+    path = tmp_path / "ladder.json"
+    lad.save(path)
+    methods = {"m": SyntheticMethod(0.6, concentration=2.0)}  # rates spread between requests
+    arm, sims, st = _synthetic_run(methods, k=8, strategy="specactor", decoupled=True, instances=2,
+                                   opts={"ladder": str(path), "model_methods": True, "spec_k": 8, "min_tokens": 4,
+                                         "cooldown": 1, "best_of_n": False, "execution": "decoupled"})
+    m = st.metrics()
+    assert m["switched_coupled"] > 0 and m["reconfigured_running"] > 0
+    low = min(st._lone_request_plan("m", p)[1] for p in (0.05, 0.1))
+    assert low is False  # a low rate runs coupled at b = 1
+    assert st._lone_request_plan("m", 0.95)[1] is True  # a high one decoupled
+
+
 def test_a_copy_that_finishes_first_wins_and_the_original_is_aborted(tmp_path):
     """Best-of-N: the originals draft with a method that accepts nothing for them, the copies with
     one that accepts almost everything; copies started on freed instances finish first, win, and

@@ -15,8 +15,10 @@ simulated engine). Strategies only ever talk to instances through this contract:
   when unknown;
 * ``partial(request_id)`` (optional): the tokens a running request has generated so far, for
   engines that do not stream (``SimInstance``); None when unknown.
-* ``set_spec_windows(windows)`` (optional, async): new draft windows ``{request_id: tokens}`` for
-  running requests on a drafting engine (SpecActor's Algorithm 2); returns how many it changed.
+* ``set_spec_windows(windows, modes=None)`` (optional, async): new draft windows ``{request_id:
+  tokens}`` for running requests on a drafting engine (SpecActor's Algorithm 2), and where the
+  engine models decoupled speculation (the simulator) their modes ``{request_id: "coupled" |
+  "decoupled"}``; returns how many it changed.
 
 The contract is deliberately small so that the same strategy code runs on real engines, on
 veRL's replicas and in a trace-driven simulator. Implementations: ``verl_ext.engine.vllm_local``

@@ -208,8 +208,9 @@ class VLLMInstance(Instance):
         results = await self.engine.collective_rpc("verl_ext_drafter", args=(op, *args))
         return results[0]
 
-    async def set_spec_windows(self, windows: dict) -> int:
-        """New draft windows of running requests (the drafter's ``set_windows`` op)."""
+    async def set_spec_windows(self, windows: dict, modes: Optional[dict] = None) -> int:
+        """New draft windows of running requests (the drafter's ``set_windows`` op). vLLM speculates
+        coupled only: ``modes`` (SpecActor's per-request coupled/decoupled) do not apply here."""
         if not self.drafting:
             return 0
         return int(await self.drafter_call("set_windows", {str(k): int(v) for k, v in windows.items()}))

@@ -25,9 +25,10 @@ speculation planning, request-level reconfiguration, and lossless Best-of-N draf
   method pays at the step's batch), requests carry the method that pays for a lone request with
   window 0, and their windows open once the instance's batch has drained to where it pays.
   Changed windows go to the engines with ``Instance.set_spec_windows`` (vLLM: the drafter's
-  ``set_windows`` op; the simulator: the request's draft cap). Switching a request between
-  coupled and decoupled mode needs a decoupled engine, which vLLM lacks; ``execution=decoupled``
-  (the simulator's ``SyntheticDrafter``) takes windows from the decoupled TGS model.
+  ``set_windows`` op; the simulator: the request's draft cap). With ``execution=decoupled`` (the
+  simulator's ``SyntheticDrafter``; vLLM has no decoupled engine) a below-average request gets
+  the better of the best coupled and the best decoupled window at ``b = 1`` and runs in that
+  mode (Algorithm 2 lines 3-5; metrics ``switched_coupled`` / ``switched_decoupled``).
 * **Best-of-N (section 4.2, Algorithm 3, ``verl_ext.pipe.bon``).** When an instance has no
   request left, the requests with the lowest acceptance get copies on the freed instances with
   other methods, within ``b_max`` requests per instance. A copy resumes from the request's tokens
@@ -166,12 +167,13 @@ def parse_acceptance(text: str) -> dict[str, float]:
 class _Run:
     """One copy of a request on one instance (the original is the first)."""
 
-    __slots__ = ("instance", "method", "task", "prefix", "steps0", "tokens", "original", "window", "rate")
+    __slots__ = ("instance", "method", "task", "prefix", "steps0", "tokens", "original", "window", "rate", "decoupled")
 
     def __init__(self, instance: Instance, method: Optional[str], prefix: list, steps0: int, original: bool = False,
-                 window: int = 0):
+                 window: int = 0, decoupled: bool = False):
         self.original = original
         self.window = window  # its draft window (spec_window)
+        self.decoupled = decoupled  # its execution mode (Algorithm 2 may switch it to coupled)
         self.rate: Optional[float] = None  # its acceptance when last measured while drafting
         self.instance = instance
         self.method = method
@@ -341,15 +343,30 @@ class SpecActorStrategy(Strategy):
         key = (method, round(p, 2), 1 << max(0, int(batch) - 1).bit_length())
         got = self._dec_cache.get(key)
         if got is None:
-            from verl_ext.sim.cost import load_cost_model
             from verl_ext.spec.tgs import DECOUPLED
 
-            if self._cost is None:
-                self._cost = load_cost_model(self.ladder().target)
-            t = self.ladder().methods[method].times(self._cost, verify_gpus=self.options.verify_gpus)
+            t = self._times(method)
             w, tgs = t.best_window(key[1], key[2], DECOUPLED, g_d=1, w_max=self.options.spec_k)
             got = self._dec_cache[key] = (w, tgs / t.tgs_plain(key[2]))
         return got
+
+    def _times(self, method: str):
+        """The method's TGS times (``verl_ext.spec.tgs.SpecTimes``) against the ladder's verifier."""
+        if self._cost is None:
+            from verl_ext.sim.cost import load_cost_model
+
+            self._cost = load_cost_model(self.ladder().target)
+        return self.ladder().methods[method].times(self._cost, verify_gpus=self.options.verify_gpus)
+
+    def _lone_request_plan(self, method: str, p: float) -> tuple[int, bool]:
+        """Algorithm 2, lines 3-5, in decoupled execution: the better of the best coupled and the
+        best decoupled window for a lone request (``b = 1``) at rate ``p``: (window, decoupled)."""
+        from verl_ext.spec.tgs import COUPLED, DECOUPLED
+
+        t = self._times(method)
+        w_c, t_c = t.best_window(p, 1, COUPLED, w_max=self.options.spec_k)
+        w_d, t_d = t.best_window(p, 1, DECOUPLED, g_d=1, w_max=self.options.spec_k)
+        return (w_d, True) if t_d > t_c else (w_c, False)
 
     def _with_plan(self, request: GenRequest, method: Optional[str], window: int) -> GenRequest:
         if not self._engine_drafts:
@@ -381,7 +398,8 @@ class SpecActorStrategy(Strategy):
         batch = max(1, pool.inflight[inst.name] + 1, self._step_batch)
         method = self._method or (self._tail_method if self.options.reconfigure else None)
         window = self._window(self._method, None, batch)  # 0 while plain decoding pays more
-        run = _Run(inst, method, [], 0, original=True, window=window)
+        run = _Run(inst, method, [], 0, original=True, window=window,
+                   decoupled=self.options.execution == "decoupled")
         self._start(live, run, self._with_plan(request, method, window), pool)
         self._ensure_loop(pool)
         try:
@@ -503,7 +521,8 @@ class SpecActorStrategy(Strategy):
                 req = self._copy_request(live.request, prefix, method, window)
                 if req is None:
                     continue
-                self._start(live, _Run(inst, method, prefix, steps0, window=window), req, pool)
+                copy = _Run(inst, method, prefix, steps0, window=window, decoupled=self.options.execution == "decoupled")
+                self._start(live, copy, req, pool)
                 self._m["bon_copies"] += 1
 
     def _rate(self, live: _Live, fallback: Optional[str]):
@@ -516,7 +535,7 @@ class SpecActorStrategy(Strategy):
             return None
         run = live.runs[0]
         w = run.window if run.window > 0 else max(1, self._window(run.method or fallback, None, 1))
-        return acceptance_from_tokens(len(tokens) / steps, w, self.options.execution == "decoupled"), tokens, steps
+        return acceptance_from_tokens(len(tokens) / steps, w, run.decoupled), tokens, steps
 
     async def _reconfigure_running(self, pool: InstancePool) -> None:
         """Algorithm 2 on running requests: a request whose measured acceptance is below the
@@ -540,30 +559,41 @@ class SpecActorStrategy(Strategy):
             runs.append((rid, run))
         measured = [run.rate for _, run in runs if run.rate is not None]
         mean = sum(measured) / len(measured) if measured else 0.0
+        decoupled = self.options.execution == "decoupled"
         changes: dict = {}
         for rid, run in runs:
+            mode = run.decoupled
             if self._method is None:  # plain at the step's batch: open where the tail method pays
                 hist = self._history.get(run.method, lad.methods[run.method].acceptance)
                 b = max(1, pool.inflight[run.instance.name])
                 w = self._window(run.method, None, b) if self._speedup(run.method, hist, b) >= MIN_SPEEDUP else 0
             elif run.rate is not None and len(measured) >= 2 and run.rate < mean:
-                w = self._window(run.method, run.rate, 1)
+                if decoupled:  # Algorithm 2: the better of coupled and decoupled for this request
+                    w, mode = self._lone_request_plan(run.method, run.rate)
+                else:
+                    w = self._window(run.method, run.rate, 1)
             else:
                 continue
-            if w != run.window:
-                changes.setdefault(run.instance.name, {})[rid] = (w, run)
+            if w != run.window or mode != run.decoupled:
+                changes.setdefault(run.instance.name, {})[rid] = (w, mode, run)
         for name, ws in changes.items():
             inst = pool.instances[name]
             fn = getattr(inst, "set_spec_windows", None)
             if fn is None:
                 continue
+            windows = {rid: w for rid, (w, _, _) in ws.items()}
             try:
-                n = await fn({rid: w for rid, (w, _) in ws.items()})
+                if decoupled:  # only the simulator models decoupled execution (SyntheticDrafter)
+                    n = await fn(windows, {rid: "decoupled" if m else "coupled" for rid, (_, m, _) in ws.items()})
+                else:
+                    n = await fn(windows)
             except Exception as exc:  # a window is an optimisation: keep the old one
                 logger.warning("specactor: could not reconfigure windows on %s (%s)", name, exc)
                 continue
-            for w, run in ws.values():
-                run.window = w
+            for w, m, run in ws.values():
+                self._m["switched_coupled"] += run.decoupled and not m
+                self._m["switched_decoupled"] += m and not run.decoupled
+                run.window, run.decoupled = w, m
             self._m["reconfigured_running"] += n
 
     def _step_seconds(self, pool: InstancePool) -> Optional[float]:

@@ -336,16 +336,25 @@ class SimInstance(Instance):
             if r.left == 0:
                 self.drafter.response_done(r.request, r.target, r.pos)
 
-    async def set_spec_windows(self, windows: dict) -> int:
-        """New draft windows (``spec_window``) of running or waiting requests; a running batch
-        whose caps change ends its current plan at the next step. Returns how many changed."""
+    async def set_spec_windows(self, windows: dict, modes: Optional[dict] = None) -> int:
+        """New draft windows (``spec_window``) of running or waiting requests, and, with a drafter
+        that models decoupled execution, their ``modes`` (``{request id: "coupled" |
+        "decoupled"}``, SpecActor Algorithm 2); a running batch whose caps change ends its current
+        plan at the next step. Returns how many changed."""
         n = 0
+        set_mode = getattr(self.drafter, "set_mode", None)
+        moved = False  # a request changed mode: the step times change
         for rid, w in windows.items():
             r = self._by_id.get(str(rid))
             if r is not None and self.drafter is not None:
                 r.window = max(0, int(w))
+                if modes and str(rid) in modes and set_mode is not None:
+                    key = self._key(r)
+                    was = self.drafter.is_decoupled(key)
+                    set_mode(key, modes[str(rid)] == "decoupled")
+                    moved |= was != self.drafter.is_decoupled(key)
                 n += 1
-        if n and self._timer is not None and self.running and (  # (no plan caps: it drafted k each)
+        if n and self._timer is not None and self.running and (moved or  # (no plan caps: it drafted k each)
                 self._plan_caps is None or not np.array_equal(self._draft_caps(commit=False), self._plan_caps)):
             self._touch()
         return n

@@ -23,6 +23,9 @@ model; its Figure 6 marks drafts accepted at a given rate):
   round takes ``max(w D(b), V_w(b))``; a rejection wastes the window drafted ahead from the
   rejected prefix, so the request's next round verifies stale drafts and emits only the
   target's own token (the relaxed barrier's ``2w - 1`` wasted tokens at most).
+  **Per request** (SpecActor Algorithm 2, ``set_mode``): in decoupled execution a request can be
+  switched to coupled speculation; its drafts then run on the instance before the verification
+  (``max(V + D_coupled, D_decoupled)`` for a mixed step) and waste no window.
 
 The tokens emitted are the trace's, whatever the rates: outputs are the target's. The method of a
 request is ``GenRequest.extra["spec_method"]`` (default: ``default``); its window is the
@@ -81,6 +84,7 @@ class SyntheticDrafter:
         self.default = default
         self.seed = int(seed)
         self.decoupled = bool(decoupled)
+        self._coupled: set = set()  # decoupled execution: keys switched to coupled (Algorithm 2)
         self._req: dict[str, tuple] = {}  # key -> (method, p, end position, rng)
         self._stale: dict[str, int] = {}  # decoupled: key -> position whose round verifies a stale window
         self.stale_rounds = 0
@@ -105,6 +109,22 @@ class SyntheticDrafter:
         rng = np.random.default_rng(_seed(self.seed, request.request_id, method, target.prompt_len))
         self._req[key] = (method, p, target.prompt_len + len(target.tokens), rng)
 
+    def set_mode(self, key: str, decoupled: bool) -> None:
+        """Algorithm 2's execution mode of one request. Decoupled needs decoupled execution (the
+        instance's drafter GPU); in coupled execution every request is coupled already."""
+        if not self.decoupled:
+            if decoupled:
+                raise ValueError("a request runs decoupled only in decoupled execution (a drafter GPU per verifier)")
+            return
+        if decoupled:
+            self._coupled.discard(key)
+        else:
+            self._coupled.add(key)
+            self._stale.pop(key, None)  # nothing drafted ahead any more
+
+    def is_decoupled(self, key: str) -> bool:
+        return self.decoupled and key not in self._coupled
+
     def step(self, keys, positions, caps=None, selector=None, kv_tokens: float = 0.0):
         b = len(keys)
         ks = np.full(b, self.spec.k, dtype=np.int64) if caps is None else np.minimum(np.asarray(caps, np.int64), self.spec.k)
@@ -116,7 +136,8 @@ class SyntheticDrafter:
             w = int(min(ks[j], max(0, left - 1)))
             if w <= 0:
                 continue
-            if self.decoupled and self._stale.get(key) == pos:  # this round verifies a stale window
+            decoupled = self.is_decoupled(key)
+            if decoupled and self._stale.get(key) == pos:  # this round verifies a stale window
                 drafted[j] = w
                 self.stale_rounds += 1
                 continue
@@ -129,15 +150,23 @@ class SyntheticDrafter:
                 a = min(int(rng.geometric(1.0 - p)) - 1, w)
             emitted[j] = min(a + 1, left)
             drafted[j] = w
-            if self.decoupled and a < w:
+            if decoupled and a < w:
                 self._stale[key] = pos + int(emitted[j])
         return emitted, drafted
 
     def with_drafting(self, verify_s: float, keys, drafted: np.ndarray, kv_tokens: float) -> float:
         """A step's time with its draft models: coupled, draft then verify; decoupled, the slower
-        of the two pipelined stages."""
-        d = self.draft_seconds(keys, drafted, kv_tokens)
-        return max(verify_s, d) if self.decoupled else verify_s + d
+        of the two pipelined stages; a mixed step (Algorithm 2 switched some requests to coupled),
+        the coupled requests' drafts then the verification, beside the decoupled drafts."""
+        if not self.decoupled:
+            return verify_s + self.draft_seconds(keys, drafted, kv_tokens)
+        coupled = np.fromiter((k in self._coupled for k in keys), dtype=bool, count=len(keys))
+        if not coupled.any():
+            return max(verify_s, self.draft_seconds(keys, drafted, kv_tokens))
+        drafted = np.asarray(drafted)
+        before = self.draft_seconds(keys, np.where(coupled, drafted, 0), kv_tokens)
+        beside = self.draft_seconds(keys, np.where(coupled, 0, drafted), kv_tokens)
+        return max(verify_s + before, beside)
 
     def draft_seconds(self, keys, drafted: np.ndarray, kv_tokens: float) -> float:
         """Time the step's draft models take on the instance: per model method, ``max w`` draft
@@ -158,6 +187,7 @@ class SyntheticDrafter:
     def finish(self, key: str, pos: int) -> None:
         self._req.pop(key, None)
         self._stale.pop(key, None)
+        self._coupled.discard(key)
 
     def drop(self, key: str) -> None:
         self.finish(key, 0)
