@@ -129,7 +129,8 @@ def main(argv=None) -> int:
         row = {"instances": n, "wall_s": m["wall_s"], "vs_baseline": base / m["wall_s"], "tail_s": m.get("tail_s"),
                "tokens_per_step": m.get("tokens_per_step"), "draft_tokens": m.get("draft_tokens"),
                "strategy": {k: v for k, v in st.metrics().items() if k in ("bon_copies", "bon_wins", "reconfigured_running",
-                                                                      "selected_method", "selected_speedup")},
+                                                                      "selected_method", "selected_speedup", "switched_coupled",
+                                                                      "switched_decoupled")},
                "sim_s": time.perf_counter() - t0}
         out["arms"][label] = row
         print(f"{label:<45} {row['wall_s']:9.1f} s  {row['vs_baseline']:.3f}x  tail {row['tail_s'] or 0:7.1f} s  "
