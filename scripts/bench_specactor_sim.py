@@ -94,6 +94,8 @@ def main(argv=None) -> int:
         ("specactor, decoupled, no reconfig., no Best-of-N", "specactor",
          {"reconfigure": False, "best_of_n": False, "execution": "decoupled"}, True, True, None),
         ("+ reconfiguration (Algorithm 2)", "specactor", {"best_of_n": False, "execution": "decoupled"}, True, True, None),
+        ("+ reconfiguration, per-request modes", "specactor",
+         {"best_of_n": False, "execution": "decoupled", "switch_modes": True}, True, True, None),
         ("+ Best-of-N (Algorithm 3)", "specactor", {"execution": "decoupled"}, True, True, None),
         ("specactor, coupled (all on)", "specactor", {}, True, False, None),
     ]

@@ -522,9 +522,16 @@ def test_algorithm_2_switches_low_acceptance_requests_to_coupled_in_decoupled_ex
     methods = {"m": SyntheticMethod(0.6, concentration=2.0)}  # rates spread between requests
     arm, sims, st = _synthetic_run(methods, k=8, strategy="specactor", decoupled=True, instances=2,
                                    opts={"ladder": str(path), "model_methods": True, "spec_k": 8, "min_tokens": 4,
-                                         "cooldown": 1, "best_of_n": False, "execution": "decoupled"})
+                                         "cooldown": 1, "best_of_n": False, "execution": "decoupled",
+                                         "switch_modes": True})
     m = st.metrics()
     assert m["switched_coupled"] > 0 and m["reconfigured_running"] > 0
+    _, _, off = _synthetic_run(methods, k=8, strategy="specactor", decoupled=True, instances=2,
+                               opts={"ladder": str(path), "model_methods": True, "spec_k": 8, "min_tokens": 4,
+                                     "cooldown": 1, "best_of_n": False, "execution": "decoupled"})
+    assert off.metrics()["reconfigured_running"] > 0 and off.metrics().get("switched_coupled", 0) == 0
+    with pytest.raises(StrategyConfigError, match="switch_modes needs execution=decoupled"):
+        make_strategy("specactor", {"switch_modes": True})
     low = min(st._lone_request_plan("m", p)[1] for p in (0.05, 0.1))
     assert low is False  # a low rate runs coupled at b = 1
     assert st._lone_request_plan("m", 0.95)[1] is True  # a high one decoupled

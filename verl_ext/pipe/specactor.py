@@ -26,9 +26,10 @@ speculation planning, request-level reconfiguration, and lossless Best-of-N draf
   window 0, and their windows open once the instance's batch has drained to where it pays.
   Changed windows go to the engines with ``Instance.set_spec_windows`` (vLLM: the drafter's
   ``set_windows`` op; the simulator: the request's draft cap). With ``execution=decoupled`` (the
-  simulator's ``SyntheticDrafter``; vLLM has no decoupled engine) a below-average request gets
-  the better of the best coupled and the best decoupled window at ``b = 1`` and runs in that
-  mode (Algorithm 2 lines 3-5; metrics ``switched_coupled`` / ``switched_decoupled``).
+  simulator's ``SyntheticDrafter``; vLLM has no decoupled engine) and ``switch_modes``, a
+  below-average request gets the better of the best coupled and the best decoupled window at
+  ``b = 1`` and runs in that mode (Algorithm 2 lines 3-5; metrics ``switched_coupled`` /
+  ``switched_decoupled``); without it, its best decoupled window.
 * **Best-of-N (section 4.2, Algorithm 3, ``verl_ext.pipe.bon``).** When an instance has no
   request left, the requests with the lowest acceptance get copies on the freed instances with
   other methods, within ``b_max`` requests per instance. A copy resumes from the request's tokens
@@ -107,9 +108,14 @@ class SpecActorOptions:
     #: (``GenRequest.extra["spec_method"]``): the simulator's ``SyntheticDrafter``; a vLLM engine
     #: speculates with one method, so real engines use the suffix methods only
     model_methods: bool = False
+    #: with execution=decoupled, Algorithm 2 also picks each below-average request's mode: the
+    #: better of its best coupled and best decoupled window at b = 1 (lines 3-5). Off by default:
+    #: measured slower in the simulator (docs/BENCHMARKS.md), since a coupled request's draft
+    #: steps run before every verification of its whole batch, which the b = 1 model leaves out
+    switch_modes: bool = False
 
     def __post_init__(self):
-        for name in ("speculation", "best_of_n", "reconfigure", "model_methods"):
+        for name in ("speculation", "best_of_n", "reconfigure", "model_methods", "switch_modes"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not 1 <= self.spec_k <= 128:
@@ -121,6 +127,8 @@ class SpecActorOptions:
         parse_acceptance(self.acceptance)
         if self.execution not in ("coupled", "decoupled"):
             raise ValueError(f"execution must be 'coupled' or 'decoupled', got {self.execution!r}")
+        if self.switch_modes and self.execution != "decoupled":
+            raise ValueError("switch_modes needs execution=decoupled (requests can only switch out of decoupled mode)")
 
 
 def acceptance_from_tokens(tokens_per_step: float, window: int, decoupled: bool = False) -> float:
@@ -568,7 +576,7 @@ class SpecActorStrategy(Strategy):
                 b = max(1, pool.inflight[run.instance.name])
                 w = self._window(run.method, None, b) if self._speedup(run.method, hist, b) >= MIN_SPEEDUP else 0
             elif run.rate is not None and len(measured) >= 2 and run.rate < mean:
-                if decoupled:  # Algorithm 2: the better of coupled and decoupled for this request
+                if self.options.switch_modes:  # Algorithm 2: the better of coupled and decoupled
                     w, mode = self._lone_request_plan(run.method, run.rate)
                 else:
                     w = self._window(run.method, run.rate, 1)
