@@ -2,13 +2,14 @@
 grouped speculative decoding.
 
 * **Divided rollout (section 4.2).** Every sample is its own request, generated in chunks of at
-  most ``chunk_size`` tokens (``auto``, the default: an eighth of the request's ``max_tokens``,
-  at least ``MIN_AUTO_CHUNK``; 8,192 for the paper's 64k-token responses). After each chunk the request returns to the ``RequestBuffer``
-  (``verl_ext.pipe.buffer``) and is re-submitted with its prompt plus the tokens generated so
-  far, until it stops (EOS / stop token) or reaches its original ``max_tokens``. Sampling stays
-  exact: a continuation is the same request with a longer prompt; the engine draws each next
-  token from the target model given that prefix. A seeded request's later chunks get derived
-  seeds (``SamplingSpec.for_chunk``) so chunks do not reuse one random stream.
+  most ``chunk_size`` tokens (``auto``, the default: an eighth of the request's ``max_tokens``, at
+  least ``MIN_AUTO_CHUNK``; 8,192 for the paper's 64k-token responses). After each chunk the
+  request returns to the ``RequestBuffer`` (``verl_ext.pipe.buffer``) and is re-submitted with its
+  prompt plus the tokens generated so far, until it stops (EOS / stop token) or reaches its
+  original ``max_tokens``. Sampling stays exact: a continuation is the same request with a longer
+  prompt; the engine draws each next token from the target model given that prefix. A seeded
+  request's later chunks get derived seeds (``SamplingSpec.for_chunk``) so chunks do not reuse one
+  random stream.
 * **Load balancing and placement.** Each chunk goes to the least-loaded instance (load: the
   larger of its running fraction and its reserved-KV fraction); among instances within half a
   chunk of that load, to the one running the fewest of its siblings (a group's lengths are
