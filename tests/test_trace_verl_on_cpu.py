@@ -395,7 +395,8 @@ def test_v1_manager_registers_prompts_with_the_collector(ray_local, model_dir, t
         ["rollout@actor_rollout_ref.rollout=baseline", f"actor_rollout_ref.model.path={model_dir}",
          "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.n=2",
          f"actor_rollout_ref.rollout.custom.verl_ext.trace.dir={tmp_path}",
-         "actor_rollout_ref.rollout.custom.verl_ext.trace.every=2"],
+         "actor_rollout_ref.rollout.custom.verl_ext.trace.every=2",
+         "transfer_queue.enable=true"],  # as veRL's V1 main_ppo sets it before building the manager
     )
     assert VerlExtAgentLoopManager.manager_cls(config) is _v1_cls()
     lb = get_router_handle(servers={"s0": FakeServer.remote()}, router_config_path=None, full_determinism=False)
