@@ -567,7 +567,6 @@ class SpecActorStrategy(Strategy):
             runs.append((rid, run))
         measured = [run.rate for _, run in runs if run.rate is not None]
         mean = sum(measured) / len(measured) if measured else 0.0
-        decoupled = self.options.execution == "decoupled"
         changes: dict = {}
         for rid, run in runs:
             mode = run.decoupled
@@ -591,7 +590,7 @@ class SpecActorStrategy(Strategy):
                 continue
             windows = {rid: w for rid, (w, _, _) in ws.items()}
             try:
-                if decoupled:  # only the simulator models decoupled execution (SyntheticDrafter)
+                if self.options.switch_modes:  # only the simulator models decoupled execution
                     n = await fn(windows, {rid: "decoupled" if m else "coupled" for rid, (_, m, _) in ws.items()})
                 else:
                     n = await fn(windows)
