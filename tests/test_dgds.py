@@ -15,8 +15,7 @@ import numpy as np
 import pytest
 
 from verl_ext.spec import SCOPE_GROUP, DraftIndex
-from verl_ext.spec.dgds import DGDSClient, GroupDraftServer, import_deltas, shard_of
-from verl_ext.spec.vllm_proposer import IMPORT_REFUSED
+from verl_ext.spec.dgds import IMPORT_REFUSED, DGDSClient, GroupDraftServer, import_deltas, shard_of
 from _util import ProposerBatch as _Batch, make_proposer as _proposer  # noqa: E402
 
 DEPTH = 12

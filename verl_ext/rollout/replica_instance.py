@@ -77,7 +77,7 @@ class ReplicaInstance(Instance):
         ``collective_rpc`` returns nothing, so the import is strict: True when every worker took
         every delta, False when one was refused (the client then resends those groups in full);
         other errors raise (the client retries, then stops pushing to this server)."""
-        from verl_ext.spec.vllm_proposer import IMPORT_REFUSED
+        from verl_ext.spec.dgds import IMPORT_REFUSED
 
         try:
             await self.drafter_call("import_groups", list(blobs), True)

@@ -47,7 +47,7 @@ import numpy as np
 
 from verl_ext.spec._suffix import SCOPE_GROUP, SCOPE_HISTORY, DraftIndex
 from verl_ext.spec.adaptive import draft_caps
-from verl_ext.spec.dgds import import_deltas
+from verl_ext.spec.dgds import IMPORT_REFUSED, import_deltas
 from verl_ext.spec.options import MAX_K, SpecOptions, request_drafting
 from verl_ext.spec.select import cumulative_scores
 
@@ -68,8 +68,6 @@ def drafts_sampled_requests() -> bool:
     return not current_platform.is_cpu() or os.environ.get("VERL_EXT_SPEC_CPU_SAMPLING") == "1"
 
 
-#: marks the error of a strict ``import_groups`` that refused deltas (matched across RPC layers)
-IMPORT_REFUSED = "verl_ext drafter refused group deltas"
 RPC_OPS = ("add_history", "add_histories", "drop_history", "save", "load", "stats", "import_groups", "group_counts",
            "group_write", "set_windows")
 
