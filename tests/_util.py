@@ -75,10 +75,14 @@ def make_proposer(**opts):
 class ProposerBatch:
     """Drives ``SuffixProposer.propose`` like vLLM's runner: rows of prompt + generated tokens."""
 
-    def __init__(self, proposer):
+    def __init__(self, proposer, verify_drafts: bool = False):
+        """``verify_drafts``: each step's scheduler output carries the previous step's drafts as
+        the draft tokens it verifies (vLLM's ``scheduled_spec_decode_tokens``)."""
         self.p = proposer
         self.rows: dict = {}
         self.new, self.finished = [], set()
+        self.verify_drafts = verify_drafts
+        self.last: dict = {}
 
     def add(self, rid, prompt, group, history=None, **extra):
         """A new request ``rid``; ``extra``: more per-request keys (``request_id``, ``spec_window``)."""
@@ -110,11 +114,14 @@ class ProposerBatch:
             mat[i, : len(self.rows[rid])] = self.rows[rid]
         runner = SimpleNamespace(input_batch=SimpleNamespace(req_ids=ids))
         # a new row prefills its prompt in this step; the others decode one token
-        scheduled = {r: len(self.rows[r]) if any(n.req_id == r for n in self.new) else 1 for r in ids}
+        spec = {r: d for r, d in self.last.items() if d and r in self.rows} if self.verify_drafts else {}
+        scheduled = {r: len(self.rows[r]) if any(n.req_id == r for n in self.new) else 1 + len(spec.get(r, ()))
+                     for r in ids}
         sched = SimpleNamespace(finished_req_ids=self.finished, scheduled_new_reqs=self.new,
-                                num_scheduled_tokens=scheduled, scheduled_spec_decode_tokens={})
+                                num_scheduled_tokens=scheduled, scheduled_spec_decode_tokens=spec)
         self.p.bind_step(runner, sched)
         sampled = [list(emit.get(r, [0])) for r in ids] if emitted_counts else [[0]] * len(ids)
         drafts = self.p.propose(sampled, np.array([len(self.rows[r]) for r in ids]), mat)
         self.new, self.finished = [], set()
-        return dict(zip(ids, drafts))
+        self.last = dict(zip(ids, drafts))
+        return dict(self.last)

@@ -23,12 +23,17 @@ def test_ab_end_to_end(tmp_path, model_dir):
     pytest.importorskip("vllm")
     out = tmp_path / "ab"
     r = _run("ab", "--strategies", "baseline", "--out", str(out), "--prompts", "3", "--samples", "2",
-             "--max-tokens", "24", "--instances", "2", "--seed", "1", "--no-progress")
+             "--max-tokens", "24", "--instances", "2", "--seed", "1", "--repeats", "2", "--no-progress")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "baseline" in r.stdout and "tok/s" in r.stdout and "tail s" in r.stdout
     summary = json.loads((out / "summary.json").read_text())
     assert summary["schema"] == "verl_ext.ab/1" and summary["kind"] == "real"
     m = summary["strategies"]["baseline"]
+    # two rounds on fresh engines; the arm reports its median round (the faster of two)
+    rep = m["repeats"]
+    assert rep["rounds"] == 2 and len(rep["wall_s"]) == 2 and rep["wall_vs_baseline"] == [1.0, 1.0]
+    assert m["wall_s"] == rep["wall_s"][rep["median_round"]] == min(rep["wall_s"])
+    assert "wall s per round" in r.stdout
     assert set(REQUIRED_FIELDS) <= set(m)
     assert m["requests"] == 6
     assert 6 <= m["output_tokens"] <= 6 * 24
@@ -88,6 +93,8 @@ def test_ab_with_drafting_on_and_off(tmp_path, model_dir):
         (["--strategies", "baseline+spec:nope"], "unknown drafting scope 'nope'"),
         (["--strategies", "baseline+spec:history"], "the history scope drafts from an earlier epoch"),
         (["--epochs", "0"], "--epochs must be >= 1"),
+        (["--repeats", "0"], "--repeats must be >= 1"),
+        (["--sim", "--repeats", "2"], "--repeats is for real engines"),
         (["--sim", "--epochs", "2"], "--epochs is for real engines"),
         (["--strategies", "baseline+specx"], "bad arm 'baseline+specx'"),
         (["--strategies", "nope+spec"], "unknown rollout strategy 'nope'"),
@@ -121,3 +128,24 @@ def test_unwritable_out_dir(tmp_path):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "is not writable" in r.stderr, r.stderr
     assert not (ro / "sub").exists()
+
+
+def test_repeats_rotate_the_arms_and_report_the_median_round():
+    from verl_ext.ab.runner import StrategyRun, _median_round, format_repeats, round_order
+
+    arms = ["a", "b", "c"]
+    orders = [round_order(arms, r) for r in range(3)]
+    assert orders == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
+    assert all(sorted(o) == arms for o in orders) and {o[0] for o in orders} == set(arms)
+
+    def runs(walls):
+        return [StrategyRun("x", {"wall_s": w, "throughput_tok_s": 100 / w}, [], {}, [{"round": i}])
+                for i, w in enumerate(walls)]
+
+    first = runs([10.0, 12.0, 11.0])
+    other = _median_round(runs([9.0, 13.0, 9.9]), "a", first)
+    assert other.responses == [{"round": 2}] and other.metrics["wall_s"] == 9.9  # the median wall time
+    rep = other.metrics["repeats"]
+    assert rep["wall_vs_a"] == pytest.approx([0.9, 13 / 12, 0.9]) and rep["wall_vs_a_median"] == pytest.approx(0.9)
+    table = format_repeats({"strategies": {"a": _median_round(first, "a", first).metrics, "b": other.metrics}})
+    assert "b: wall s per round 9.00 13.00 9.90 (median 9.90); vs a per round 0.900 1.083 0.900 (median 0.900)" in table

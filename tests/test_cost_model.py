@@ -302,3 +302,23 @@ def test_shipped_cpu_profile_matches_its_samples():
         assert getattr(refit, k) == pytest.approx(getattr(shipped, k), rel=1e-6, abs=1e-12), k
     assert rep["r2"] == pytest.approx(raw["fit"]["r2"], abs=1e-9)
     assert math.isfinite(rep["request_latency_s"])
+
+
+def test_shipped_avx2_profile_matches_what_it_records():
+    """cpu-smollm2-avx2.json (float32 engines on AVX2-only x86): its base fields are the
+    `verl-ext profile` fit of the samples it records, and its draft costs the step-log fit of the
+    windows it records on top of that base."""
+    from verl_ext.sim import cost as cost_mod
+    from verl_ext.sim.steplog_fit import fit_draft_costs
+
+    raw = json.loads((cost_mod._preset_dir() / "cpu-smollm2-avx2.json").read_text())
+    shipped = CostModel.from_dict(raw, "cpu-smollm2-avx2")
+    base_raw = raw["fit"]["base"]
+    base = CostModel.from_dict({**base_raw["fields"]}, "base")
+    refit, rep = fit_cost_model(base_raw["fit"]["samples"], base)
+    for k in ("overhead_s", "weight_s", "token_s", "kv_token_s", "prefill_token_s"):
+        assert getattr(refit, k) == pytest.approx(getattr(shipped, k), rel=1e-6, abs=1e-12), k
+    drafts, rep = fit_draft_costs(raw["fit"]["windows"], base)
+    for k in ("draft_token_s", "draft_kv_token_s"):
+        assert getattr(drafts, k) == pytest.approx(getattr(shipped, k), rel=1e-6, abs=1e-15), k
+    assert rep["speed_factor"] == pytest.approx(raw["fit"]["speed_factor"], rel=1e-9)

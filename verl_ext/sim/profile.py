@@ -678,7 +678,11 @@ def add_cli(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0, help="prompt and sampling seed (default: %(default)s)")
     p.add_argument("--from-trace", action="append", default=None, metavar="TRACE[@EPOCH]",
                    help="fit to recorded rollouts (verl-ext trace record) instead of running engines; repeatable")
-    p.add_argument("--base", default=None, help="with --from-trace: cost model giving capacity and limits (a profile JSON or preset)")
+    p.add_argument("--from-steplog", action="append", default=None, metavar="GLOB",
+                   help="fit the draft costs (draft_token_s, draft_kv_token_s) on top of --base to drafting engines' step "
+                        "logs (engines run with VERL_EXT_STEPLOG=PREFIX write PREFIX.<pid>.jsonl; verl_ext.sim.steplog_fit)")
+    p.add_argument("--base", default=None, help="with --from-trace: cost model giving capacity and limits; with --from-steplog: "
+                                                "the cost model whose draft costs are fitted (a profile JSON or preset)")
     p.add_argument("--thresholds", nargs="*", default=None, metavar="PRESET_OR_JSON",
                    help="print the adaptive-drafting thresholds of cost models (default: every preset) and exit")
     g = p.add_argument_group("acceptance map (RLHFSpec's F, rollout=rlhfspec)")
@@ -768,6 +772,10 @@ def run_cli(args) -> int:
         return build_ladder(args)
     if args.from_trace:
         return run_from_traces(args)
+    if args.from_steplog:
+        from verl_ext.sim.steplog_fit import run_from_steplogs
+
+        return run_from_steplogs(args)
     if args.instances < 1:
         raise ValueError(f"--instances must be >= 1, got {args.instances}")
     out = Path(args.out)

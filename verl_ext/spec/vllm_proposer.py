@@ -50,6 +50,7 @@ from verl_ext.spec.adaptive import draft_caps
 from verl_ext.spec.dgds import IMPORT_REFUSED, import_deltas
 from verl_ext.spec.options import MAX_K, SpecOptions, request_drafting
 from verl_ext.spec.select import cumulative_scores
+from verl_ext.spec.steplog import StepLog
 
 
 def step_prefill_tokens(sched) -> int:
@@ -116,6 +117,7 @@ class SuffixProposer:
         self.import_calls = 0
         self.imported_tokens = 0
         self.import_refused = 0
+        self.steplog = StepLog.from_env()  # VERL_EXT_STEPLOG: per-step record for `verl-ext profile --from-steplog`
 
     # -- vLLM proposer interface ---------------------------------------------------------
     def load_model(self, *args, **kwargs) -> None:
@@ -153,6 +155,9 @@ class SuffixProposer:
         ks = np.clip(self.max_model_len - 1 - lens, 0, self.k)
         emitted = np.fromiter(map(len, sampled_token_ids), dtype=np.int64, count=b)
         ks[emitted == 0] = 0
+        if self.steplog is not None:
+            self.steplog.begin(t0, req_ids, lens, emitted, sched.scheduled_spec_decode_tokens or {},
+                               step_prefill_tokens(sched))
         if self._window and b:
             get = self._window.get
             np.minimum(ks, np.fromiter((get(r, self.k) for r in req_ids), dtype=np.int64, count=b), out=ks)
@@ -186,6 +191,8 @@ class SuffixProposer:
         self.steps += 1
         self.proposed_tokens += sum(map(len, drafts))
         self.propose_s += time.perf_counter() - t0
+        if self.steplog is not None:
+            self.steplog.end()
         return drafts
 
     def _select(self, req_ids, ks, token_ids_cpu, lens) -> list:

