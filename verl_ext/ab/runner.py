@@ -405,8 +405,8 @@ def round_order(arms: Sequence, r: int) -> list:
 
 
 def _median_round(runs: list[StrategyRun], first: str, first_runs: list[StrategyRun]) -> StrategyRun:
-    """An arm over ``--repeats`` rounds: the round with its median wall time (its records,
-    responses and metrics), plus ``repeats``: every round's wall time, throughput and wall time
+    """An arm over ``--repeats`` rounds: the round with its median wall time (the faster of the
+    two middle ones for an even count; its records, responses and metrics), plus ``repeats``: every round's wall time, throughput and wall time
     relative to the first arm's in the same round, and their medians."""
     import statistics
 
