@@ -40,13 +40,14 @@ from verl_ext.spec.steplog import read_steplog
 
 #: consecutive decode-only steps of one engine per fitted window
 WINDOW_STEPS = 6
-#: draft tokens per step that split the report's error bins
-REPORT_BINS = (0, 1, 16, 64)
+#: draft tokens per step that split the report's error bins (after a bin of windows without drafts)
+REPORT_BINS = (0, 16, 64)
 
 
 def steplog_windows(paths, window: int = WINDOW_STEPS) -> list[dict]:
     """Windows of ``window`` consecutive decode-only steps per step-log file (one engine each):
-    sums of steps, time, batch, KV, drafts and drafts x mean context."""
+    their summed time and, per step, the batch, KV tokens and draft tokens (what
+    ``CostModel.step_time`` reads)."""
     out = []
     for path in paths:
         c = read_steplog([path])
@@ -115,9 +116,9 @@ def fit_draft_costs(windows: list[dict], base: CostModel) -> tuple[CostModel, di
     per_step = D / np.asarray([w["steps"] for w in windows])
     report = {"windows": len(windows), "draft_windows": int((D > 0).sum()), "speed_factor": a,
               "draft_tokens_per_step": float(D.sum() / sum(w["steps"] for w in windows)), "bins": []}
-    edges = (*REPORT_BINS[1:], np.inf)
-    masks = [per_step == 0] + [(per_step >= lo) & (per_step < hi) for lo, hi in zip(REPORT_BINS[1:], edges[1:])]
-    labels = ["0"] + [f"{lo}-{hi:g}" if np.isfinite(hi) else f"{lo}+" for lo, hi in zip(REPORT_BINS[1:], edges[1:])]
+    edges = list(zip(REPORT_BINS, (*REPORT_BINS[1:], np.inf)))
+    masks = [per_step == 0] + [(per_step > 0) & (per_step >= lo) & (per_step < hi) for lo, hi in edges]
+    labels = ["0"] + [f"{lo}-{hi:g}" if np.isfinite(hi) else f"{lo}+" for lo, hi in edges]
     rel = {name: (a * predict_windows(model, windows) - y) / y for name, model in (("base", base), ("fitted", fitted))}
     for name, r in rel.items():  # at the logged run's speed
         report[f"{name}_mean_abs_rel_err"] = float(np.abs(r).mean())
