@@ -53,6 +53,7 @@ def _ab_parser(sub) -> None:
     g.add_argument("--pipeline", default=None, help="consecutive training steps: sync | one_step_off | stream (default: one rollout in isolation)")
     g.add_argument("--steps", type=int, default=None, help="with --pipeline: training steps the epoch's prompts are split into (default: 8)")
     g.add_argument("--t-train", type=float, default=None, help="with --pipeline: seconds per training step (default: 15%% of a synchronous baseline step)")
+    g.add_argument("--kv-pool-gbps", type=float, default=None, help="arms named <strategy>@kvpool run with a cluster KV pool (a KV connector: Seer's global KVCache pool): contexts an instance lacks load at the preset's KV bytes per token over this link bandwidth per GPU, GB/s, instead of being prefilled again (default: 25)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,7 +133,7 @@ def _run_sim(args) -> int:
         epoch=args.epoch,
         max_tokens=args.max_tokens,
         out=args.out or "runs/ab_sim",
-        **_given(args, "instances", "preset", "steps", "t_train"),
+        **_given(args, "instances", "preset", "steps", "t_train", "kv_pool_gbps"),
     )
     summary = run_sim_ab(cfg, progress=not args.no_progress)
     if cfg.pipeline is not None:
@@ -148,7 +149,8 @@ def _run_sim(args) -> int:
 def _run_ab(args) -> int:
     from verl_ext.ab.runner import run_ab
 
-    for flag in ("trace", "similarity", "mean_len", "max_len", "epoch", "replay", "pipeline", "steps", "t_train"):
+    for flag in ("trace", "similarity", "mean_len", "max_len", "epoch", "replay", "pipeline", "steps", "t_train",
+                 "kv_pool_gbps"):
         if getattr(args, flag) is not None:
             raise ValueError(f"--{flag.replace('_', '-')} needs --sim")
     cfg = ABConfig(

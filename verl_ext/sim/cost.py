@@ -81,7 +81,7 @@ import numbers
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -315,6 +315,20 @@ def _load_json(text: str, where: str) -> dict:
 def load_cost_model(name_or_path: str) -> CostModel:
     """A preset by name (see :func:`available_presets`), or a JSON file by path (e.g. one
     written by ``verl-ext profile``). Unknown names raise ``PresetError`` listing the presets."""
+    d, where = _read_preset(name_or_path)
+    return CostModel.from_dict(d, where=where)
+
+
+def preset_derivation(name_or_path: str) -> Optional[dict]:
+    """The ``derivation`` section of a preset or cost-model file (GPU presets: the inputs of
+    :func:`derive_roofline`), or None where it has none."""
+    d, _ = _read_preset(name_or_path)
+    der = d.get("derivation") if isinstance(d, dict) else None
+    return der if isinstance(der, dict) else None
+
+
+def _read_preset(name_or_path: str) -> tuple[dict, str]:
+    """(the JSON object, where it came from) of a preset name or a cost-model file."""
     if not isinstance(name_or_path, (str, Path)) or not str(name_or_path).strip():
         raise PresetError(f"cost model: expected a preset name or a JSON path, got {name_or_path!r}")
     key = str(name_or_path)
@@ -327,12 +341,13 @@ def load_cost_model(name_or_path: str) -> CostModel:
             text = path.read_text(encoding="utf-8")
         except OSError as exc:
             raise PresetError(f"cost model file '{key}' cannot be read ({exc.strerror or exc})") from None
-        return CostModel.from_dict(_load_json(text, f"cost model file '{key}'"), where=f"cost model file '{key}'")
+        where = f"cost model file '{key}'"
+        return _load_json(text, where), where
     names = available_presets()
     if key not in names:
         raise PresetError(f"unknown cost-model preset '{key}'; available: {', '.join(names)} (or a path to a JSON file)")
     where = f"preset '{key}'"
-    return CostModel.from_dict(_load_json((_preset_dir() / f"{key}.json").read_text(encoding="utf-8"), where), where=where)
+    return _load_json((_preset_dir() / f"{key}.json").read_text(encoding="utf-8"), where), where
 
 
 # -- GPU presets from published numbers -----------------------------------------------------------

@@ -27,6 +27,11 @@ It models one vLLM engine's continuous batching in virtual time (``verl_ext.sim.
   full, so its blocks are reused at once) and prompts shared between a group's samples.
   Counters: ``prefix_hit_tokens``, ``prefill_tokens`` (tokens actually prefilled, recompute
   after preemption included), ``prefix_evicted_tokens``; ``prefix_cached_tokens`` now.
+* A cluster-wide KV pool (``kv_pool``, a ``verl_ext.sim.kv_pool.KVPool`` shared by the instances;
+  off by default): every request's KV is saved to it when the request leaves the batch (a
+  preemption too), and an admitted request whose context is not cached here loads the missing
+  whole blocks from it instead of prefilling them; the load time is added to that step.
+  Counter: ``pool_loaded_tokens``.
 * Adaptive drafting (``SpecOptions.adaptive`` with ``knee_tokens > 0``, Seer section 4.4): every
   planned step caps each running request's draft at ``draft_caps(k, B, knee_tokens, f,
   sibling_boost)`` (``verl_ext.spec.adaptive``), ``B`` the running batch and ``f`` the fraction
@@ -57,7 +62,7 @@ from typing import Optional
 
 import numpy as np
 
-from verl_ext.engine.instance import FINISH_ABORT, Completion, GenRequest, Instance, Telemetry
+from verl_ext.engine.instance import FINISH_ABORT, FINISH_LENGTH, Completion, GenRequest, Instance, Telemetry
 from verl_ext.sim.drafting import split_schedules
 from verl_ext.sim.source import Target, TokenView, TraceSource
 from verl_ext.spec.adaptive import draft_caps
@@ -89,7 +94,7 @@ class SimInstance(Instance):
     prefix_block = 16
 
     def __init__(self, name: str, cost, source: TraceSource, drafter=None, record_timeline: bool = True,
-                 prefix_caching: bool = True):
+                 prefix_caching: bool = True, kv_pool=None):
         self.name = name
         self.cost = cost
         self.source = source
@@ -124,6 +129,10 @@ class SimInstance(Instance):
         self.prefix_hit_tokens = 0  # cumulative: prefill tokens skipped thanks to the cache
         self.prefill_tokens = 0  # cumulative: tokens prefilled (prompts, continuations, recompute)
         self.prefix_evicted_tokens = 0  # cumulative: cached tokens evicted for room
+        # the cluster's KV pool (a KV connector), shared with the other instances
+        self.kv_pool = kv_pool
+        self._load_s = 0.0  # this step's KV loads from the pool, seconds
+        self.pool_loaded_tokens = 0  # cumulative: context tokens loaded from the pool instead of prefilled
         # adaptive drafting
         spec = drafter.spec if drafter is not None else None
         self._adaptive = bool(spec is not None and spec.adaptive and spec.knee_tokens > 0)
@@ -324,10 +333,15 @@ class SimInstance(Instance):
         self.running.remove(r)
         if self._adaptive_f:
             self._groups[r.request.group_id] -= 1
+        key = (r.request.group_id, r.request.sample_index)
         if self.prefix_caching and r.kv:
-            key = (r.request.group_id, r.request.sample_index)
             self.prefix_cached_tokens += r.kv - self._pcache.pop(key, 0)
             self._pcache[key] = r.kv
+        if self.kv_pool is not None:
+            if r.left == 0 and r.target.finish_reason != FINISH_LENGTH:  # finished for good: released
+                self.kv_pool.drop(key)
+            else:  # a chunk's end or an abort: the request may go on, here or elsewhere
+                self.kv_pool.save(key, r.kv)
         self._kv -= r.kv
         r.kv = 0
         if self.drafter is not None:
@@ -406,10 +420,13 @@ class SimInstance(Instance):
             if self._adaptive_f:
                 self._groups[victim.request.group_id] -= 1
             self._kv -= victim.kv
+            if self.kv_pool is not None:  # the connector saved what was computed
+                self.kv_pool.save((victim.request.group_id, victim.request.sample_index), victim.kv)
             victim.kv = 0
             self.waiting.appendleft(victim)
             self.preemptions += 1
         prefill = 0
+        load = 0
         self._admit_next_step = False
         while self.waiting and len(self.running) < cost.max_num_seqs:
             r = self.waiting[0]
@@ -419,7 +436,9 @@ class SimInstance(Instance):
             key = (r.request.group_id, r.request.sample_index)
             cached = self._pcache.get(key, 0)
             hit = min(cached, ctx - 1) // self.prefix_block * self.prefix_block if cached else 0
-            if prefill and prefill + ctx - hit > cost.max_batched_tokens:
+            pooled = self.kv_pool.held(key) if self.kv_pool is not None else 0
+            from_pool = max(0, min(pooled, ctx - 1) // self.prefix_block * self.prefix_block - hit)
+            if prefill and prefill + ctx - hit - from_pool > cost.max_batched_tokens:
                 self._admit_next_step = True  # the step's prefill budget is spent; the next step admits more
                 break
             self.waiting.popleft()
@@ -429,7 +448,8 @@ class SimInstance(Instance):
                 self.prefix_hit_tokens += hit
             r.kv = ctx
             self._kv += ctx
-            prefill += ctx - hit
+            prefill += ctx - hit - from_pool
+            load += from_pool
             self.running.append(r)
             if self._adaptive_f:
                 self._groups[r.request.group_id] += 1
@@ -443,6 +463,8 @@ class SimInstance(Instance):
         self.kv_peak = max(self.kv_peak, self._kv)
         self._prefill = prefill
         self.prefill_tokens += prefill
+        self._load_s = self.kv_pool.load(load) if load else 0.0
+        self.pool_loaded_tokens += load
 
     def _make_plan(self) -> None:
         cost = self.cost
@@ -493,6 +515,7 @@ class SimInstance(Instance):
         tau = np.asarray(tau, dtype=np.float64).copy()
         if P0:
             tau[0] = cost.step_time(B, self._kv, P0, 0 if D is None else D[:, 0].sum())
+        tau[0] += self._load_s
         drafting = getattr(self.drafter, "with_drafting", None)
         if drafting is not None and self.drafter.per_step and D is not None:  # draft models' time (synthetic)
             tau[0] = drafting(float(tau[0]), [self._key(r) for r in self.running], D[:, 0], float(self._kv))

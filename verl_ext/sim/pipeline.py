@@ -449,6 +449,8 @@ def arm_mode(label: str, default: str) -> tuple[str, str]:
     base, at, mode = label.rpartition("@")
     if not at:
         return label, default
+    if mode == "kvpool":
+        raise ValueError(f"arm '{label}': @kvpool arms run in single-rollout simulations (no --pipeline)")
     if mode not in MODES:
         raise ValueError(f"arm '{label}': unknown pipeline mode '{mode}'; valid: {list(MODES)}")
     return base, mode

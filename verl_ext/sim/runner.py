@@ -25,6 +25,29 @@ from verl_ext.ab.runner import _check_out_dir, make_arm, run_strategy, validate_
 from verl_ext.engine.instance import GenRequest, SamplingSpec
 from verl_ext.pipe.oracle import TRUE_LEN
 from verl_ext.sim.defaults import DEFAULT_INSTANCES, DEFAULT_PRESET, DEFAULT_SYNTH
+from verl_ext.sim.kv_pool import DEFAULT_POOL_BW
+
+#: an arm label ending in this runs its instances with a cluster KV pool (``verl_ext.sim.kv_pool``)
+KV_POOL_SUFFIX = "@kvpool"
+
+
+def split_kv_pool(label: str) -> tuple[str, bool]:
+    """(the strategy label, whether the arm runs with a KV pool) of a ``--strategies`` entry."""
+    if label.endswith(KV_POOL_SUFFIX):
+        return label[: -len(KV_POOL_SUFFIX)], True
+    return label, False
+
+
+def make_kv_pool(cfg: "SimConfig"):
+    """A fresh cluster KV pool for one arm: the preset's KV bytes per token over ``cfg.kv_pool_gbps``."""
+    from verl_ext.sim.cost import preset_derivation
+    from verl_ext.sim.kv_pool import KVPool, kv_bytes_per_token
+
+    der = preset_derivation(cfg.preset)
+    if der is None:
+        raise ValueError(f"arms with {KV_POOL_SUFFIX} need a cost model with a 'derivation' section (the GPU presets) "
+                         f"for the KV bytes per token; '{cfg.preset}' has none")
+    return KVPool(kv_bytes_per_token(der) / (cfg.kv_pool_gbps * 1e9))
 
 
 
@@ -47,6 +70,8 @@ class SimConfig:
     pipeline: Optional[str] = None
     steps: int = 8  # with pipeline: the epoch's prompts in this many training steps
     t_train: Optional[float] = None  # with pipeline: seconds per training step (None: 15% of a sync step)
+    #: ``<arm>@kvpool`` arms: the cluster KV pool's link bandwidth per GPU, GB/s (``verl_ext.sim.kv_pool``)
+    kv_pool_gbps: float = DEFAULT_POOL_BW / 1e9
 
     def validate(self) -> None:
         validate_strategies(self.strategies)
@@ -58,6 +83,8 @@ class SimConfig:
             raise ValueError(f"unknown replay mode '{self.replay}'; valid: {list(MODES)}")
         if self.max_tokens is not None and self.max_tokens <= 0:
             raise ValueError(f"--max-tokens must be > 0, got {self.max_tokens}")
+        if not (self.kv_pool_gbps > 0 and self.kv_pool_gbps != float("inf")):
+            raise ValueError(f"--kv-pool-gbps must be a number of GB/s > 0, got {self.kv_pool_gbps}")
         if self.pipeline is not None:
             from verl_ext.sim.pipeline import MODES as PIPELINE_MODES
 
@@ -131,8 +158,9 @@ def run_sim_ab(cfg: SimConfig, progress: bool = True, trace=None) -> dict:
     cost = load_cost_model(cfg.preset)
     arms = []
     for label in cfg.strategies:
-        strategy, spec = make_arm(label, cfg.spec_k, allow_history=True, cost=cost)
-        arms.append((label, strategy, spec))
+        base, pooled = split_kv_pool(label)
+        strategy, spec = make_arm(base, cfg.spec_k, allow_history=True, cost=cost)
+        arms.append((label, strategy, spec, make_kv_pool(cfg) if pooled else None))
     out = Path(cfg.out)
     _check_out_dir(out)
     t_load = time.perf_counter()
@@ -143,9 +171,9 @@ def run_sim_ab(cfg: SimConfig, progress: bool = True, trace=None) -> dict:
     load_s = time.perf_counter() - t_load
 
     results = []
-    for label, strategy, spec in arms:
+    for label, strategy, spec, kv_pool in arms:
         results.append(run_arm(label, strategy, spec, trace, rows, history, cost, cfg.instances, cfg.replay, requests,
-                               seed=cfg.seed, progress=progress))
+                               seed=cfg.seed, progress=progress, kv_pool=kv_pool))
     _add_ratios(results)
     summary = {
         "schema": SCHEMA,
@@ -184,9 +212,10 @@ def trace_history(trace, epoch: int):
 
 
 def run_arm(label, strategy, spec, trace, rows, history, cost, instances: int, replay: str, requests,
-            seed: int = 0, progress: bool = False, record_timeline: bool = True) -> SimArm:
+            seed: int = 0, progress: bool = False, record_timeline: bool = True, kv_pool=None) -> SimArm:
     """One strategy (with its drafting options ``spec`` or None) over trace ``rows`` on
-    ``instances`` simulated instances of ``cost``; ``history`` feeds the history scope.
+    ``instances`` simulated instances of ``cost``; ``history`` feeds the history scope;
+    ``kv_pool``: the instances' shared ``KVPool`` (None: none).
     ``metrics["sim_seconds"]`` is the simulator's own wall time, draft replay included."""
     from verl_ext.sim.clock import run_virtual
     from verl_ext.sim.drafting import make_drafter
@@ -206,7 +235,7 @@ def run_arm(label, strategy, spec, trace, rows, history, cost, instances: int, r
         epoch = int(trace.epoch[rows[0]]) if len(rows) else 0
         strategy.set_history(LocalHistory(trace_history(trace, epoch)))
         strategy.begin_step(epoch + 1)
-    sims = [SimInstance(f"sim-{i}", cost, source, drafter, record_timeline) for i in range(instances)]
+    sims = [SimInstance(f"sim-{i}", cost, source, drafter, record_timeline, kv_pool=kv_pool) for i in range(instances)]
     rewards = {i: float(trace.reward[i]) for i in rows.tolist()}
     lengths = trace.response_lengths()
 
@@ -238,6 +267,8 @@ def run_arm(label, strategy, spec, trace, rows, history, cost, instances: int, r
     metrics["preemptions"] = sum(i.preemptions for i in sims)
     metrics["prefill_tokens"] = sum(i.prefill_tokens for i in sims)
     metrics["prefix_hit_tokens"] = sum(i.prefix_hit_tokens for i in sims)
+    if kv_pool is not None:
+        metrics.update(kv_pool.stats())
     metrics["kv_peak_fraction"] = max(i.kv_peak for i in sims) / cost.kv_capacity_tokens
     metrics["busy_fraction"] = sum(i.busy_s for i in sims) / (len(sims) * metrics["wall_s"]) if metrics["wall_s"] else None
     if spec is not None:
