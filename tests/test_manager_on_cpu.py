@@ -262,6 +262,29 @@ def test_one_step_off_policy_trainer_gets_a_dataproto(ray_local, model_dir, tmp_
     assert sum(ray.get([s.num_calls.remote() for s in servers.values()])) == 3 * n
 
 
+def test_one_step_off_generations_are_numbered_as_steps(ray_local, model_dir, tmp_path):
+    """The one-step-off-policy trainer starts generation 2 before step 1 ends and passes
+    ``global_steps`` 1 to both (``_async_gen_next_batch``): the manager numbers generation 2 as
+    step 2, so rollout=rhyme plans it from generation 1's history (here the same prompts: the
+    dataset's next epoch), as in the synchronous trainer."""
+    n = 2
+    manager, _ = _v0_manager("rhyme", model_dir, n, f"trainer.default_local_dir={tmp_path}",
+                             compose=_compose_one_step_off)
+    outs = []
+    for global_steps in (1, 1, 2):  # what the trainer passes to generations 1, 2, 3
+        gen = _batch(4).repeat(repeat_times=n, interleave=True)
+        gen.meta_info["global_steps"] = global_steps
+        outs.append(manager.generate_sequences(gen).meta_info["timing"])
+    assert outs[0]["verl_ext/rhyme/histopipe_active"] == 0  # no history yet
+    for m in outs[1:]:
+        assert m["verl_ext/rhyme/histopipe_active"] == 1 and m["verl_ext/rhyme/history_prompts"] == 4
+    assert manager._verl_ext_last_step == 3
+    val = _batch(4).repeat(repeat_times=n, interleave=True)
+    val.meta_info.update(global_steps=3, validate=True)  # validation does not count
+    manager.generate_sequences(val)
+    assert manager._verl_ext_last_step == 3
+
+
 def test_manager_rejects_bad_settings(ray_local, model_dir):
     from verl.workers.rollout.llm_server import LLMServerClient
     from verl.workers.rollout.router import get_router_handle

@@ -165,14 +165,29 @@ class _VerlExtManagerMixin:
             # after veRL's __init__, which sets the worker class; V1 workers feed the history
             self.agent_loop_workers_class = ray.remote(self._verl_ext_worker_cls())
 
-    def _verl_ext_begin_step(self, step, validate: bool) -> None:
-        """Tell the dispatcher which training step the next requests belong to (history strategies)."""
-        if not self.verl_ext_history or validate or step is None:
-            return
+    def _verl_ext_begin_step(self, step, validate: bool):
+        """Tell the dispatcher which training step the next requests belong to (history
+        strategies); returns that step (None for validation or where the trainer gives none).
+
+        veRL's trainers pass ``meta_info["global_steps"]``. The one-step-off-policy trainer
+        starts generation k + 1 before step k ends, so it passes 1 to generations 1 and 2, and
+        k - 1 to generation k: a training generation whose step is not past the last one's is
+        the next step (else HistoPipe would replan nothing and the history would file two
+        generations under one step). veRL 0.9's synchronous trainers generate once per step."""
+        if validate or step is None:
+            return None
+        step = int(step)
+        last = getattr(self, "_verl_ext_last_step", None)
+        if last is not None and step <= last:
+            step = last + 1
+        self._verl_ext_last_step = step
+        if not self.verl_ext_history:
+            return step
         try:
             ray.get(self.verl_ext_dispatcher.begin_step.remote(int(step)), timeout=self.verl_ext_settings.history.timeout_s * 3)
         except Exception as exc:  # the strategy then plans with the previous step's view
             logger.error("verl_ext: could not start step %s in the dispatcher (%s: %s)", step, type(exc).__name__, exc)
+        return step
 
     def _verl_ext_setup_trace(self, config):
         """Trace recording (``custom.verl_ext.trace``): None when off; see ``verl_ext.trace.verl_hook``."""
@@ -217,10 +232,10 @@ class VerlExtAgentLoopManagerV0(_VerlExtManagerMixin, AgentLoopManager):
     async def generate_sequences(self, prompts):
         meta = prompts.meta_info or {}
         validate = bool(meta.get("validate", False))
-        self._verl_ext_begin_step(meta.get("global_steps"), validate)
+        step = self._verl_ext_begin_step(meta.get("global_steps"), validate)
         output = await super().generate_sequences(prompts)
         if self.verl_ext_history and not validate:
-            self._verl_ext_feed_history(meta.get("global_steps"), prompts, output)
+            self._verl_ext_feed_history(step, prompts, output)
         # veRL's V0 trainer merges meta_info["timing"] into the step's logged metrics.
         output.meta_info.setdefault("timing", {}).update(self.verl_ext_metrics())
         if self.verl_ext_trace_recorder is not None:
