@@ -700,6 +700,14 @@ def add_cli(subparsers) -> None:
     g.add_argument("--ladder-trace", default=None, metavar="TRACE[@EPOCH]", help="trace to measure suffix methods' acceptance on")
     g.add_argument("--ladder-k", type=int, default=16, help="most draft tokens per request (default: %(default)s)")
     g.add_argument("--verify-gpus", type=int, default=1, help="GPUs per verifier instance (default: %(default)s)")
+    g.add_argument("--ladder-engine", action="store_true",
+                   help="measure the ladder of the suffix --method(s) on local vLLM engines of --model instead: plain vs "
+                        "drafting instances, the verifier simulated by drafting each prompt's recorded greedy continuation "
+                        "at set acceptance rates (verl_ext.spec.ladder_engine); writes --out")
+    g.add_argument("--engine-batches", default=None, help="with --ladder-engine: batch sizes, comma-separated (default: 1,4,16,32)")
+    g.add_argument("--engine-rates", default=None, help="with --ladder-engine: acceptance rates (default: 0,0.2,0.4,0.6,0.8,0.95)")
+    g.add_argument("--engine-windows", default=None, help="with --ladder-engine: draft windows (default: 1,2,4,8)")
+    g.add_argument("--engine-max-tokens", type=int, default=128, help="with --ladder-engine: tokens per request (default: %(default)s)")
     p.set_defaults(func=run_cli)
 
 
@@ -766,6 +774,10 @@ def run_cli(args) -> int:
         from verl_ext.sim.acceptance import run_cli as fit_acceptance
 
         return fit_acceptance(args)
+    if args.ladder_engine:
+        from verl_ext.spec.ladder_engine import run_cli as measure_ladder
+
+        return measure_ladder(args)
     if args.ladder:
         from verl_ext.spec.ladder import run_cli as build_ladder
 

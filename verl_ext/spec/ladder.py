@@ -244,16 +244,10 @@ def parse_method(text: str) -> tuple[DraftMethod, bool]:
     return DraftMethod(name, kind, acc, scopes=what), measure
 
 
-def run_cli(args) -> int:
-    """``verl-ext profile --ladder PRESET_OR_JSON --method ... --out LADDER.json``."""
-    from verl_ext.sim.cost import load_cost_model
-
-    out = Path(args.out)
-    if out.suffix != ".json":
-        raise ValueError(f"--out must name a .json file, got '{out}'")
-    verifier = load_cost_model(args.ladder)
-    parsed = [parse_method(m) for m in (args.method or ["suffix=suffix:request+group@trace", "ngram=suffix:request@trace"])]
-    methods = [m for m, _ in parsed]
+def resolve_methods(args, default=("suffix=suffix:request+group@trace", "ngram=suffix:request@trace")) -> list:
+    """``--method`` values (or ``default``) as ``DraftMethod``s with their acceptance, measured on
+    ``--ladder-trace`` where the rate is ``@trace``, and suffix methods' measured proposal time."""
+    parsed = [parse_method(m) for m in (args.method or default)]
     draft_s = None
     rates = {}
     trace = None
@@ -277,16 +271,30 @@ def run_cli(args) -> int:
             rates[m.name] = trace_acceptance(trace, rows, SpecOptions(scopes=m.scopes, k=args.ladder_k))["acceptance"]
     import dataclasses
 
-    methods = [dataclasses.replace(m, acceptance=rates.get(m.name, m.acceptance),
-                                   draft_s=draft_s if m.kind == "suffix" else (0.0, 0.0)) for m in methods]
-    lad = DraftLadder.build(verifier, methods, verify_gpus=args.verify_gpus, max_window=args.ladder_k)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    lad.save(out)
-    print(f"draft ladder for {verifier.name} ({verifier.hardware}, {verifier.model}) -> {out}")
-    head = "method    acc   " + "  ".join(f"b={b:<4d}" for b in lad.batches)
-    print(head)
+    return [dataclasses.replace(m, acceptance=rates.get(m.name, m.acceptance),
+                                draft_s=draft_s if m.kind == "suffix" else (0.0, 0.0)) for m, _ in parsed]
+
+
+def print_ladder(lad: DraftLadder, out) -> None:
+    print(f"draft ladder for {lad.target} ({lad.hardware}, {lad.model}) -> {out}")
+    print("method    acc   " + "  ".join(f"b={b:<4d}" for b in lad.batches))
     for n, m in lad.methods.items():
         print(f"{n:9s} {m.acceptance:.2f}  " + "  ".join(f"{lad.lookup(n, m.acceptance, b):5.2f}x" for b in lad.batches))
     for b in lad.batches:
         print(f"initial selection at batch {b}: {lad.select(b) or 'plain decoding'}")
+
+
+def run_cli(args) -> int:
+    """``verl-ext profile --ladder PRESET_OR_JSON --method ... --out LADDER.json``."""
+    from verl_ext.sim.cost import load_cost_model
+
+    out = Path(args.out)
+    if out.suffix != ".json":
+        raise ValueError(f"--out must name a .json file, got '{out}'")
+    verifier = load_cost_model(args.ladder)
+    methods = resolve_methods(args)
+    lad = DraftLadder.build(verifier, methods, verify_gpus=args.verify_gpus, max_window=args.ladder_k)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    lad.save(out)
+    print_ladder(lad, out)
     return 0

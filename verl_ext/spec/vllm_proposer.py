@@ -13,6 +13,8 @@ Per engine step (CPU drafters run synchronously after the step's bookkeeping):
      narrows the engine's scopes for one request and ``["spec_window"]`` caps its drafts (0: none;
      SpecActor's per-request window; the ``set_windows`` RPC changes the windows of running
      requests, addressed by ``["request_id"]``: Algorithm 2's reconfiguration);
+     ``["spec_reference"]`` with ``["spec_accept"]`` drafts a request's known continuation at a
+     chosen acceptance rate instead (``verl_ext.spec.reference``; profiling the draft ladder);
   3. one native call appends every row's new tokens and proposes a draft per row, at most
      ``k`` tokens and never past ``max_model_len``; rows in a partial prefill get none. With
      ``adaptive`` on, each row's draft is further capped by ``verl_ext.spec.adaptive.draft_caps``
@@ -49,6 +51,7 @@ from verl_ext.spec._suffix import SCOPE_GROUP, SCOPE_HISTORY, DraftIndex
 from verl_ext.spec.adaptive import draft_caps
 from verl_ext.spec.dgds import IMPORT_REFUSED, import_deltas
 from verl_ext.spec.options import MAX_K, SpecOptions, request_drafting
+from verl_ext.spec.reference import ReferenceDraft
 from verl_ext.spec.select import cumulative_scores
 from verl_ext.spec.steplog import StepLog
 
@@ -95,6 +98,7 @@ class SuffixProposer:
         self.aimd = self.options.aimd_windows()  # per-request AIMD windows (RhymeRL), or None
         self._last_draft: dict[str, int] = {}  # request id -> tokens drafted for it last step
         self._window: dict[str, int] = {}  # request id -> its own draft window (SpecActor), when set
+        self._reference: dict[str, ReferenceDraft] = {}  # request id -> drafts at a set acceptance (profiling)
         self._engine_ids: dict[str, set] = {}  # verl_ext request id -> this engine's request ids of it
         self._rid_of: dict[str, str] = {}  # this engine's request id -> verl_ext's
         self.cutoff = self.options.batch_cutoff()  # HistoSpec's batch-size cut-off, or None
@@ -142,6 +146,7 @@ class SuffixProposer:
             index.finish(req_id)
             self._group_of.pop(req_id, None)
             self._window.pop(req_id, None)
+            self._reference.pop(req_id, None)
             self._forget(req_id)
             if self.aimd is not None:
                 self.aimd.drop(req_id)
@@ -186,6 +191,11 @@ class SuffixProposer:
                 max_match=self.options.max_match,
                 min_prob=self.options.min_prob,
             )
+        if self._reference and b:
+            for i, req_id in enumerate(req_ids):
+                ref = self._reference.get(req_id)
+                if ref is not None:
+                    drafts[i] = ref.draft(int(lens[i]), int(ks[i]))
         if self._track:
             self._last_draft = {r: len(d) for r, d in zip(req_ids, drafts) if d}
         self.steps += 1
@@ -273,6 +283,11 @@ class SuffixProposer:
         scopes, window = request_drafting(ident, scopes)  # per-request narrowing and window
         if window is not None:
             self._window[req_id] = window
+        if ident.get("spec_reference") is not None and scopes:
+            ref = ReferenceDraft.from_ident(ident, req_id, len(prompt) if prompt is not None else 0)
+            if ref is not None:
+                self._reference[req_id] = ref
+            scopes = 0  # its drafts come from the reference, not the trees
         if ident.get("request_id") is not None:  # set_windows addresses requests by verl_ext's id
             self._engine_ids.setdefault(str(ident["request_id"]), set()).add(req_id)
             self._rid_of[req_id] = str(ident["request_id"])
