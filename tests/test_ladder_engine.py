@@ -75,6 +75,16 @@ def test_measured_tables_take_the_fastest_window_and_load_as_a_ladder(tmp_path):
     assert back.select(8, {"ngram": 0.0, "suffix": 0.0}) is None  # no method pays: plain decoding
     with pytest.raises(LadderError, match="model-free"):
         ladder_from(m, [DraftMethod("q", "model", 0.6, drafter="h100-0.5b")], "t")
+    # specactor reads it; decoupled execution needs a verifier cost model, which it does not have
+    from verl_ext.pipe import make_strategy
+    from verl_ext.pipe.strategy import StrategyConfigError
+
+    lad = ladder_from(m, methods, "engine:toy")
+    lad.save(path)
+    assert make_strategy("specactor", {"ladder": str(path)}).select(1) == "ngram"
+    with pytest.raises(StrategyConfigError, match="measured on an engine"):
+        make_strategy("specactor", {"ladder": str(path), "execution": "decoupled"})
+    make_strategy("specactor", {"ladder": str(path), "execution": "decoupled", "profile": "cpu-smollm2"})
 
 
 @pytest.mark.engine

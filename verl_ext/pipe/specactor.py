@@ -59,6 +59,7 @@ from verl_ext.engine.instance import FINISH_ABORT, Completion, GenRequest, Insta
 from verl_ext.pipe.bon import assign_best_of_n
 from verl_ext.pipe.pool import InstancePool
 from verl_ext.pipe.strategy import Strategy, StrategyConfigError, register_strategy
+from verl_ext.spec.ladder import ENGINE_LADDER_PREFIX
 
 logger = logging.getLogger(__name__)
 
@@ -224,6 +225,11 @@ class SpecActorStrategy(Strategy):
                 self._ladder = DraftLadder.load(o.ladder)
             except LadderError as exc:
                 raise StrategyConfigError(f"strategy 'specactor': {exc}") from exc
+            if o.execution == "decoupled" and not o.profile and self._ladder.target.startswith(ENGINE_LADDER_PREFIX):
+                raise StrategyConfigError(
+                    f"strategy 'specactor': execution=decoupled plans from the verifier's cost model, and the ladder "
+                    f"{o.ladder} was measured on an engine ({self._ladder.target}); set options.profile to that "
+                    f"engine's cost model, or use a `verl-ext profile --ladder PRESET` ladder")
         self._history = parse_acceptance(o.acceptance)
         self._method: Optional[str] = None  # the initial selection (None: plain decoding)
         self._engine_drafts: Optional[bool] = None  # whether the engines were started with a drafter

