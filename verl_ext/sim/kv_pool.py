@@ -56,10 +56,9 @@ class KVPool:
 
     def save(self, key: Hashable, tokens: int) -> None:
         """The request ``key`` left an instance holding ``tokens`` context tokens of KV."""
-        old = self._held.pop(key, 0)
         if tokens <= 0:
-            self.held_tokens -= old
             return
+        old = self._held.pop(key, 0)
         self._held[key] = max(old, tokens)
         self.saved_tokens += max(0, tokens - old)
         self.held_tokens += self._held[key] - old
