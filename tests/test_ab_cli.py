@@ -23,11 +23,12 @@ def test_ab_end_to_end(tmp_path, model_dir):
     pytest.importorskip("vllm")
     out = tmp_path / "ab"
     r = _run("ab", "--strategies", "baseline", "--out", str(out), "--prompts", "3", "--samples", "2",
-             "--max-tokens", "24", "--instances", "2", "--seed", "1", "--repeats", "2", "--no-progress")
+             "--max-tokens", "24", "--instances", "2", "--seed", "1", "--repeats", "2", "--dtype", "float32", "--no-progress")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "baseline" in r.stdout and "tok/s" in r.stdout and "tail s" in r.stdout
     summary = json.loads((out / "summary.json").read_text())
     assert summary["schema"] == "verl_ext.ab/1" and summary["kind"] == "real"
+    assert summary["config"]["engine"]["dtype"] == "float32"
     m = summary["strategies"]["baseline"]
     # two rounds on fresh engines; the arm reports its median round (the faster of two)
     rep = m["repeats"]
@@ -96,6 +97,8 @@ def test_ab_with_drafting_on_and_off(tmp_path, model_dir):
         (["--repeats", "0"], "--repeats must be >= 1"),
         (["--sim", "--repeats", "2"], "--repeats is for real engines"),
         (["--sim", "--epochs", "2"], "--epochs is for real engines"),
+        (["--sim", "--dtype", "float32"], "--dtype is for real engines"),
+        (["--dtype", "fp8"], "--dtype must be one of auto, float32"),
         (["--strategies", "baseline+specx"], "bad arm 'baseline+specx'"),
         (["--strategies", "nope+spec"], "unknown rollout strategy 'nope'"),
         (["--spec-k", "0", "--strategies", "baseline+spec"], "spec k must be in [1, 128]"),

@@ -40,6 +40,8 @@ def _ab_parser(sub) -> None:
     p.add_argument("--spec-k", type=int, default=d.spec_k, help="most draft tokens per step in <strategy>+spec arms (default: %(default)s)")
     p.add_argument("--epochs", type=int, default=None, help=f"real engines: epochs over the same prompts, history fed between them (default: {d.epochs}; the table shows the last)")
     p.add_argument("--repeats", type=int, default=None, help="real engines: rounds over the arms, each on fresh engines, the order rotated every round; an arm reports its median round (default: 1)")
+    p.add_argument("--dtype", default=None, help="real engines: the local engines' model dtype: auto (the default: the "
+                                                  "model's, or float32 on x86 CPUs without AVX-512), float32, bfloat16 or float16")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     g = p.add_argument_group("simulation (--sim)")
     g.add_argument("--sim", action="store_true", help="simulated instances in virtual time instead of real engines")
@@ -114,6 +116,8 @@ def _run_sim(args) -> int:
             raise ValueError(f"--{flag} is for real engines; with --sim the trace decides the responses (--epoch picks one)")
     if args.repeats is not None:
         raise ValueError("--repeats is for real engines; simulated runs are deterministic")
+    if args.dtype is not None:
+        raise ValueError("--dtype is for real engines; simulated instances take their step times from --preset")
     synth = {k: v for k, v in {"prompts": args.prompts, "samples": args.samples, "mean_len": args.mean_len,
                                 "max_len": args.max_len}.items() if v is not None}
     shaping = [*synth, *(["similarity"] if args.similarity else [])]
@@ -161,7 +165,12 @@ def _run_ab(args) -> int:
         out=args.out or "runs/ab",
         **_given(args, "prompts", "samples", "max_tokens", "instances", "temperature", "preset", "epochs", "repeats"),
     )
-    return _report(run_ab(cfg, progress=not args.no_progress), cfg.out, "completion_cdf.png, running_requests.png")
+    dtypes = ("auto", "float32", "bfloat16", "float16")
+    if args.dtype is not None and args.dtype not in dtypes:
+        raise ValueError(f"--dtype must be one of {', '.join(dtypes)}, got '{args.dtype}'")
+    engine_args = {"dtype": args.dtype} if args.dtype not in (None, "auto") else None
+    return _report(run_ab(cfg, progress=not args.no_progress, engine_args=engine_args), cfg.out,
+                   "completion_cdf.png, running_requests.png")
 
 
 def _report(summary: dict, out: str, files: str) -> int:
