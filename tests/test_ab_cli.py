@@ -23,12 +23,11 @@ def test_ab_end_to_end(tmp_path, model_dir):
     pytest.importorskip("vllm")
     out = tmp_path / "ab"
     r = _run("ab", "--strategies", "baseline", "--out", str(out), "--prompts", "3", "--samples", "2",
-             "--max-tokens", "24", "--instances", "2", "--seed", "1", "--repeats", "2", "--dtype", "float32", "--no-progress")
+             "--max-tokens", "24", "--instances", "2", "--seed", "1", "--repeats", "2", "--no-progress")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "baseline" in r.stdout and "tok/s" in r.stdout and "tail s" in r.stdout
     summary = json.loads((out / "summary.json").read_text())
     assert summary["schema"] == "verl_ext.ab/1" and summary["kind"] == "real"
-    assert summary["config"]["engine"]["dtype"] == "float32"
     m = summary["strategies"]["baseline"]
     # two rounds on fresh engines; the arm reports its median round (the faster of two)
     rep = m["repeats"]
@@ -61,7 +60,9 @@ def test_ab_with_drafting_on_and_off(tmp_path, model_dir):
              "--epochs", "2", "--dtype", "float32", "--no-progress")  # bf16 greedy depends on the batch's shape
     assert r.returncode == 0, r.stderr[-3000:]
     assert "accept" in r.stdout and "baseline+spec:request+group" in r.stdout
-    s = json.loads((out / "summary.json").read_text())["strategies"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["config"]["engine"]["dtype"] == "float32"  # --dtype reaches every arm's engines
+    s = summary["strategies"]
     off, on = s["baseline"], s["baseline+spec:request+group"]
     assert off["tokens_per_step"] == pytest.approx(1.0) and off["draft_tokens"] == 0 and off["draft_acceptance"] is None
     assert on["draft_tokens"] > 0 and 0 < on["draft_acceptance"] <= 1
