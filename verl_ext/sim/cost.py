@@ -404,9 +404,8 @@ def derive_roofline(
         allreduce_bytes = 2 * (tp - 1) / tp * hidden * dtype_bytes
         token_s += 2 * layers * allreduce_bytes / (allreduce_bw_eff * link_bw)
         overhead_s += 2 * layers * allreduce_latency_s
-    kv_heads_per_gpu = math.ceil(kv_heads / tp)
-    kv_bytes_per_gpu = 2 * layers * kv_heads_per_gpu * head_dim * dtype_bytes
-    kv_token_s = kv_bytes_per_gpu / (bw_eff * hbm_bw)
+    kv_bytes = kv_bytes_per_gpu(layers, kv_heads, head_dim, dtype_bytes, tp)
+    kv_token_s = kv_bytes / (bw_eff * hbm_bw)
     free = gpu_memory_utilization * hbm_bytes - weights_per_gpu - reserved_bytes
     if free <= 0:
         raise PresetError(f"derive_roofline: weights ({weights_per_gpu / 1e9:.1f} GB per GPU) leave no room for a KV cache")
@@ -417,10 +416,16 @@ def derive_roofline(
         "kv_token_s": kv_token_s,
         "prefill_token_s": 0.0,
         "draft_token_s": 0.0,
-        "kv_capacity_tokens": int(free // kv_bytes_per_gpu),
+        "kv_capacity_tokens": int(free // kv_bytes),
         "max_num_seqs": int(max_num_seqs),
         "max_batched_tokens": int(max_batched_tokens),
     }
+
+
+def kv_bytes_per_gpu(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int, tp: int) -> float:
+    """KV-cache bytes per token on one GPU of a TP group: K and V of every layer, the KV heads
+    split over ``tp`` (a head is replicated where ``tp`` exceeds the heads)."""
+    return 2 * layers * math.ceil(kv_heads / tp) * head_dim * dtype_bytes
 
 
 def roofline_from_derivation(derivation: dict) -> dict:

@@ -29,9 +29,11 @@ DEFAULT_POOL_BW = 25e9
 def kv_bytes_per_token(derivation: dict) -> float:
     """KV bytes per token on one GPU of a TP group (K and V, every layer): the input of a GPU
     preset's ``derivation`` section (``verl_ext.sim.cost.derive_roofline``)."""
+    from verl_ext.sim.cost import kv_bytes_per_gpu
+
     try:
         d = derivation
-        return 2.0 * d["layers"] * d["kv_heads"] * d["head_dim"] * d["dtype_bytes"] / max(1, d["tp"])
+        return float(kv_bytes_per_gpu(d["layers"], d["kv_heads"], d["head_dim"], d["dtype_bytes"], max(1, d["tp"])))
     except (KeyError, TypeError):
         raise ValueError("the cost model has no 'derivation' with layers, kv_heads, head_dim, dtype_bytes and tp: "
                          "give the pool's load time per token instead") from None
