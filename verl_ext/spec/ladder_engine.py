@@ -8,7 +8,8 @@ drafter with ``k = max(windows)``). The plain instance first records each prompt
 continuation (``ignore_eos``, ``max_tokens``); then, at every batch size ``b``, the same ``b``
 requests run on the plain instance and on the drafting one with every acceptance rate ``p`` and
 window ``w``, the drafts coming from the recorded continuations at rate ``p``
-(``verl_ext.spec.reference``), runs interleaved so that drift on the machine hits both sides.
+(``verl_ext.spec.reference``); each batch's plain run comes right before its drafted runs
+(drift of the machine over those runs is not corrected for).
 ``speedup[b][p] = max_w T_plain(b) / T(b, p, w)``, ``window[b][p]`` its ``w``; window 0 on the
 drafting instance is reported too (the drafter's own cost with nothing drafted).
 
@@ -127,8 +128,6 @@ async def measure(plain, drafting, prompts: Sequence[Sequence[int]], *, batches:
                     raise ValueError("engine ladder: drafting changed the greedy outputs at rate 1")
                 lad.spec_s[(b, p, w)] = t
                 lad.accepted[(b, p, w)] = accepted / drafted if drafted else None
-                # the plain side again every few runs would double the time; one plain run per
-                # batch, interleaved with its drafted runs, is what the ratios share
             say(f"batch {b}, rate {p:.2f}: best window {lad.best(b, p)[0]}, {lad.best(b, p)[1]:.2f}x")
     return lad
 
