@@ -58,9 +58,8 @@ class EngineLadder:
 
     def tables(self) -> tuple[list, list]:
         """``DraftLadder``'s speedup and window tables (batches x rates)."""
-        sp = [[self.best(b, p)[1] for p in self.rates] for b in self.batches]
-        win = [[self.best(b, p)[0] for p in self.rates] for b in self.batches]
-        return sp, win
+        best = [[self.best(b, p) for p in self.rates] for b in self.batches]
+        return [[s for _, s in row] for row in best], [[w for w, _ in row] for row in best]
 
     def to_dict(self) -> dict:
         return {
@@ -132,12 +131,19 @@ async def measure(plain, drafting, prompts: Sequence[Sequence[int]], *, batches:
     return lad
 
 
-def ladder_from(measured: EngineLadder, methods, target: str, hardware: str = "", model: str = ""):
-    """A ``DraftLadder`` whose model-free ``methods`` share the measured tables."""
-    from verl_ext.spec.ladder import DraftLadder, LadderError
+def require_model_free(methods) -> None:
+    """Refuse draft-model methods: the measured table is the model-free drafter's."""
+    from verl_ext.spec.ladder import LadderError
 
     if any(m.kind != "suffix" for m in methods):
         raise LadderError("an engine-measured ladder has model-free (suffix) methods only: the engine here has no draft model")
+
+
+def ladder_from(measured: EngineLadder, methods, target: str, hardware: str = "", model: str = ""):
+    """A ``DraftLadder`` whose model-free ``methods`` share the measured tables."""
+    from verl_ext.spec.ladder import DraftLadder
+
+    require_model_free(methods)
     sp, win = measured.tables()
     lad = DraftLadder(target, hardware, model, {m.name: m for m in methods}, measured.batches, measured.rates)
     for m in methods:
@@ -197,6 +203,7 @@ def run_cli(args) -> int:
     import json
     from pathlib import Path
 
+    from verl_ext.engine.vllm_local import is_cpu_build
     from verl_ext.model import resolve_model
     from verl_ext.spec.ladder import ENGINE_LADDER_PREFIX, print_ladder, resolve_methods
 
@@ -210,16 +217,11 @@ def run_cli(args) -> int:
     windows = _numbers(args.engine_windows, WINDOWS, int)
     if max(windows, default=0) > args.ladder_k:
         raise ValueError(f"--engine-windows up to {max(windows)} need --ladder-k >= {max(windows)}")
-    methods = resolve_methods(args)  # clear errors (model methods, missing trace) before engines start
-    from verl_ext.spec.ladder import LadderError
-
-    if any(m.kind != "suffix" for m in methods):
-        raise LadderError("--ladder-engine measures model-free (suffix) methods only: no draft model runs here")
+    methods = resolve_methods(args)
+    require_model_free(methods)  # before the engines start, not after a long measurement
     model_dir = resolve_model(args.model)
     measured = asyncio.run(run(model_dir, batches=batches, rates=rates, windows=windows,
                                max_tokens=args.engine_max_tokens, seed=args.seed, log=lambda m: print(m, flush=True)))
-    from verl_ext.engine.vllm_local import is_cpu_build
-
     label = Path(str(model_dir)).name if args.model else "SmolLM2-135M-Instruct"
     lad = ladder_from(measured, methods, target=f"{ENGINE_LADDER_PREFIX}{label}", hardware="vllm-cpu" if is_cpu_build() else "vllm",
                       model=label)
