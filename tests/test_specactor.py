@@ -3,6 +3,7 @@ against brute force, Algorithm 2's choice, the draft ladder and initial selectio
 on constructed cases against brute force, and Best-of-N on simulated engines (copies finish
 once, lose and duplicate nothing, and leave no engine slot behind; sampled requests refused)."""
 
+import asyncio
 import dataclasses
 import itertools
 import json
@@ -14,6 +15,7 @@ import pytest
 
 from verl_ext.pipe import make_strategy
 from verl_ext.pipe.bon import assign_best_of_n
+from verl_ext.pipe.pool import InstancePool
 from verl_ext.pipe.strategy import StrategyConfigError
 from verl_ext.sim.cost import load_cost_model
 from verl_ext.spec.ladder import DraftLadder, DraftMethod, LadderError
@@ -236,6 +238,31 @@ def test_best_of_n_copies_finish_once_and_lose_nothing_on_simulated_engines():
     assert not st._live and st._loop_task is None
     # the copies' work is extra (generated beyond the responses), never missing
     assert sum(s.generated for s in sims) >= sum(len(w) for w in want.values())
+
+
+def test_a_burst_of_requests_is_spread_evenly_over_the_instances():
+    """veRL's least-loaded rule over a burst: each dispatched request counts in flight at once
+    (``InstancePool.start``), not when its task first runs (then every request of the burst saw
+    empty instances and the random tie-break split 24 requests unevenly)."""
+    from collections import Counter
+
+    from test_rlhfspec import _run, _same_tokens
+
+    st, sims, reqs, want = _setup(best_of_n=False, reconfigure=False)  # 24 requests, 3 instances
+    arm = _run(st, sims, reqs)
+    _same_tokens(arm, reqs, want)
+    assert Counter(r.instance for r in arm.pool.records) == {"sim-0": 8, "sim-1": 8, "sim-2": 8}
+    assert all(c == 0 for c in arm.pool.inflight.values())
+
+    async def cancelled_before_it_ran():
+        pool = InstancePool(sims)
+        task = pool.start(sims[0], reqs[0])
+        assert pool.inflight["sim-0"] == 1
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return pool.inflight["sim-0"]
+
+    assert asyncio.run(cancelled_before_it_ran()) == 0
 
 
 def test_a_winning_copy_returns_the_whole_response_with_its_prefix():

@@ -9,6 +9,7 @@ the pool; otherwise the instance with the fewest in-flight requests wins, ties b
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 from collections import OrderedDict
@@ -82,14 +83,43 @@ class InstancePool:
     async def run(self, instance: Instance, request: GenRequest, on_tokens=None) -> Completion:
         """Run ``request`` on ``instance``, counting it in flight and recording its timing;
         ``on_tokens`` is passed to ``Instance.generate``."""
+        record = self._begin(instance, request)
+        try:
+            completion = await self._generate(instance, request, on_tokens)
+        finally:
+            self._end(instance, record)
+        return self._finished(record, completion)
+
+    def start(self, instance: Instance, request: GenRequest, on_tokens=None) -> asyncio.Task:
+        """``run`` as a task that counts in flight from this call on, not from when the task
+        first runs: requests dispatched in one burst (``least_loaded`` between ``start`` calls)
+        see each other's load. A task cancelled before it ran is released too."""
+        record = self._begin(instance, request)
+        task = asyncio.ensure_future(self._generate(instance, request, on_tokens))
+
+        def done(t: asyncio.Task) -> None:
+            self._end(instance, record)
+            if not t.cancelled() and t.exception() is None:
+                self._finished(record, t.result())
+
+        task.add_done_callback(done)
+        return task
+
+    def _begin(self, instance: Instance, request: GenRequest) -> RequestRecord:
         record = RequestRecord(request.request_id, request.group_id, instance.name, self.now())
         self.records.append(record)
         self.inflight[instance.name] += 1
-        try:
-            completion = await (instance.generate(request) if on_tokens is None else instance.generate(request, on_tokens))
-        finally:
-            self.inflight[instance.name] -= 1
-            record.finish_s = self.now()
+        return record
+
+    @staticmethod
+    async def _generate(instance: Instance, request: GenRequest, on_tokens) -> Completion:
+        return await (instance.generate(request) if on_tokens is None else instance.generate(request, on_tokens))
+
+    def _end(self, instance: Instance, record: RequestRecord) -> None:
+        self.inflight[instance.name] -= 1
+        record.finish_s = self.now()
+
+    def _finished(self, record: RequestRecord, completion: Completion) -> Completion:
         record.output_tokens = len(completion.token_ids)
         record.finish_reason = completion.finish_reason
         record.num_steps = completion.num_steps

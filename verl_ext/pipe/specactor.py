@@ -430,7 +430,7 @@ class SpecActorStrategy(Strategy):
             if run.original:
                 live.deltas += 1
 
-        run.task = asyncio.ensure_future(pool.run(run.instance, req, on_tokens=on_tokens))
+        run.task = pool.start(run.instance, req, on_tokens=on_tokens)  # in flight now: the next submit sees it
         live.runs.append(run)
         live.added.set()
 
