@@ -87,6 +87,48 @@ def test_measured_tables_take_the_fastest_window_and_load_as_a_ladder(tmp_path):
     make_strategy("specactor", {"ladder": str(path), "execution": "decoupled", "profile": "cpu-smollm2"})
 
 
+def test_the_drafters_idle_cost_decides_whether_engines_start_with_one(tmp_path):
+    """``drafter_gain`` over a step draining from ``batch`` to 1, computed by hand; specactor starts
+    plain engines where drafting in the tail does not repay the drafting engine's idle cost."""
+    m = EngineLadder((1, 8), (0.0, 0.8), (1, 4), 64)
+    m.plain_s = {1: 10.0, 8: 20.0}
+    m.idle_s = {1: 11.0, 8: 22.0}  # 10% slower with nothing drafted
+    m.spec_s = {(1, 0.0, 1): 11.0, (1, 0.0, 4): 12.0, (1, 0.8, 1): 8.0, (1, 0.8, 4): 5.0,
+                (8, 0.0, 1): 24.0, (8, 0.0, 4): 30.0, (8, 0.8, 1): 19.0, (8, 0.8, 4): 21.0}
+    lad = ladder_from(m, [DraftMethod("ngram", "suffix", 0.4, scopes="request")], "engine:toy")
+    assert lad.step_s == [10 / 64, 20 / 64] and lad.idle == pytest.approx([0.1, 0.1])
+    # at p = 0.4: b = 1 -> 10/11 + (2 - 10/11) / 2 = 1.4545 (pays); b >= 2 -> the batch-8 row,
+    # 20/24 + (20/19 - 20/24) / 2 = 0.943 (plain, 10% slower on the drafting engine)
+    s1 = (10 / 11 + 2.0) / 2
+    t = [10 / 64 + (b - 1) * (10 / 64) / 7 for b in range(1, 9)]  # plain step time, interpolated
+    assert lad.drafter_gain(1) == pytest.approx(1 - 1 / s1)
+    assert lad.drafter_gain(2) == pytest.approx(1 - (t[0] / s1 + t[1] * 1.1) / (t[0] + t[1]))
+    gain8 = 1 - (t[0] / s1 + 1.1 * sum(t[1:])) / sum(t)
+    assert gain8 < 0 and lad.drafter_gain(8) == pytest.approx(gain8)
+    assert lad.drafter_gain(8, {"ngram": 0.8}) > 0  # 0.8 pays at every batch
+    path = tmp_path / "lad.json"
+    lad.save(path)
+    back = DraftLadder.load(path)
+    assert back.idle == lad.idle and back.step_s == lad.step_s
+
+    from verl_ext.pipe import make_strategy
+
+    st = make_strategy("specactor", {"ladder": str(path), "batch": 8})
+    assert st.select(1) == "ngram" and st.engine_spec() is None  # pays for a lone request, not overall
+    assert st.metrics()["engine_drafter"] == 0.0 and st.metrics()["engine_drafter_gain"] == pytest.approx(gain8)
+    assert make_strategy("specactor", {"ladder": str(path), "batch": 2}).engine_spec() is not None
+    assert make_strategy("specactor", {"ladder": str(path), "batch": 8, "acceptance": "ngram=0.8"}).engine_spec() is not None
+    # a ladder without a measured idle cost (cost-model ladders) counts it as 0
+    lad.idle = []
+    lad.save(path)
+    assert DraftLadder.load(path).drafter_gain(8) > 0
+    assert make_strategy("specactor", {"ladder": str(path), "batch": 8}).engine_spec() is not None
+    bad = lad.to_dict()
+    bad["idle"] = [0.1]
+    with pytest.raises(LadderError, match="one value per batch"):
+        DraftLadder.from_dict(bad)
+
+
 @pytest.mark.engine
 async def test_engine_ladder_on_vllm_cpu(fp32_engine, spec_engine, model_dir):
     """On the real engine: at rate 1 every reference draft is accepted and the outputs are the

@@ -233,6 +233,7 @@ class SpecActorStrategy(Strategy):
         self._history = parse_acceptance(o.acceptance)
         self._method: Optional[str] = None  # the initial selection (None: plain decoding)
         self._engine_drafts: Optional[bool] = None  # whether the engines were started with a drafter
+        self._engine_gain: Optional[float] = None  # DraftLadder.drafter_gain when they were started
         self._plan = None
         self._selected = False  # this step's initial selection is made
         self._tail_method: Optional[str] = None  # the best method for a lone request
@@ -293,17 +294,30 @@ class SpecActorStrategy(Strategy):
 
     def engine_spec(self, cost=None):
         """Engines draft (the union of the usable methods' scopes, per-request windows) when some
-        method beats plain decoding for a lone request, the tail; each step's initial selection
-        then decides the windows at the step's batch (0: no drafts). Else plain decoding."""
+        method beats plain decoding for a lone request, the tail, and drafting is expected to
+        save more than an engine with a drafter costs while nothing is drafted
+        (``DraftLadder.drafter_gain`` from ``options.batch`` down to 1; the idle cost is known
+        for ladders measured on the engine, ``verl-ext profile --ladder-engine``); each step's
+        initial selection then decides the windows at the step's batch (0: no drafts). Else the
+        engines decode plainly, as ``baseline``'s do, and no Best-of-N copies are made."""
         o = self.options
         if self._cost is None:
             self._cost = cost
         if not o.speculation:
             self._engine_drafts = False
             return None
-        self._engine_drafts = self.select(1, cost) is not None
+        tail = self.select(1, cost)
+        lad = self.ladder()
+        gain = lad.drafter_gain(o.batch, self._history, self._usable(lad))
+        self._engine_gain = gain
+        self._engine_drafts = tail is not None and gain > 0.0
         self._method = None  # each step selects at its own batch
         if not self._engine_drafts:
+            if tail is not None:
+                logger.info("specactor: plain engines: from %d requests per worker down to 1, drafting with %s is "
+                            "expected to change the decode time by %+.1f%% against engines without a drafter (ladder "
+                            "%s, with the drafting engine's idle cost); inside veRL the engines' drafter is "
+                            "engine_kwargs.vllm.speculative_config", o.batch, tail, -100 * gain, lad.target)
             return None
         from verl_ext.spec.options import SpecOptions
 
@@ -735,7 +749,12 @@ class SpecActorStrategy(Strategy):
             self._m["measured_acceptance"] = self._history[self._method]
 
     def metrics(self) -> dict[str, float]:
-        return {"decoupled_engine": 0.0, **{k: float(v) for k, v in self._m.items()}}
+        out = {"decoupled_engine": 0.0, **{k: float(v) for k, v in self._m.items()}}
+        if self._engine_drafts is not None:
+            out["engine_drafter"] = float(self._engine_drafts)
+        if self._engine_gain is not None:
+            out["engine_drafter_gain"] = self._engine_gain
+        return out
 
     async def close(self) -> None:
         if self._loop_task is not None and not self._loop_task.done():

@@ -92,6 +92,11 @@ class DraftLadder:
     speedup: dict = field(default_factory=dict)
     window: dict = field(default_factory=dict)
     decoupled: dict = field(default_factory=dict)  # name -> speedups of decoupled execution (one drafter GPU)
+    #: per batch: seconds per step of plain decoding (weights the batches in ``drafter_gain``)
+    step_s: list = field(default_factory=list)
+    #: per batch: how much slower an engine started with a drafter decodes when nothing is drafted
+    #: (measured ladders: ``verl_ext.spec.ladder_engine``; empty: not measured, taken as 0)
+    idle: list = field(default_factory=list)
 
     # -- building --------------------------------------------------------------------------------
     @classmethod
@@ -107,6 +112,8 @@ class DraftLadder:
                   tuple(int(b) for b in batches), tuple(float(p) for p in rates))
         for m in methods:
             t = m.times(verifier, context, verify_gpus)
+            if not lad.step_s:
+                lad.step_s = [1.0 / t.tgs_plain(b) for b in lad.batches]
             sp, win, dec = [], [], []
             for b in lad.batches:
                 base = t.tgs_plain(b)
@@ -152,11 +159,32 @@ class DraftLadder:
                if methods is None or n in methods]
         return sorted(out, key=lambda x: (-x[1], x[0]))
 
+    def drafter_gain(self, batch: int, acceptance: Optional[Mapping[str, float]] = None,
+                     methods: Optional[Sequence[str]] = None) -> float:
+        """The share of a rollout's decode time that starting the engines with a drafter saves
+        (negative: it costs), for a step that begins at ``batch`` requests per worker and drains
+        to 1 with one decode step at each batch size in between (response lengths spread
+        uniformly). At each batch the best method drafts where it beats plain decoding by
+        ``MIN_SPEEDUP`` (time ``T(b) / speedup``); elsewhere the engine decodes plainly, but with
+        the drafter's idle cost (``T(b) (1 + idle(b))``). ``T(b)``, the plain step time, and
+        ``idle(b)`` are interpolated over the tabulated batches."""
+        bs = np.arange(1, max(1, int(batch)) + 1)
+        step = np.interp(bs, self.batches, self.step_s) if self.step_s else np.ones(len(bs))
+        idle = np.interp(bs, self.batches, self.idle) if self.idle else np.zeros(len(bs))
+        plain = float(step.sum())
+        drafted = 0.0
+        for b, t, o in zip(bs, step, idle):
+            ranked = self.rank(int(b), acceptance, methods)
+            s = ranked[0][1] if ranked else 0.0
+            drafted += t / s if s >= MIN_SPEEDUP else t * (1.0 + o)
+        return float(1.0 - drafted / plain)
+
     # -- storage ---------------------------------------------------------------------------------
     def to_dict(self) -> dict:
         return {
             "version": LADDER_VERSION, "target": self.target, "hardware": self.hardware, "model": self.model,
             "batches": list(self.batches), "rates": list(self.rates),
+            "step_s": list(self.step_s), "idle": list(self.idle),
             "methods": {n: {"kind": m.kind, "acceptance": m.acceptance, "drafter": m.drafter, "scopes": m.scopes,
                             "draft_s": list(m.draft_s), "speedup": self.speedup[n], "window": self.window[n],
                             "decoupled": self.decoupled.get(n)}
@@ -170,6 +198,11 @@ class DraftLadder:
                 raise LadderError(f"{where}: unsupported ladder version {d.get('version')!r} (expected {LADDER_VERSION})")
             lad = cls(str(d["target"]), str(d.get("hardware", "")), str(d.get("model", "")), {},
                       tuple(int(b) for b in d["batches"]), tuple(float(p) for p in d["rates"]))
+            lad.step_s = [float(x) for x in d.get("step_s") or []]
+            lad.idle = [float(x) for x in d.get("idle") or []]
+            for name in ("step_s", "idle"):
+                if getattr(lad, name) and len(getattr(lad, name)) != len(lad.batches):
+                    raise LadderError(f"{where}: {name} must have one value per batch ({len(lad.batches)})")
             for n, m in d["methods"].items():
                 lad.methods[n] = DraftMethod(n, m["kind"], float(m["acceptance"]), m.get("drafter", ""),
                                              m.get("scopes", "request"), tuple(m.get("draft_s", (0.0, 0.0))))
@@ -283,8 +316,11 @@ def print_ladder(lad: DraftLadder, out) -> None:
     print("method    acc   " + "  ".join(f"b={b:<4d}" for b in lad.batches))
     for n, m in lad.methods.items():
         print(f"{n:9s} {m.acceptance:.2f}  " + "  ".join(f"{lad.lookup(n, m.acceptance, b):5.2f}x" for b in lad.batches))
+    if lad.idle:
+        print("drafting engine, nothing drafted: " + "  ".join(f"{1 + o:5.3f}x time" for o in lad.idle))
     for b in lad.batches:
-        print(f"initial selection at batch {b}: {lad.select(b) or 'plain decoding'}")
+        print(f"initial selection at batch {b}: {lad.select(b) or 'plain decoding'}; a drafter for engines starting "
+              f"at this batch saves {100 * lad.drafter_gain(b):+.1f}% of decode time")
 
 
 def run_cli(args) -> int:

@@ -8,8 +8,10 @@ drafter with ``k = max(windows)``). The plain instance first records each prompt
 continuation (``ignore_eos``, ``max_tokens``); then, at every batch size ``b``, the same ``b``
 requests run on the plain instance and on the drafting one with every acceptance rate ``p`` and
 window ``w``, the drafts coming from the recorded continuations at rate ``p``
-(``verl_ext.spec.reference``); each batch's plain run comes right before its drafted runs
-(drift of the machine over those runs is not corrected for).
+(``verl_ext.spec.reference``); each batch's plain time is the mean of a run right before and one
+right after the drafting instance's run with nothing drafted (its idle cost, which decides
+whether ``specactor`` starts engines with a drafter: ``DraftLadder.drafter_gain``), and its
+drafted runs follow (drift of the machine over those runs is not corrected for).
 ``speedup[b][p] = max_w T_plain(b) / T(b, p, w)``, ``window[b][p]`` its ``w``; window 0 on the
 drafting instance is reported too (the drafter's own cost with nothing drafted).
 
@@ -115,8 +117,11 @@ async def measure(plain, drafting, prompts: Sequence[Sequence[int]], *, batches:
         if [list(o.token_ids) for o in outs] != refs[:b]:
             raise ValueError(f"engine ladder: the plain instance's greedy outputs changed with batch {b}; "
                              "run the engines in float32 (bf16 greedy depends on the batch)")
-        lad.plain_s[b] = t_plain
         t_idle, _, _ = await _timed(drafting, _requests(ps, max_tokens, f"idle{b}", lambda i: {"spec_window": 0}))
+        # plain, idle, plain again: the drafting instance's idle cost (a few percent) is taken
+        # against the mean of the runs around it, so a drift of the machine does not count as cost
+        t_after, _, _ = await _timed(plain, _requests(ps, max_tokens, f"plain{b}b"))
+        lad.plain_s[b] = t_plain = (t_plain + t_after) / 2
         lad.idle_s[b] = t_idle
         say(f"batch {b}: plain {t_plain:.2f} s, drafting instance with no drafts {t_idle:.2f} s")
         for p in rates:
@@ -149,6 +154,9 @@ def ladder_from(measured: EngineLadder, methods, target: str, hardware: str = ""
     for m in methods:
         lad.speedup[m.name] = [list(r) for r in sp]
         lad.window[m.name] = [list(r) for r in win]
+    lad.step_s = [measured.plain_s[b] / measured.max_tokens for b in measured.batches]
+    if measured.idle_s:
+        lad.idle = [measured.idle_s[b] / measured.plain_s[b] - 1.0 for b in measured.batches]
     return lad
 
 
