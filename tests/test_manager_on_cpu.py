@@ -302,6 +302,36 @@ def test_manager_rejects_bad_settings(ray_local, model_dir):
         VerlExtAgentLoopManager.create(config=config, llm_client=LLMServerClient(config, load_balancer_handle=lb))
 
 
+def test_v1_trainer_logs_the_dispatchers_metrics_with_each_step(ray_local, model_dir):
+    """veRL's V1 trainer (the default) logs nothing a manager returns; each training step merges
+    ``PPOTrainer._consume_sync_metrics()`` into its logged metrics. The V1 manager's counters go
+    there (``verl_ext.rollout.v1_metrics``), counted since the previous step, next to what the
+    trainer itself put there; they stop when the manager is gone."""
+    import gc
+    import types
+
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+
+    manager, servers = _v0_manager("baseline", model_dir, 2, "transfer_queue.enable=true", compose=_compose_v1)
+    assert type(manager).__name__ == "VerlExtAgentLoopManagerTQ"
+    for i in range(3):  # requests through the manager's dispatcher, as its agent-loop workers send them
+        ray.get(manager.verl_ext_dispatcher.generate.remote(f"r{i}", [5, 6, 7 + i], {"max_tokens": 16}))
+    trainer = types.SimpleNamespace(_pending_sync_metrics={"sync/ratio": 0.5})
+    logged = PPOTrainer._consume_sync_metrics(trainer)
+    assert logged["sync/ratio"] == 0.5 and trainer._pending_sync_metrics == {}
+    assert logged["verl_ext/requests"] == 3.0 and logged["verl_ext/output_tokens"] > 0
+    assert PPOTrainer._consume_sync_metrics(trainer)["verl_ext/requests"] == 0.0  # since the last step
+    del manager
+    gc.collect()
+    assert not any(k.startswith("verl_ext/") for k in PPOTrainer._consume_sync_metrics(trainer))
+
+
+def _compose_v1(overrides):
+    """veRL's main config as the V1 trainer gets it (``_v0_manager`` adds ``trainer.use_v1=false``
+    only for ``compose_verl`` itself)."""
+    return compose_verl(list(overrides))
+
+
 def test_factory_picks_trainer_flavour():
     from verl.experimental.agent_loop.agent_loop import AgentLoopManager
     from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ

@@ -164,6 +164,10 @@ class _VerlExtManagerMixin:
         if trace is not None or (self.verl_ext_history and self._verl_ext_flavour == "v1"):
             # after veRL's __init__, which sets the worker class; V1 workers feed the history
             self.agent_loop_workers_class = ray.remote(self._verl_ext_worker_cls())
+        if self._verl_ext_flavour == "v1":  # V0 returns them in meta_info["timing"]
+            from verl_ext.rollout import v1_metrics
+
+            v1_metrics.add_source(self.verl_ext_metrics)
 
     def _verl_ext_begin_step(self, step, validate: bool):
         """Tell the dispatcher which training step the next requests belong to (history
