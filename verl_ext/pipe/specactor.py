@@ -294,8 +294,8 @@ class SpecActorStrategy(Strategy):
 
     def engine_spec(self, cost=None):
         """Engines draft (the union of the usable methods' scopes, per-request windows) when some
-        method beats plain decoding for a lone request, the tail, and drafting is expected to
-        save more than an engine with a drafter costs while nothing is drafted
+        method beats plain decoding for a lone request, the tail, and (coupled execution) drafting
+        is expected to save more than an engine with a drafter costs while nothing is drafted
         (``DraftLadder.drafter_gain`` from ``options.batch`` down to 1; the idle cost is known
         for ladders measured on the engine, ``verl-ext profile --ladder-engine``); each step's
         initial selection then decides the windows at the step's batch (0: no drafts). Else the
@@ -308,9 +308,10 @@ class SpecActorStrategy(Strategy):
             return None
         tail = self.select(1, cost)
         lad = self.ladder()
-        gain = lad.drafter_gain(o.batch, self._history, self._usable(lad))
+        # the coupled table prices an engine's idle cost; decoupled drafters are the simulator's
+        gain = lad.drafter_gain(o.batch, self._history, self._usable(lad)) if o.execution == "coupled" else None
         self._engine_gain = gain
-        self._engine_drafts = tail is not None and gain > 0.0
+        self._engine_drafts = tail is not None and (gain is None or gain > 0.0)
         self._method = None  # each step selects at its own batch
         if not self._engine_drafts:
             if tail is not None:
