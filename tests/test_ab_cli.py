@@ -82,6 +82,26 @@ def test_ab_with_drafting_on_and_off(tmp_path, model_dir):
         x = json.loads(line)
         texts.setdefault(x["strategy"], {})[x["request_id"]] = x["text"]
     assert texts["rhyme"] == texts["baseline"] == texts["baseline+spec:request+group"]
+    # ... and the A/B reports it: every response token-identical to the first arm's
+    assert "same_tokens_as_first" not in off
+    for arm in ("baseline+spec:request+group", "rhyme"):
+        assert s[arm]["same_tokens_as_first"] == {"first": "baseline", "same": 6, "of": 6}
+        assert f"{arm}: 6/6 responses token-identical to baseline's" in r.stdout
+
+
+def test_same_tokens_counts_the_responses_equal_to_the_first_arms():
+    from verl_ext.ab.runner import StrategyRun, format_same_tokens, same_tokens
+
+    def run(name, tokens):
+        return StrategyRun(name, {}, [], {}, [], token_ids=tokens)
+
+    runs = [run("a", [[1, 2], [3], []]), run("b", [[1, 2], [3, 4], []]), run("c", [[1], [3], [5]])]
+    same_tokens(runs)
+    assert "same_tokens_as_first" not in runs[0].metrics
+    assert runs[1].metrics["same_tokens_as_first"] == {"first": "a", "same": 2, "of": 3}
+    assert runs[2].metrics["same_tokens_as_first"]["same"] == 1
+    assert format_same_tokens({"strategies": {r.name: r.metrics for r in runs}}).splitlines() == [
+        "b: 2/3 responses token-identical to a's", "c: 1/3 responses token-identical to a's"]
 
 
 @pytest.mark.parametrize(

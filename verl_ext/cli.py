@@ -174,13 +174,13 @@ def _run_ab(args) -> int:
 
 
 def _report(summary: dict, out: str, files: str) -> int:
-    from verl_ext.ab.runner import format_repeats, format_table
+    from verl_ext.ab.runner import format_repeats, format_same_tokens, format_table
 
     print()
     print(format_table(summary))
-    repeats = format_repeats(summary)
-    if repeats:
-        print("\n" + repeats)
+    for extra in (format_repeats(summary), format_same_tokens(summary)):
+        if extra:
+            print("\n" + extra)
     print(f"\nwrote {Path(out) / 'summary.json'} and, beside it, {files}")
     return 0
 

@@ -203,6 +203,7 @@ class StrategyRun:
     records: list
     timeline: dict  # instance -> [(t, running)]
     responses: list[dict]
+    token_ids: list = field(default_factory=list, repr=False)  # per response (last epoch), not written
 
 
 def build_requests(
@@ -387,6 +388,7 @@ def run_ab(cfg: ABConfig, engine_factory=None, progress: bool = True, engine_arg
             rounds[label].append(run)
     runs = [_median_round(rounds[label], arms[0][0], rounds[arms[0][0]]) if cfg.repeats > 1 else rounds[label][0]
             for label, _, _ in arms]
+    same_tokens(runs)
 
     summary = {
         "schema": SCHEMA,
@@ -513,7 +515,31 @@ async def _run_one(label, strategy, spec, engine_factory, cfg, epochs, score, to
         records=[asdict(r) for r in arm.pool.records],
         timeline=arm.timeline,
         responses=responses,
+        token_ids=[list(c.token_ids) for c in arm.completions],
     )
+
+
+def same_tokens(runs: Sequence[StrategyRun]) -> None:
+    """Add ``same_tokens_as_first`` to every later arm's metrics: how many of its responses are
+    token-identical to the first arm's response to the same request (same prompts and seeds in
+    every arm). At temperature 0 a lossless strategy must match all of them; sampled requests
+    match where the engine's seeded sampling does not depend on what else runs or is drafted."""
+    if not runs:
+        return
+    first = runs[0]
+    for run in runs[1:]:
+        same = sum(a == b for a, b in zip(first.token_ids, run.token_ids))
+        run.metrics["same_tokens_as_first"] = {"first": first.name, "same": same, "of": len(first.token_ids)}
+
+
+def format_same_tokens(summary: dict) -> str:
+    """One line per arm compared with the first (``same_tokens``); empty if none was."""
+    lines = []
+    for name, m in summary["strategies"].items():
+        st = m.get("same_tokens_as_first")
+        if st:
+            lines.append(f"{name}: {st['same']}/{st['of']} responses token-identical to {st['first']}'s")
+    return "\n".join(lines)
 
 
 async def _drafter_stats(instances) -> list[dict]:
