@@ -42,6 +42,9 @@ def _ab_parser(sub) -> None:
     p.add_argument("--repeats", type=int, default=None, help="real engines: rounds over the arms, each on fresh engines, the order rotated every round; an arm reports its median round (default: 1)")
     p.add_argument("--dtype", default=None, help="real engines: the local engines' model dtype: auto (the default: the "
                                                   "model's, or float32 on x86 CPUs without AVX-512), float32, bfloat16 or float16")
+    p.add_argument("--engine-arg", action="append", default=None, metavar="KEY=VALUE",
+                   help="real engines: a vLLM engine argument (a field of vllm.AsyncEngineArgs; VALUE read as JSON where "
+                        "it parses), e.g. gpu_memory_utilization=0.4 or tensor_parallel_size=2; repeatable")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     g = p.add_argument_group("simulation (--sim)")
     g.add_argument("--sim", action="store_true", help="simulated instances in virtual time instead of real engines")
@@ -116,8 +119,9 @@ def _run_sim(args) -> int:
             raise ValueError(f"--{flag} is for real engines; with --sim the trace decides the responses (--epoch picks one)")
     if args.repeats is not None:
         raise ValueError("--repeats is for real engines; simulated runs are deterministic")
-    if args.dtype is not None:
-        raise ValueError("--dtype is for real engines; simulated instances take their step times from --preset")
+    if args.dtype is not None or args.engine_arg:
+        raise ValueError(f"{'--dtype' if args.dtype is not None else '--engine-arg'} is for real engines; "
+                         "simulated instances take their step times from --preset")
     synth = {k: v for k, v in {"prompts": args.prompts, "samples": args.samples, "mean_len": args.mean_len,
                                 "max_len": args.max_len}.items() if v is not None}
     shaping = [*synth, *(["similarity"] if args.similarity else [])]
@@ -168,8 +172,15 @@ def _run_ab(args) -> int:
     dtypes = ("auto", "float32", "bfloat16", "float16")
     if args.dtype is not None and args.dtype not in dtypes:
         raise ValueError(f"--dtype must be one of {', '.join(dtypes)}, got '{args.dtype}'")
-    engine_args = {"dtype": args.dtype} if args.dtype not in (None, "auto") else None
-    return _report(run_ab(cfg, progress=not args.no_progress, engine_args=engine_args), cfg.out,
+    engine_args = {"dtype": args.dtype} if args.dtype not in (None, "auto") else {}
+    if args.engine_arg:
+        from verl_ext.engine.vllm_local import parse_engine_args
+
+        extra = parse_engine_args(args.engine_arg)
+        if "dtype" in extra and args.dtype is not None:
+            raise ValueError("give the dtype once: --dtype or --engine-arg dtype=..., not both")
+        engine_args.update(extra)
+    return _report(run_ab(cfg, progress=not args.no_progress, engine_args=engine_args or None), cfg.out,
                    "completion_cdf.png, running_requests.png")
 
 

