@@ -14,9 +14,12 @@
 #   2. a cost model of the engines (`verl-ext profile --plan gpu`): profile.json. With
 #      --config-only DIR (a directory holding only a model's config.json, e.g. Qwen2.5-7B's), a
 #      second profile of that model with random weights (load_format=dummy): profile_dummy.json;
-#   3. `verl-ext ab` of baseline against every strategy, at temperature 0 (outputs must match
-#      baseline's: the report's "token-identical" lines) and 1 (the RL setting), with the profile
-#      of step 2 as the engines' cost model: ab_t0/, ab_t1/. seer runs its grouped draft server
+#   3. `verl-ext ab` of baseline against every strategy, at temperature 0 on float32 engines
+#      (outputs must match baseline's: the report's "token-identical" lines; in bf16 a step's
+#      numerics depend on how it is batched, and drafts change that, so greedy outputs drift
+#      apart there without any error in the drafting) and at temperature 1 in the model's dtype
+#      (the RL setting; its timings are the ones to read), with the profile of step 2 as the
+#      engines' cost model: ab_t0/, ab_t1/. seer runs its grouped draft server
 #      (dgds=true): its strategy/dgds_* metrics are the server's append/fetch/import latencies and
 #      bytes per sync on real engines;
 #   4. the draft server alone at cluster-like load (scripts/bench_dgds.py): bench_dgds.json.
@@ -68,7 +71,8 @@ WORK=(); [ "$QUICK" = 0 ] && WORK=(--prompts 64 --samples 8 --max-tokens 1024)
 P=$OUT/profile.json  # specactor's ladder and rlhfspec's step times come from the profile too
 ARMS="baseline,seer[dgds=true],rhyme,specactor[profile=$P],rlhfspec[profile=$P]"
 for t in 0 1; do
-  "$PY" -m verl_ext.cli ab --strategies "$ARMS" --epochs 2 --temperature "$t" --instances "$INSTANCES" \
+  DTYPE=(); [ "$t" = 0 ] && DTYPE=(--dtype float32)
+  "$PY" -m verl_ext.cli ab --strategies "$ARMS" --epochs 2 --temperature "$t" --instances "$INSTANCES" "${DTYPE[@]}" \
     --preset "$P" "${MODEL_ARGS[@]}" "${WORK[@]}" --no-progress --out "$OUT/ab_t$t"
 done
 
