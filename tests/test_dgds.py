@@ -289,6 +289,52 @@ async def test_killed_shard_degrades_without_raising(ray_session, caplog):
     assert inst.index.group_sequence("g", "r") == (10, False)
 
 
+async def test_an_engine_whose_imports_fail_is_paused_then_synced_again(ray_session, caplog):
+    """A busy or stalled engine (a long step, a weight sync) fails its imports: after
+    ``PAUSE_AFTER_FAILS`` in a row its pushes pause for ``PAUSE_S[0]`` s, doubling while the
+    failures go on, and resume afterwards. Before, they stopped for as long as the instance served
+    any group: inside veRL, possibly for the rest of a rollout step."""
+    from verl_ext.spec.dgds import PAUSE_AFTER_FAILS, PAUSE_S
+
+    class Flaky(FakeInstance):
+        def __init__(self, name, fail):
+            super().__init__(name)
+            self.fail = fail
+            self.times = []
+
+        async def import_drafts(self, blobs):
+            self.times.append(time.monotonic())
+            if len(self.times) <= self.fail:
+                raise RuntimeError("engine busy")
+            return await super().import_drafts(blobs)
+
+    client = DGDSClient(num_shards=1, append_every=1, sync_interval_s=0.02, timeout_s=1.0, max_depth=DEPTH)
+    await client.start()
+    inst, healthy = Flaky("flaky", fail=2 * PAUSE_AFTER_FAILS), FakeInstance("ok")
+    try:
+        with caplog.at_level(logging.WARNING, logger="verl_ext.spec.dgds"):
+            client.serve(inst, "g")
+            client.serve(healthy, "g")
+            client.append("g", "r", 0, list(range(10)))
+            await _wait_for(lambda: inst.index.group_sequence("g", "r") == (10, False), timeout=15.0)
+        m = client.metrics()
+        assert m["import_errors"] == 2 * PAUSE_AFTER_FAILS and m["import_pauses"] == 2 and m["degraded"] == 0
+        assert healthy.index.group_sequence("g", "r") == (10, False)  # never held up by the other
+        t = inst.times
+        # the pauses: after the 3rd failure and after the 6th, the second twice as long
+        assert t[PAUSE_AFTER_FAILS] - t[PAUSE_AFTER_FAILS - 1] >= PAUSE_S[0] - 0.05
+        assert t[2 * PAUSE_AFTER_FAILS] - t[2 * PAUSE_AFTER_FAILS - 1] >= 2 * PAUSE_S[0] - 0.05
+        assert all(b - a < PAUSE_S[0] for a, b in zip(t[:PAUSE_AFTER_FAILS - 1], t[1:PAUSE_AFTER_FAILS]))
+        pauses = [r for r in caplog.records if "pausing its pushes" in r.getMessage()]
+        assert len(pauses) == 2 and "engine busy" in pauses[0].getMessage()
+        # a success resets the backoff
+        client.append("g", "r", 10, [1, 2])
+        await _wait_for(lambda: inst.index.group_sequence("g", "r") == (12, False))
+        assert client._served[id(inst)].pause_s == 0.0
+    finally:
+        await client.stop()
+
+
 class _Stalled(GroupDraftServer):
     def append(self, updates):
         time.sleep(30)

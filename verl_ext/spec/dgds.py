@@ -193,13 +193,20 @@ class _Seq:
     broken: bool = False  # a gap in the client's own stream: no more sends
 
 
+#: Failed imports in a row after which an instance's pushes pause, and the first and the longest
+#: pause in seconds (doubling while the failures go on; a success resets it).
+PAUSE_AFTER_FAILS = 3
+PAUSE_S = (1.0, 30.0)
+
+
 @dataclass
 class _Served:
     instance: Any
     groups: dict = field(default_factory=dict)  # group -> refcount
     versions: dict = field(default_factory=dict)  # group -> version the instance holds
-    fails: int = 0
-    disabled: bool = False
+    fails: int = 0  # consecutive failed imports
+    paused_until: float = 0.0  # time.monotonic() before which nothing is pushed here
+    pause_s: float = 0.0  # the last pause, doubled at each pause in a row
 
 
 class _Lat:
@@ -269,11 +276,12 @@ class DGDSClient:
         self._degraded = False
         self._append_lat, self._fetch_lat, self._import_lat = _Lat(), _Lat(), _Lat()
         # import_failures: group deltas an engine refused (resent in full next time);
-        # import_errors: import calls that failed or timed out (the same deltas are retried)
+        # import_errors: import calls that failed or timed out (the same deltas are retried);
+        # import_pauses: times an instance's pushes paused after PAUSE_AFTER_FAILS errors in a row
         self._m = dict(
             failures=0, syncs=0, append_calls=0, updates=0, tokens=0, append_bytes=0, fetch_calls=0,
-            bytes_synced=0, blobs=0, imports=0, import_failures=0, import_errors=0, gaps=0, server_errors=0,
-            dropped_tokens=0,
+            bytes_synced=0, blobs=0, imports=0, import_failures=0, import_errors=0, import_pauses=0, gaps=0,
+            server_errors=0, dropped_tokens=0,
         )
         self._sync_bytes = deque(maxlen=20000)
 
@@ -482,7 +490,7 @@ class DGDSClient:
         # versions of the same groups share it
         wanted: dict[tuple, list[_Served]] = {}
         for s in self._served.values():
-            if s.disabled or getattr(s.instance, "import_drafts", None) is None:
+            if s.paused_until > time.monotonic() or getattr(s.instance, "import_drafts", None) is None:
                 continue
             per: dict[int, list] = {}
             for g in s.groups:
@@ -521,13 +529,19 @@ class DGDSClient:
         except Exception as exc:  # the engine's problem, not DGDS's: retry the same deltas later
             self._m["import_errors"] += 1
             s.fails += 1
-            if s.fails >= 3 and not s.disabled:
-                s.disabled = True
-                logger.warning("DGDS: stopped pushing to instance %s after %d failed imports: %r",
-                               getattr(s.instance, "name", "?"), s.fails, exc)
+            if s.fails >= PAUSE_AFTER_FAILS:
+                # a busy or stalled engine (a long step, a weight sync): pause pushing there,
+                # longer each time in a row, and try again; its requests draft from what it holds
+                s.pause_s = min(max(2 * s.pause_s, PAUSE_S[0]), PAUSE_S[1])
+                s.paused_until = time.monotonic() + s.pause_s
+                s.fails = 0
+                self._m["import_pauses"] += 1
+                logger.warning("DGDS: %d imports in a row failed on instance %s (last: %r); pausing its pushes for %.0f s",
+                               PAUSE_AFTER_FAILS, getattr(s.instance, "name", "?"), exc, s.pause_s)
             return
         self._import_lat.add(time.perf_counter() - t0)
         s.fails = 0
+        s.pause_s = 0.0
         self._m["imports"] += 1
         self._m["blobs"] += len(blobs)
         if not isinstance(res, (list, tuple)) or len(res) != len(blobs):
