@@ -627,7 +627,9 @@ def _hardware(eng: dict, n_inst: int) -> str:
             "(VLLMInstanceFactory: own GPUs where there are enough, else a GPU memory share each)")
 
 
-def build_cost_model(result: dict, name: str, model_label: str, quick: bool) -> tuple[CostModel, dict]:
+def build_cost_model(result: dict, name: str, model_label: str, plan: str = "full") -> tuple[CostModel, dict]:
+    """The cost model fitted to ``profile_engine``'s ``result``; ``plan``: the grid's name
+    (``ProfilePlan``: full, quick or gpu), recorded in its sources with the engine arguments."""
     eng = result["engine"]
     n_inst = eng["instances"]
     base = CostModel(
@@ -644,7 +646,9 @@ def build_cost_model(result: dict, name: str, model_label: str, quick: bool) -> 
         hardware=_hardware(eng, n_inst),
         model=f"{model_label} ({eng['dtype']}, vllm {eng.get('vllm_version', '?')})",
         sources=(
-            f"verl-ext profile{' --quick' if quick else ''} --instances {n_inst}: {len(result['samples'])} measured windows "
+            f"verl-ext profile{'' if plan == 'full' else f' --plan {plan}'} --instances {n_inst}"
+            f"{''.join(f' --engine-arg {k}={v}' for k, v in sorted(result.get('engine_args', {}).items()))}: "
+            f"{len(result['samples'])} measured windows "
             f"on {platform.node() or 'this machine'}, {time.strftime('%Y-%m-%d')}",
             "kv_capacity_tokens, max_num_seqs, max_batched_tokens: read from the running engines' vLLM config "
             f"({eng['num_blocks']} blocks x {eng['block_size']} tokens; VLLM_CPU_KVCACHE_SPACE from VLLMInstanceFactory)",
@@ -858,7 +862,8 @@ def run_cli(args) -> int:
     result = asyncio.run(profile_engine(str(model_dir), args.instances, plan, spec=spec, seed=args.seed,
                                         log=lambda m: print(m, flush=True), engine_args=engine_args or None))
     label = Path(str(model_dir)).name if args.model else "SmolLM2-135M-Instruct"
-    cost, report = build_cost_model(result, args.name or out.stem, label, quick)
+    result["engine_args"] = engine_args
+    cost, report = build_cost_model(result, args.name or out.stem, label, "quick" if quick else (args.plan or "full"))
     write_profile(out, cost, report, result)
     print(f"\nfit ({report['n_samples']} windows): R^2 {report['r2']:.4f}, mean |rel err| {report['mean_abs_rel_err']:.1%}, "
           f"max {report['max_abs_rel_err']:.1%}; request round trip {report['request_latency_s'] * 1e3:.1f} ms")
