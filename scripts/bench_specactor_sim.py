@@ -15,7 +15,10 @@ acceptance per method; the draft models' time from their cost models). Arms:
 * ``+ reconfiguration``: Algorithm 2 on running requests;
 * ``+ Best-of-N``: Algorithm 3's copies on freed instances (greedy: copies are lossless).
 
-Prints a table and writes JSON.
+Prints a table and writes JSON. ``--preset`` (the verifier) and ``--drafter NAME=COST_MODEL``
+(a draft model's, e.g. ``qwen0.5b=runs/gpu/profile_dummy.json`` from ``scripts/gpu_check.sh
+--config-only``) take presets or ``verl-ext profile`` JSONs, so measured step times replace the
+roofline presets.
 
     python scripts/bench_specactor_sim.py --instances 16 --prompts 128 --samples 16 --out runs/bench_specactor_sim.json
 """
@@ -58,12 +61,21 @@ def main(argv=None) -> int:
     ap.add_argument("--spec-k", type=int, default=16)
     ap.add_argument("--concentration", type=float, default=4.0, help="Beta concentration of per-request rates")
     ap.add_argument("--vanilla", default="qwen0.5b", help="VanillaSpec's method (the paper: 0.5B)")
+    ap.add_argument("--drafter", action="append", default=[], metavar="NAME=COST_MODEL",
+                    help=f"a method's draft-model cost model (preset or profile JSON); methods and defaults: "
+                         f"{', '.join(f'{n}={d}' for n, d, _ in METHODS)}")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="runs/bench_specactor_sim.json")
     args = ap.parse_args(argv)
 
+    drafters = {n: d for n, d, _ in METHODS}
+    for item in args.drafter:
+        name, sep, model = item.partition("=")
+        if not sep or name not in drafters:
+            ap.error(f"--drafter wants NAME=COST_MODEL with NAME one of {', '.join(drafters)}, got '{item}'")
+        drafters[name] = model
     cost = load_cost_model(args.preset)
-    methods = [DraftMethod(n, "model", p, drafter=d) for n, d, p in METHODS]
+    methods = [DraftMethod(n, "model", p, drafter=drafters[n]) for n, _, p in METHODS]
     synth = {m.name: SyntheticMethod(m.acceptance, args.concentration, load_cost_model(m.drafter)) for m in methods}
     ladder = DraftLadder.build(cost, methods, max_window=args.spec_k)
     tmp = Path(tempfile.mkdtemp()) / "ladder.json"
@@ -103,7 +115,7 @@ def main(argv=None) -> int:
            "response_tokens": int(trace.response_lengths()[rows].sum()), "arms": {}}
     base = None
     print(f"{len(reqs)} requests on {args.instances} x {args.preset} ({per} per instance), "
-          f"{out['response_tokens']:,} tokens; methods {', '.join(f'{n}@{p}' for n, _, p in METHODS)}")
+          f"{out['response_tokens']:,} tokens; methods {', '.join(f'{n}@{p} ({drafters[n]})' for n, _, p in METHODS)}")
     for label, name, extra, drafts, decoupled, window in arms:
         t0 = time.perf_counter()
         drafter = SyntheticDrafter(spec, synth, args.vanilla, seed=args.seed, decoupled=decoupled) if drafts else None
