@@ -71,7 +71,7 @@ WORK=(); [ "$QUICK" = 0 ] && WORK=(--prompts 64 --samples 8 --max-tokens 1024)
 P=$OUT/profile.json  # specactor's ladder and rlhfspec's step times come from the profile too
 ARMS="baseline,seer[dgds=true],rhyme,specactor[profile=$P],rlhfspec[profile=$P]"
 for t in 0 1; do
-  DTYPE=(); [ "$t" = 0 ] && DTYPE=(--dtype float32)
+  DTYPE=(); [ "$t" = 0 ] && DTYPE=(--dtype float32 --require-identical)  # exits 3 on any differing response
   "$PY" -m verl_ext.cli ab --strategies "$ARMS" --epochs 2 --temperature "$t" --instances "$INSTANCES" "${DTYPE[@]}" \
     --preset "$P" "${MODEL_ARGS[@]}" "${WORK[@]}" --no-progress --out "$OUT/ab_t$t"
 done

@@ -57,7 +57,7 @@ def test_ab_with_drafting_on_and_off(tmp_path, model_dir):
     out = tmp_path / "ab"
     r = _run("ab", "--strategies", "baseline,baseline+spec:request+group,rhyme", "--out", str(out), "--prompts", "2",
              "--samples", "3", "--max-tokens", "48", "--instances", "1", "--temperature", "0", "--spec-k", "4",
-             "--epochs", "2", "--dtype", "float32", "--no-progress")  # bf16 greedy depends on the batch's shape
+             "--epochs", "2", "--dtype", "float32", "--require-identical", "--no-progress")  # bf16 greedy depends on the batch's shape
     assert r.returncode == 0, r.stderr[-3000:]
     assert "accept" in r.stdout and "baseline+spec:request+group" in r.stdout
     summary = json.loads((out / "summary.json").read_text())
@@ -90,7 +90,7 @@ def test_ab_with_drafting_on_and_off(tmp_path, model_dir):
 
 
 def test_same_tokens_counts_the_responses_equal_to_the_first_arms():
-    from verl_ext.ab.runner import StrategyRun, format_same_tokens, same_tokens
+    from verl_ext.ab.runner import StrategyRun, format_same_tokens, not_identical, same_tokens
 
     def run(name, tokens):
         return StrategyRun(name, {}, [], {}, [], token_ids=tokens)
@@ -100,8 +100,13 @@ def test_same_tokens_counts_the_responses_equal_to_the_first_arms():
     assert "same_tokens_as_first" not in runs[0].metrics
     assert runs[1].metrics["same_tokens_as_first"] == {"first": "a", "same": 2, "of": 3}
     assert runs[2].metrics["same_tokens_as_first"]["same"] == 1
-    assert format_same_tokens({"strategies": {r.name: r.metrics for r in runs}}).splitlines() == [
+    summary = {"strategies": {r.name: r.metrics for r in runs}}
+    assert format_same_tokens(summary).splitlines() == [
         "b: 2/3 responses token-identical to a's", "c: 1/3 responses token-identical to a's"]
+    assert not_identical(summary) == ["b: 2/3", "c: 1/3"]
+    runs[1].token_ids = runs[2].token_ids = runs[0].token_ids
+    same_tokens(runs)
+    assert not_identical({"strategies": {r.name: r.metrics for r in runs}}) == []
 
 
 @pytest.mark.parametrize(
@@ -119,6 +124,8 @@ def test_same_tokens_counts_the_responses_equal_to_the_first_arms():
         (["--sim", "--repeats", "2"], "--repeats is for real engines"),
         (["--sim", "--epochs", "2"], "--epochs is for real engines"),
         (["--sim", "--dtype", "float32"], "--dtype is for real engines"),
+        (["--sim", "--engine-arg", "enforce_eager=true"], "--engine-arg is for real engines"),
+        (["--sim", "--require-identical"], "--require-identical is for real engines"),
         (["--dtype", "fp8"], "--dtype must be one of auto, float32"),
         (["--strategies", "baseline+specx"], "bad arm 'baseline+specx'"),
         (["--strategies", "nope+spec"], "unknown rollout strategy 'nope'"),

@@ -45,6 +45,9 @@ def _ab_parser(sub) -> None:
     p.add_argument("--engine-arg", action="append", default=None, metavar="KEY=VALUE",
                    help="real engines: a vLLM engine argument (a field of vllm.AsyncEngineArgs; VALUE read as JSON where "
                         "it parses), e.g. gpu_memory_utilization=0.4 or tensor_parallel_size=2; repeatable")
+    p.add_argument("--require-identical", action="store_true",
+                   help="real engines: exit with status 3 unless every arm's responses are token-identical to the "
+                        "first arm's (a greedy losslessness check; use float32 engines, --dtype float32)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     g = p.add_argument_group("simulation (--sim)")
     g.add_argument("--sim", action="store_true", help="simulated instances in virtual time instead of real engines")
@@ -119,9 +122,11 @@ def _run_sim(args) -> int:
             raise ValueError(f"--{flag} is for real engines; with --sim the trace decides the responses (--epoch picks one)")
     if args.repeats is not None:
         raise ValueError("--repeats is for real engines; simulated runs are deterministic")
-    if args.dtype is not None or args.engine_arg:
-        raise ValueError(f"{'--dtype' if args.dtype is not None else '--engine-arg'} is for real engines; "
-                         "simulated instances take their step times from --preset")
+    for flag, given in (("--dtype", args.dtype is not None), ("--engine-arg", args.engine_arg),
+                        ("--require-identical", args.require_identical)):
+        if given:
+            raise ValueError(f"{flag} is for real engines; simulated instances take their step times from --preset "
+                             "and their tokens from the trace")
     synth = {k: v for k, v in {"prompts": args.prompts, "samples": args.samples, "mean_len": args.mean_len,
                                 "max_len": args.max_len}.items() if v is not None}
     shaping = [*synth, *(["similarity"] if args.similarity else [])]
@@ -180,8 +185,16 @@ def _run_ab(args) -> int:
         if "dtype" in extra and args.dtype is not None:
             raise ValueError("give the dtype once: --dtype or --engine-arg dtype=..., not both")
         engine_args.update(extra)
-    return _report(run_ab(cfg, progress=not args.no_progress, engine_args=engine_args or None), cfg.out,
-                   "completion_cdf.png, running_requests.png")
+    summary = run_ab(cfg, progress=not args.no_progress, engine_args=engine_args or None)
+    rc = _report(summary, cfg.out, "completion_cdf.png, running_requests.png")
+    if args.require_identical:
+        from verl_ext.ab.runner import not_identical
+
+        differ = not_identical(summary)
+        if differ:
+            print(f"verl-ext: not token-identical to the first arm: {'; '.join(differ)}", file=sys.stderr)
+            return 3
+    return rc
 
 
 def _report(summary: dict, out: str, files: str) -> int:

@@ -532,6 +532,13 @@ def same_tokens(runs: Sequence[StrategyRun]) -> None:
         run.metrics["same_tokens_as_first"] = {"first": first.name, "same": same, "of": len(first.token_ids)}
 
 
+def not_identical(summary: dict) -> list[str]:
+    """``arm: same/of`` for every arm whose responses are not all token-identical to the first
+    arm's (``same_tokens``); empty when all are."""
+    return [f"{name}: {st['same']}/{st['of']}" for name, m in summary["strategies"].items()
+            if (st := m.get("same_tokens_as_first")) and st["same"] != st["of"]]
+
+
 def format_same_tokens(summary: dict) -> str:
     """One line per arm compared with the first (``same_tokens``); empty if none was."""
     lines = []
