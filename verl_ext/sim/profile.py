@@ -627,9 +627,10 @@ def _hardware(eng: dict, n_inst: int) -> str:
             "(VLLMInstanceFactory: own GPUs where there are enough, else a GPU memory share each)")
 
 
-def build_cost_model(result: dict, name: str, model_label: str, plan: str = "full") -> tuple[CostModel, dict]:
-    """The cost model fitted to ``profile_engine``'s ``result``; ``plan``: the grid's name
-    (``ProfilePlan``: full, quick or gpu), recorded in its sources with the engine arguments."""
+def build_cost_model(result: dict, name: str, model_label: str, plan: str = "full",
+                     engine_args: Optional[dict] = None) -> tuple[CostModel, dict]:
+    """The cost model fitted to ``profile_engine``'s ``result``; ``plan`` (the grid's name:
+    ``ProfilePlan``'s full, quick or gpu) and ``engine_args`` are recorded in its sources."""
     eng = result["engine"]
     n_inst = eng["instances"]
     base = CostModel(
@@ -647,7 +648,7 @@ def build_cost_model(result: dict, name: str, model_label: str, plan: str = "ful
         model=f"{model_label} ({eng['dtype']}, vllm {eng.get('vllm_version', '?')})",
         sources=(
             f"verl-ext profile{'' if plan == 'full' else f' --plan {plan}'} --instances {n_inst}"
-            f"{''.join(f' --engine-arg {k}={v}' for k, v in sorted(result.get('engine_args', {}).items()))}: "
+            f"{''.join(f' --engine-arg {k}={v}' for k, v in sorted((engine_args or {}).items()))}: "
             f"{len(result['samples'])} measured windows "
             f"on {platform.node() or 'this machine'}, {time.strftime('%Y-%m-%d')}",
             "kv_capacity_tokens, max_num_seqs, max_batched_tokens: read from the running engines' vLLM config "
@@ -847,9 +848,9 @@ def run_cli(args) -> int:
     model_dir = resolve_model(args.model)
     if args.quick and args.plan not in (None, "quick"):
         raise ValueError(f"--quick and --plan {args.plan} disagree")
-    quick = args.quick or args.plan == "quick"
-    plan = {"quick": ProfilePlan.quick, "gpu": ProfilePlan.gpu}.get("quick" if quick else args.plan, ProfilePlan.full)()
-    spec = not (args.no_spec or quick)
+    plan_name = "quick" if args.quick else (args.plan or "full")
+    plan = getattr(ProfilePlan, plan_name)()
+    spec = not (args.no_spec or plan_name == "quick")
     engine_args = {}
     if args.engine_arg:
         from verl_ext.engine.vllm_local import parse_engine_args
@@ -862,8 +863,7 @@ def run_cli(args) -> int:
     result = asyncio.run(profile_engine(str(model_dir), args.instances, plan, spec=spec, seed=args.seed,
                                         log=lambda m: print(m, flush=True), engine_args=engine_args or None))
     label = Path(str(model_dir)).name if args.model else "SmolLM2-135M-Instruct"
-    result["engine_args"] = engine_args
-    cost, report = build_cost_model(result, args.name or out.stem, label, "quick" if quick else (args.plan or "full"))
+    cost, report = build_cost_model(result, args.name or out.stem, label, plan_name, engine_args)
     write_profile(out, cost, report, result)
     print(f"\nfit ({report['n_samples']} windows): R^2 {report['r2']:.4f}, mean |rel err| {report['mean_abs_rel_err']:.1%}, "
           f"max {report['max_abs_rel_err']:.1%}; request round trip {report['request_latency_s'] * 1e3:.1f} ms")
