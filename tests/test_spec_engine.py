@@ -127,3 +127,16 @@ async def test_drafter_rpc_errors_are_clear(spec_engine, fp32_engine):
     with pytest.raises(Exception, match="does not run the verl_ext suffix drafter"):
         await fp32_engine.drafter_call("stats")
     assert SPEC_K == (await spec_engine.drafter_call("stats"))["options"]["k"]
+
+
+@pytest.mark.parametrize("version,ok", [("0.24.0", True), ("0.32.0+cpu", True), ("0.33.1", True),
+                                        ("0.23.9", False), ("0.34.0", False), ("nightly", False)])
+def test_the_drafter_takes_the_vllm_versions_its_hook_points_were_checked_on(version, ok):
+    """veRL 0.9.1 pins vllm==0.24.0 (its `vllm` extra); scripts/test_vllm_compat.sh runs this file there."""
+    from verl_ext.spec.vllm_plugin import check_version
+
+    if ok:
+        check_version(version)
+    else:
+        with pytest.raises(RuntimeError, match=r"vLLM >= 0\.24, < 0\.34"):
+            check_version(version)

