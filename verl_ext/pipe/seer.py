@@ -360,6 +360,11 @@ class _Rollout:
         if not r.future.done():
             r.future.set_result(r.gen.result(c))
 
+    def _drafting_engines(self, op: str) -> list:
+        """The instances that run a drafter and offer ``op`` (``drafter_call``, ``import_drafts``):
+        local vLLM engines and veRL's servers offer both, the simulator's instances neither."""
+        return [i for i in self.pool.instances.values() if hasattr(i, op) and getattr(i, "drafting", True)]
+
     def _drop_engine_groups(self) -> None:
         """Free the engines' trees of finished groups, in one ``drop_groups`` drafter call per
         drafting engine: a group's tree serves one rollout (the same prompt in a later step is
@@ -369,8 +374,7 @@ class _Rollout:
         tree."""
         groups = [gid for gid in self.finished_groups if gid not in self.buffer.groups]
         self.finished_groups.clear()
-        targets = [i for i in self.pool.instances.values()
-                   if hasattr(i, "drafter_call") and getattr(i, "drafting", True)]
+        targets = self._drafting_engines("drafter_call")
         if groups and targets:
             self.engine_drops = [t for t in self.engine_drops if not t.done()]
             self.engine_drops.append(asyncio.ensure_future(self._drop_on(targets, groups)))
@@ -396,8 +400,7 @@ class _Rollout:
         o = self.opts
         if self.dgds is not None or not (o.speculative and o.group_drafts and o.dgds):
             return
-        targets = [i for i in self.pool.instances.values()
-                   if hasattr(i, "import_drafts") and getattr(i, "drafting", True)]
+        targets = self._drafting_engines("import_drafts")
         if not targets:
             return  # simulator / veRL replicas: replayed or engine-local group trees; no drafter
         if o.dgds == "auto" and engines_take_every_core(targets):
