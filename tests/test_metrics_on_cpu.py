@@ -45,3 +45,14 @@ def test_unknown_steps_give_none():
     m = rollout_metrics([_rec(0, 0.0, 1.0, 5)], [0.0])
     assert m["tokens_per_step"] is None
     assert not math.isnan(m["wall_s"])
+
+
+def test_a_losing_copys_tokens_are_engine_work_not_output():
+    """Best-of-N: request r0's original ran 6 tokens before it was aborted; its copy, started from
+    its first 4 tokens, delivered the rest (6 more): the response has 10 tokens, the engines made 12."""
+    recs = [RequestRecord("r0", "g", "a", 0.0, 3.0, 6, "abort", 6), RequestRecord("r0", "g", "b", 1.0, 2.5, 6, "stop", 3)]
+    m = rollout_metrics(recs, [1.0], delivered_tokens=10)
+    assert m["output_tokens"] == 10 and m["throughput_tok_s"] == pytest.approx(10 / 3.0)
+    assert m["tokens_per_step"] == pytest.approx(12 / 9)  # what the engines did per request step
+    assert m["per_instance"]["a"]["output_tokens"] == 6 and m["per_instance"]["b"]["output_tokens"] == 6
+    assert rollout_metrics(recs, [1.0])["output_tokens"] == 12  # records only: the engines' tokens

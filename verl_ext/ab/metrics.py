@@ -55,14 +55,21 @@ def request_spans(records: Iterable[RequestRecord]) -> dict[str, tuple[float, fl
     return {k: tuple(v) for k, v in spans.items()}
 
 
-def rollout_metrics(records: Sequence[RequestRecord], rewards: Sequence[float]) -> dict:
+def rollout_metrics(records: Sequence[RequestRecord], rewards: Sequence[float],
+                    delivered_tokens: Optional[int] = None) -> dict:
+    """``output_tokens`` and ``throughput_tok_s`` count ``delivered_tokens`` (the tokens of the
+    responses the strategy returned) when given, else the records' tokens. They differ where
+    engine work is thrown away: a Best-of-N copy that loses is aborted after generating tokens
+    (``specactor``), and those count in the records. ``tokens_per_step`` and ``per_instance``
+    stay the engines' (every recorded token and step)."""
     spans = request_spans(records)
     if not spans:
         raise ValueError("no requests were recorded")
     start = min(s[0] for s in spans.values())
     finishes = np.sort(np.array([s[1] for s in spans.values()]) - start)
     latencies = finishes  # completion times since the rollout's start
-    tokens = sum(s[2] for s in spans.values())
+    engine_tokens = sum(s[2] for s in spans.values())
+    tokens = engine_tokens if delivered_tokens is None else delivered_tokens
     steps = [s[3] for s in spans.values()]
     wall = float(finishes[-1])
     k90 = max(0, math.ceil(0.9 * len(finishes)) - 1)
@@ -81,7 +88,7 @@ def rollout_metrics(records: Sequence[RequestRecord], rewards: Sequence[float]) 
         "latency_p50_s": float(np.percentile(latencies, 50)),
         "latency_p90_s": float(np.percentile(latencies, 90)),
         "latency_max_s": float(latencies.max()),
-        "tokens_per_step": (tokens / sum(steps)) if steps and None not in steps and sum(steps) > 0 else None,
+        "tokens_per_step": (engine_tokens / sum(steps)) if steps and None not in steps and sum(steps) > 0 else None,
         "mean_reward": float(np.mean(rewards)) if len(rewards) else None,
         "per_instance": dict(sorted(per_instance.items())),
     }

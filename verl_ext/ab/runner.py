@@ -277,7 +277,7 @@ async def run_strategy(
             await sampler
         await strategy.close()
     rewards = [score(req, c.token_ids) for req, c in zip(requests, completions)]
-    metrics = rollout_metrics(pool.records, rewards)
+    metrics = rollout_metrics(pool.records, rewards, delivered_tokens=sum(len(c.token_ids) for c in completions))
     after = [inst.telemetry() for inst in instances]
     if metrics["tokens_per_step"] is None:
         # engines that count steps per instance rather than per request (vLLM's stat logger)
