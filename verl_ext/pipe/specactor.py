@@ -14,8 +14,10 @@ speculation planning, request-level reconfiguration, and lossless Best-of-N draf
   copies need no engine restart. Draft-model methods (``kind: model`` in a ladder) are planned and
   simulated, but an engine speculates with one method, so they are not mixed per request.
 * **Decoupled plan (section 4.1, Algorithm 1, ``verl_ext.spec.tgs``).** Computed for the selected
-  method and reported (``plan_*`` metrics). vLLM has no decoupled draft/verify mode (SGLang's is
-  being upstreamed), so engines run **coupled** speculation with per-request windows
+  method and reported (``plan_*`` metrics). vLLM has no decoupled draft/verify mode (0.24 and
+  0.32, read; its disaggregated-drafting RFC, vllm-project/vllm#42109, is open), nor has SGLang
+  0.5.12, veRL 0.9.1's pin (its ``srt/speculative`` package, read). So engines run **coupled**
+  speculation with per-request windows
   (``GenRequest.extra["spec_window"]``: the ladder's best window, or Algorithm 2's for a
   below-average request's copies); ``metrics()['decoupled_engine']`` is 0 to say so.
 * **Reconfiguration of running requests (Algorithm 2, ``reconfigure``).** Every ``cooldown``
