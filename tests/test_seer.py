@@ -77,6 +77,27 @@ def test_rest_is_longest_estimate_first_and_estimates_update():
     assert buf.picks["sfs"] == 3 and buf.picks["lfs"] == 4
 
 
+def test_a_request_aborted_from_outside_sets_no_length_estimate():
+    """veRL's async trainers abort every request in flight at a weight sync and resume it later:
+    an aborted request is done for the buffer (the group can be forgotten) but its partial length
+    is not a finished length, so L_g stays unknown until a sibling really finishes."""
+    buf, add, _ = _buffer()
+    a0, a1 = add("a0", "a"), add("a1", "a")
+    assert buf.pick() is a0
+    r = a0
+    r.tokens = [0] * 7
+    buf.progressed(r, 7)
+    buf.finished(r, aborted=True)
+    g = a0.group
+    assert (g.finished, g.aborted) == (0, 1) and buf.estimate(a1) == 100  # still max_tokens
+    assert not buf.settled(g)  # a1 waits
+    assert buf.pick() is a1
+    a1.tokens = [0] * 30
+    buf.progressed(a1, 30)
+    buf.finished(a1)
+    assert buf.estimate(a1) == 30 and buf.settled(g)
+
+
 def test_explore_picks_the_least_executed_group():
     buf, add, _ = _buffer(explore=1.0)
     a = [add(f"a{i}", "a") for i in range(2)]

@@ -53,7 +53,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from verl_ext.engine.instance import Completion, GenRequest, Instance
+from verl_ext.engine.instance import FINISH_ABORT, Completion, GenRequest, Instance
 from verl_ext.pipe.buffer import BufferedRequest, RequestBuffer
 from verl_ext.pipe.oracle import true_len
 from verl_ext.pipe.pool import InstancePool
@@ -342,9 +342,9 @@ class _Rollout:
         if r.gen.more(chunk, c):
             self.buffer.requeue(r)
             return
-        self.buffer.finished(r)
+        self.buffer.finished(r, aborted=c.finish_reason == FINISH_ABORT)
         g = r.group
-        group_done = g.finished == g.members and not g.pending
+        group_done = self.buffer.settled(g)
         if group_done:
             # the group's length context lives for one rollout: the same prompt in a later step
             # (next epoch) is probed again (Algorithm 1), and the buffer does not grow over training
