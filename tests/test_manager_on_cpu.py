@@ -50,6 +50,51 @@ class FakeServer:
         return self.sampling, self.rpcs
 
 
+@ray.remote(num_cpus=0)
+class MarkovServer:
+    """A deterministic "model" whose next token depends only on the last one, so generating a
+    response in pieces (chunks, or aborted and resumed attempts) gives the same tokens as in one
+    go: next = (last * 7 + 3) % 997 + 1, ending after a token divisible by 5 (or at max_tokens).
+    ``abort(n)``: the next ``n`` calls return the first half of their tokens, stop_reason
+    "aborted", as veRL's servers do when a weight sync aborts the requests in flight."""
+
+    def __init__(self, name, delay=0.02):
+        self.name, self.delay, self.aborts, self.version = name, delay, 0, 1
+        self.calls, self.bump_at, self.bump_to = 0, None, None
+
+    def abort(self, n):
+        self.aborts += n
+
+    def bump(self, after_calls, version):
+        """Weights move to ``version`` after the next ``after_calls`` calls (``global_steps``)."""
+        self.bump_at, self.bump_to = self.calls + after_calls, version
+
+    async def generate(self, prompt_ids, sampling_params, request_id, image_data=None, video_data=None,
+                       audio_data=None, mm_processor_kwargs=None, priority=0, kwargs=None, **_):
+        from verl.workers.rollout.replica import TokenOutput
+
+        self.calls += 1
+        if self.bump_at is not None and self.calls > self.bump_at:
+            self.version = self.bump_to
+        await asyncio.sleep(self.delay)
+        tokens = []  # (inline: the test module is not importable in Ray workers)
+        last, max_tokens = prompt_ids[-1], int(sampling_params.get("max_tokens", 16))
+        while len(tokens) < max_tokens:
+            last = (last * 7 + 3) % 997 + 1
+            tokens.append(last)
+            if last % 5 == 0:
+                break
+        stop = "completed"
+        if self.aborts > 0:
+            self.aborts -= 1
+            tokens, stop = tokens[: len(tokens) // 2], "aborted"
+        return TokenOutput(token_ids=tokens, log_probs=[-0.5] * len(tokens), stop_reason=stop,
+                           extra_fields={"global_steps": self.version})
+
+    async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        return None
+
+
 def _batch(k):
     from verl import DataProto
 
@@ -88,8 +133,10 @@ def _compose_one_step_off(overrides):
         os.chdir(cwd)
 
 
-def _v0_manager(strategy, model_dir, n, *overrides, delay=0.0, compose=compose_verl):
-    """verl_ext's V0 manager for ``rollout=<strategy>`` over two fake servers (veRL's real load balancer)."""
+def _v0_manager(strategy, model_dir, n, *overrides, delay=0.0, compose=compose_verl, server_cls=None,
+                client_cls=None):
+    """verl_ext's V0 manager for ``rollout=<strategy>`` over two fake servers (veRL's real load
+    balancer), given veRL's ``client_cls`` (default ``LLMServerClient``)."""
     from verl.workers.rollout.llm_server import LLMServerClient
     from verl.workers.rollout.router import get_router_handle
 
@@ -103,9 +150,10 @@ def _v0_manager(strategy, model_dir, n, *overrides, delay=0.0, compose=compose_v
          *(["trainer.use_v1=false"] if compose is compose_verl else []),
          "data.return_raw_chat=true", *overrides],
     )
-    servers = {f"s{i}": FakeServer.remote(f"s{i}", delay) for i in range(2)}
+    servers = {f"s{i}": (server_cls or FakeServer).remote(f"s{i}", delay) for i in range(2)}
     lb = get_router_handle(servers=servers, router_config_path=None, full_determinism=False)
-    return VerlExtAgentLoopManager.create(config=config, llm_client=LLMServerClient(config, load_balancer_handle=lb)), servers
+    client = (client_cls or LLMServerClient)(config, load_balancer_handle=lb)
+    return VerlExtAgentLoopManager.create(config=config, llm_client=client), servers
 
 
 @pytest.fixture(scope="module")
@@ -349,14 +397,76 @@ def test_factory_picks_trainer_flavour():
         assert issubclass(cls, AgentLoopManager) and not issubclass(cls, AgentLoopManagerTQ)
 
 
-@pytest.mark.parametrize("mode", ["colocate_async", "separate_async"])
-def test_async_trainers_are_refused_with_a_clear_error(mode):
-    """veRL's async trainers abort requests at weight syncs and resume them in their own client;
-    verl_ext's client would pass the aborted response on to training, so the factory refuses."""
+def test_async_trainer_modes_get_the_v1_manager_or_a_clear_error():
+    """veRL's async trainers (colocate_async; separate_async with standalone servers only) get the
+    V1 manager. separate_async with hybrid replicas adds and removes servers between steps, which
+    the dispatcher (a fixed set of servers) cannot follow: refused with what to set."""
     from verl_ext.pipe.strategy import StrategyConfigError
     from verl_ext.rollout.manager import VerlExtAgentLoopManager
 
-    config = compose_verl(["rollout@actor_rollout_ref.rollout=baseline", "transfer_queue.enable=true",
-                           f"trainer.v1.trainer_mode={mode}"])
-    with pytest.raises(StrategyConfigError, match=f"trainer_mode={mode} aborts and resumes"):
-        VerlExtAgentLoopManager.manager_cls(config)
+    base = ["rollout@actor_rollout_ref.rollout=baseline", "transfer_queue.enable=true"]
+    for extra in (["trainer.v1.trainer_mode=colocate_async"],
+                  ["trainer.v1.trainer_mode=separate_async", "actor_rollout_ref.hybrid_engine=false"]):
+        assert VerlExtAgentLoopManager.manager_cls(compose_verl(base + extra)).__name__ == "VerlExtAgentLoopManagerTQ"
+    with pytest.raises(StrategyConfigError, match="actor_rollout_ref.hybrid_engine=false"):
+        VerlExtAgentLoopManager.manager_cls(compose_verl(base + ["trainer.v1.trainer_mode=separate_async"]))
+
+
+@pytest.mark.parametrize("strategy,options", [("baseline", ()), ("seer", ("chunk_size=3",)), ("rhyme", ())])
+def test_async_trainers_aborted_requests_resume_through_the_strategy(ray_local, model_dir, tmp_path, strategy,
+                                                                      options):
+    """An async trainer's weight sync aborts the requests in flight (``stop_reason`` "aborted");
+    veRL's ``FullyAsyncLLMServerClient`` loop resends each with its tokens so far. Given that
+    client, the manager's workers resume through verl_ext's dispatcher: the responses are those of
+    a rollout without aborts (no token dropped, duplicated or reordered, chunked or not), every
+    resumed request keeps its group and sample index (no group grows past n), and the
+    oldest weight version of a response's pieces is its ``min_global_steps``."""
+    from verl.workers.rollout.llm_server import FullyAsyncLLMServerClient
+
+    n, opts = 3, [f"actor_rollout_ref.rollout.custom.verl_ext.options.{o}" for o in options]
+    manager, servers = _v0_manager(strategy, model_dir, n, *opts, f"trainer.default_local_dir={tmp_path}",
+                                   server_cls=MarkovServer, client_cls=FullyAsyncLLMServerClient)
+    assert type(manager).__name__ == "VerlExtAgentLoopManagerV0"
+    assert type(manager.llm_client).__name__ == "StrategyFullyAsyncLLMClient"  # what the workers get
+    steps = iter(range(1, 10))
+
+    def batch():  # a training batch of the next step (as veRL's trainers number them)
+        b = _batch(4).repeat(repeat_times=n, interleave=True)
+        b.meta_info["global_steps"] = next(steps)
+        return b
+
+    ray.get([s.abort.remote(4) for s in servers.values()])  # 8 aborted attempts, then none
+    out = manager.generate_sequences(batch())
+    prompt_ids, responses, mask = out.batch["prompts"], out.batch["responses"], out.batch["response_mask"]
+    for row in range(4 * n):
+        real_prompt = prompt_ids[row][out.batch["attention_mask"][row][: prompt_ids.shape[1]].bool()].tolist()
+        want, last = [], real_prompt[-1]  # MarkovServer's continuation in one go
+        while len(want) < 16:
+            last = (last * 7 + 3) % 997 + 1
+            want.append(last)
+            if last % 5 == 0:
+                break
+        assert responses[row][: int(mask[row].sum())].tolist() == want
+    timing = out.meta_info["timing"]
+    assert timing["verl_ext/resumed"] == 8 and timing["verl_ext/requests"] >= 4 * n + 8
+    sizes = ray.get(manager.verl_ext_dispatcher.__ray_call__.remote(lambda d: dict(d._group_sizes)))
+    assert sorted(sizes.values()) == [n] * 4  # resumed requests are not new samples
+
+    def versions(out):
+        return [(int(lo), int(hi)) for lo, hi in zip(out.non_tensor_batch["min_global_steps"],
+                                                     out.non_tensor_batch["max_global_steps"])]
+
+    # a weight sync: the aborted attempts ran under version 1, everything after under 2
+    ray.get([s.abort.remote(4) for s in servers.values()] + [s.bump.remote(4, 2) for s in servers.values()])
+    out = manager.generate_sequences(batch())
+    got = versions(out)
+    assert (1, 2) in got and all(lo <= hi for lo, hi in got)
+    if strategy == "rhyme":  # the second batch drafts and plans from the first one's history
+        assert out.meta_info["timing"]["verl_ext/rhyme/histopipe_active"] == 1
+    # weights move on with no abort: only a request generated in pieces can span them
+    ray.get([s.bump.remote(3, 3) for s in servers.values()])
+    got = versions(manager.generate_sequences(batch()))
+    if strategy == "baseline":  # one piece per request
+        assert all(lo == hi for lo, hi in got)
+    else:  # seer's chunks; rhyme's pieces up to its migration threshold and between rechecks
+        assert any(lo < hi for lo, hi in got) and all(lo <= hi for lo, hi in got)

@@ -154,7 +154,10 @@ class VerlExtSettings:
         # fails when the manager is built, not in the middle of the first rollout.
         # (constructing the strategy parses its options; strategies start nothing until ``prepare``)
         require_carrier(get_strategy_class(strategy)(options), False,
-                        "verl_ext's veRL 0.9 rollout manager (it returns every sample of the batch it was given)")
+                        "verl_ext's veRL 0.9 rollout manager (it returns every sample of the batch it was given; "
+                        "in veRL's async trainers, trainer.v1.trainer_mode=colocate_async|separate_async, veRL's own "
+                        "partial rollout carries the requests still running when a step's batch is full into the "
+                        "next step)")
         trace = TraceSettings.parse(raw.get("trace"))
         history = HistorySettings.parse(raw.get("history"))
         return cls(strategy=strategy, options=options, seed=seed, trace=trace, history=history)

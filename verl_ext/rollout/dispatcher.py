@@ -19,7 +19,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from verl_ext.config.settings import VerlExtSettings
-from verl_ext.engine.instance import GenRequest, SamplingSpec
+from verl_ext.engine.instance import FINISH_ABORT, GenRequest, SamplingSpec
 from verl_ext.pipe.pool import InstancePool
 from verl_ext.pipe.strategy import make_strategy
 from verl_ext.rollout.replica_instance import KWARGS_KEY, SAMPLING_KEY, TOKEN_OUTPUT_KEY, ReplicaInstance
@@ -88,8 +88,9 @@ class StrategyDispatcher:
         ``history_dir``: the history workers' checkpoint directory (None: no checkpoints)."""
         self.settings = settings
         self.strategy = make_strategy(settings.strategy, settings.options)
+        self._versions: dict[str, int] = {}  # request id -> oldest weight version of its outputs
         self.pool = InstancePool(
-            [ReplicaInstance(str(sid), h, max_tokens_default, max_num_seqs, drafting=drafting)
+            [ReplicaInstance(str(sid), h, max_tokens_default, max_num_seqs, drafting=drafting, versions=self._versions)
              for sid, h in servers.items()],
             seed=settings.seed,
         )
@@ -98,6 +99,10 @@ class StrategyDispatcher:
         self._requests = 0
         self._output_tokens = 0
         self._group_sizes: OrderedDict[str, int] = OrderedDict()  # group id -> samples seen
+        # request id -> (group id, sample index, prompt length) of requests that ended aborted:
+        # veRL's async trainers resume them under the same id (FullyAsyncLLMServerClient)
+        self._aborted: OrderedDict[str, tuple[str, int, int]] = OrderedDict()
+        self._resumed = 0
         self.history = None
         self._step: Optional[int] = None
         self._ingests: set = set()  # ingest calls still running
@@ -165,12 +170,7 @@ class StrategyDispatcher:
         """Same arguments as veRL's ``server.generate`` (plus the caller's sticky ``request_id``)."""
         params = dict(sampling_params)
         max_tokens = params.get("max_tokens", params.get("max_new_tokens", self.max_tokens_default))
-        group_id = prompt_group_id(prompt_ids)
-        sample_index = self._group_sizes.get(group_id, 0)
-        self._group_sizes[group_id] = sample_index + 1
-        self._group_sizes.move_to_end(group_id)
-        if len(self._group_sizes) > GROUP_CACHE_SIZE:
-            self._group_sizes.popitem(last=False)
+        group_id, sample_index, prompt_len = self._identify(request_id, prompt_ids)
         request = GenRequest(
             request_id=request_id,
             group_id=group_id,
@@ -184,16 +184,47 @@ class StrategyDispatcher:
             ),
             extra={SAMPLING_KEY: params, KWARGS_KEY: kwargs},
         )
-        completion = await self.strategy.submit(request, self.pool)
+        try:
+            completion = await self.strategy.submit(request, self.pool)
+        finally:
+            oldest = self._versions.pop(request_id, None)
         self._requests += 1
         self._output_tokens += len(completion.token_ids)
-        return merged_token_output(completion)
+        if completion.finish_reason == FINISH_ABORT:
+            self._aborted[request_id] = (group_id, sample_index, prompt_len)
+            if len(self._aborted) > GROUP_CACHE_SIZE:
+                self._aborted.popitem(last=False)
+        out = merged_token_output(completion)
+        if oldest is not None and oldest != out.extra_fields.get("global_steps"):
+            # chunks generated under different weights: veRL's staleness metrics read the oldest
+            out.extra_fields["min_global_steps"] = oldest
+        return out
+
+    def _identify(self, request_id: str, prompt_ids: list[int]) -> tuple[str, int, int]:
+        """(group id, sample index, original prompt length) of a request. A request that comes back
+        after an abort (veRL's async trainers resend ``prompt + tokens so far`` under the same
+        ``request_id``) keeps its group and sample index; any other request is a new sample of the
+        group of its prompt tokens."""
+        known = self._aborted.pop(request_id, None)
+        if known is not None:
+            group_id, sample_index, prompt_len = known
+            if len(prompt_ids) >= prompt_len and prompt_group_id(prompt_ids[:prompt_len]) == group_id:
+                self._resumed += 1
+                return known
+        group_id = prompt_group_id(prompt_ids)
+        sample_index = self._group_sizes.get(group_id, 0)
+        self._group_sizes[group_id] = sample_index + 1
+        self._group_sizes.move_to_end(group_id)
+        if len(self._group_sizes) > GROUP_CACHE_SIZE:
+            self._group_sizes.popitem(last=False)
+        return group_id, sample_index, len(prompt_ids)
 
     def metrics(self, reset: bool = True) -> dict[str, float]:
         """Dispatcher counters since the last call, prefixed for veRL's tracking."""
         out = {
             "verl_ext/requests": float(self._requests),
             "verl_ext/output_tokens": float(self._output_tokens),
+            "verl_ext/resumed": float(self._resumed),
             **{f"verl_ext/{self.settings.strategy}/{k}": float(v) for k, v in self.strategy.metrics().items()},
         }
         for name, count in self.pool.inflight.items():
@@ -201,7 +232,7 @@ class StrategyDispatcher:
         if self.history is not None:
             out.update({f"verl_ext/history/{k}": float(v) for k, v in self.history.metrics().items()})
         if reset:
-            self._requests = self._output_tokens = 0
+            self._requests = self._output_tokens = self._resumed = 0
         return out
 
 

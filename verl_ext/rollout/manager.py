@@ -31,7 +31,7 @@ from typing import Any, Optional
 import ray
 from verl.experimental.agent_loop.agent_loop import AgentLoopManager
 from verl.utils.ray_utils import auto_await
-from verl.workers.rollout.llm_server import LLMServerClient
+from verl.workers.rollout.llm_server import FullyAsyncLLMServerClient, LLMServerClient
 
 from verl_ext.config.settings import VerlExtSettings
 from verl_ext.pipe.strategy import StrategyConfigError, get_strategy_class
@@ -41,23 +41,20 @@ from verl_ext.trace import verl_hook
 logger = logging.getLogger(__name__)
 
 
-class StrategyLLMClient(LLMServerClient):
-    """``LLMServerClient`` whose requests are scheduled by verl_ext's dispatcher."""
+class _TracingClient(LLMServerClient):
+    """Adds per-request trace info (``custom.verl_ext.trace``) to what the rest of the client
+    returns; outermost, so that it sees the whole response of a resumed request."""
 
-    def __init__(self, config, load_balancer_handle=None, dispatcher=None, trace=None, history=False, **kwargs):
+    def __init__(self, config, load_balancer_handle=None, trace=None, **kwargs):
         super().__init__(config, load_balancer_handle=load_balancer_handle, **kwargs)
-        self._dispatcher = dispatcher
-        self._dispatcher_failed = False
         #: (V1 collector handle or None, TraceSettings, response_length) when traces are recorded
         self.verl_ext_trace = trace
-        #: the dispatcher, when finished trajectories feed the history workers (V1 workers read it)
-        self.verl_ext_history = dispatcher if history else None
 
     async def generate(self, request_id, *, prompt_ids, sampling_params, **kwargs: Any):
         if self.verl_ext_trace is None:
-            return await self._generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs)
+            return await super().generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs)
         submit_t = time.time()
-        output = await self._generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs)
+        output = await super().generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs)
         try:  # per-request trace info; the trace hook removes it before veRL stores the output
             output.extra_fields[verl_hook.TRACE_KEY] = verl_hook.request_info(
                 output, sampling_params, self.verl_ext_trace[2], submit_t, time.time()
@@ -66,7 +63,19 @@ class StrategyLLMClient(LLMServerClient):
             logger.error("verl_ext: no trace info for request %s (%s)", request_id, exc)
         return output
 
-    async def _generate(self, request_id, *, prompt_ids, sampling_params, **kwargs: Any):
+
+class _DispatchingClient(LLMServerClient):
+    """Sends one ``generate`` (one attempt) to the ``StrategyDispatcher`` instead of veRL's load
+    balancer; if the dispatcher is gone, to veRL's own ``LLMServerClient.generate``."""
+
+    def __init__(self, config, load_balancer_handle=None, dispatcher=None, history=False, **kwargs):
+        super().__init__(config, load_balancer_handle=load_balancer_handle, **kwargs)
+        self._dispatcher = dispatcher
+        self._dispatcher_failed = False
+        #: the dispatcher, when finished trajectories feed the history workers (V1 workers read it)
+        self.verl_ext_history = dispatcher if history else None
+
+    async def generate(self, request_id, *, prompt_ids, sampling_params, **kwargs: Any):
         if self._dispatcher is None or self._dispatcher_failed:
             return await super().generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs)
         forwarded = {k: v for k, v in kwargs.items() if v is not None}
@@ -79,6 +88,48 @@ class StrategyLLMClient(LLMServerClient):
         steps = output.extra_fields.get("global_steps")
         output.extra_fields.setdefault("min_global_steps", steps)
         output.extra_fields.setdefault("max_global_steps", steps)
+        self._attempt_done(request_id, output)
+        return output
+
+    def _attempt_done(self, request_id, output) -> None:
+        """Hook for clients that run several attempts per request."""
+
+
+class StrategyLLMClient(_TracingClient, _DispatchingClient):
+    """``LLMServerClient`` whose requests are scheduled by verl_ext's dispatcher (veRL's
+    synchronous trainers)."""
+
+
+class StrategyFullyAsyncLLMClient(_TracingClient, FullyAsyncLLMServerClient, _DispatchingClient):
+    """The same for veRL's async trainers (``trainer.v1.trainer_mode=colocate_async|separate_async``),
+    whose weight syncs abort every request in flight: veRL's ``FullyAsyncLLMServerClient`` loop
+    resumes an aborted request (prompt + tokens so far, the budget left), and each attempt goes
+    through the dispatcher (method order: trace, resume loop, dispatch, veRL's load balancer).
+    The dispatcher knows a resumed request by its ``request_id`` (veRL keeps it across attempts)
+    and keeps its group and sample index.
+
+    veRL's loop takes a request's oldest weight version from its first attempt's ``global_steps``
+    (the version at that attempt's end); an attempt of a strategy that generates in chunks
+    (``seer``) can span a weight sync (a chunk waiting between two others is not aborted), so the
+    oldest version any chunk reported (the dispatcher's ``min_global_steps``) is kept here."""
+
+    def __init__(self, config, load_balancer_handle=None, **kwargs):
+        super().__init__(config, load_balancer_handle=load_balancer_handle, **kwargs)
+        self._oldest: dict = {}  # request id -> oldest min_global_steps of its attempts
+
+    def _attempt_done(self, request_id, output) -> None:
+        v = output.extra_fields.get("min_global_steps")
+        if v is not None:
+            self._oldest[request_id] = min(self._oldest.get(request_id, v), v)
+
+    async def generate(self, request_id, *, prompt_ids, sampling_params, **kwargs: Any):
+        try:
+            output = await super().generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs)
+        finally:
+            oldest = self._oldest.pop(request_id, None)
+        first = output.extra_fields.get("min_global_steps")
+        if oldest is not None and first is not None and oldest < first:
+            output.extra_fields["min_global_steps"] = oldest
         return output
 
 
@@ -152,10 +203,13 @@ class _VerlExtManagerMixin:
             .remote(self.verl_ext_settings, servers, rollout.get("response_length"), rollout.get("max_num_seqs"),
                     drafting=runs_verl_ext_drafter(rollout), history_dir=history_dir)
         )
-        client = StrategyLLMClient(
-            config, load_balancer_handle=load_balancer, dispatcher=self.verl_ext_dispatcher, trace=trace,
-            history=self.verl_ext_history,
-        )
+        client_kwargs = dict(load_balancer_handle=load_balancer, dispatcher=self.verl_ext_dispatcher, trace=trace,
+                             history=self.verl_ext_history)
+        if isinstance(llm_client, FullyAsyncLLMServerClient):  # an async trainer's: resume aborted requests
+            client = StrategyFullyAsyncLLMClient(config, only_hybrid=getattr(llm_client, "_only_hybrid", False),
+                                                 **client_kwargs)
+        else:
+            client = StrategyLLMClient(config, **client_kwargs)
         logger.warning(
             "verl_ext: rollout strategy '%s' over %d server(s)%s", self.verl_ext_settings.strategy, len(servers),
             f"; history workers checkpoint to {history_dir}" if history_dir else "",
@@ -310,15 +364,21 @@ class VerlExtAgentLoopManager:
         transfer_queue = bool((config.get("transfer_queue") or {}).get("enable", False))
         use_v1 = bool(trainer.get("use_v1", True)) and transfer_queue
         mode = (trainer.get("v1") or {}).get("trainer_mode", "sync") if use_v1 else "sync"
-        if mode != "sync":
-            # veRL's async trainers abort in-flight requests at weight syncs and rely on
-            # FullyAsyncLLMServerClient to resume them; verl_ext's client would hand the agent loop
-            # the aborted, truncated response, which would then be trained on
+        if mode not in ("sync", "colocate_async", "separate_async"):
             raise StrategyConfigError(
-                f"verl_ext rollout managers run with veRL's synchronous trainers (trainer.v1.trainer_mode=sync, "
-                f"or trainer.use_v1=false); trainer.v1.trainer_mode={mode} aborts and resumes requests at weight "
-                f"syncs, which verl_ext's LLM client does not do yet. Use trainer_mode=sync, or drop "
-                f"agent.agent_loop_manager_class to run veRL's own manager")
+                f"verl_ext rollout managers support veRL 0.9's trainer.v1.trainer_mode=sync|colocate_async|"
+                f"separate_async, not '{mode}'; drop agent.agent_loop_manager_class to run veRL's own manager")
+        if mode == "separate_async" and bool((config.get("actor_rollout_ref") or {}).get("hybrid_engine", True)):
+            # separate_async lends the trainer's GPUs to rollout between steps by adding and removing
+            # hybrid replicas in veRL's load balancer; the dispatcher routes over the servers it read
+            # from the balancer at start-up, so it would never use (or would use removed) replicas
+            raise StrategyConfigError(
+                "verl_ext rollout managers route over a fixed set of servers; trainer.v1.trainer_mode=separate_async "
+                "with hybrid replicas (actor_rollout_ref.hybrid_engine=true, the default) adds and removes servers "
+                "between steps. Set actor_rollout_ref.hybrid_engine=false (standalone rollout servers only), or use "
+                "trainer_mode=colocate_async or sync")
+        # Async modes abort every request in flight at a weight sync and resume it afterwards:
+        # the workers' client is then StrategyFullyAsyncLLMClient (chosen from veRL's client type).
         return _v1_cls() if use_v1 else VerlExtAgentLoopManagerV0
 
     @classmethod

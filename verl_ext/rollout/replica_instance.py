@@ -38,11 +38,14 @@ TOKEN_OUTPUT_KEY = "token_output"
 
 class ReplicaInstance(Instance):
     def __init__(self, name: str, handle: Any, max_tokens_default: Optional[int] = None,
-                 max_running: Optional[int] = None, drafting: bool = False):
+                 max_running: Optional[int] = None, drafting: bool = False, versions: Optional[dict] = None):
         """``max_running``: the server's ``max_num_seqs`` (veRL's rollout config), for strategies
         that keep each replica below the concurrency at which it would queue or preempt.
-        ``drafting``: the server is vLLM with verl_ext's drafter (see the module docstring)."""
+        ``drafting``: the server is vLLM with verl_ext's drafter (see the module docstring).
+        ``versions``: request id -> oldest weight version (``global_steps``) any of its outputs
+        reported, shared by the dispatcher's instances (a request's chunks may span a weight sync)."""
         self.name = name
+        self.versions = versions
         self.drafting = drafting
         self.max_running = max_running
         self.handle = handle
@@ -103,6 +106,10 @@ class ReplicaInstance(Instance):
             self._engine_ids.pop(request.request_id, None)
         tokens = list(output.token_ids)
         self._generated += len(tokens)
+        version = output.extra_fields.get("global_steps")
+        if self.versions is not None and version is not None:
+            rid = request.request_id
+            self.versions[rid] = min(self.versions.get(rid, version), version)
         if on_tokens is not None and tokens:
             on_tokens(tokens)  # veRL's server does not stream: one delta at the end
         if output.stop_reason in ("aborted", "abort"):
