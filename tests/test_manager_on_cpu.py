@@ -470,3 +470,78 @@ def test_async_trainers_aborted_requests_resume_through_the_strategy(ray_local, 
         assert all(lo == hi for lo, hi in got)
     else:  # seer's chunks; rhyme's pieces up to its migration threshold and between rechecks
         assert any(lo < hi for lo, hi in got) and all(lo <= hi for lo, hi in got)
+
+
+def test_async_trainers_carry_deferred_requests_into_the_next_step(ray_local, monkeypatch):
+    """Inter-step migration inside veRL's async trainers (which take finished samples as they
+    come): a request the strategy defers to the next training step is held by the dispatcher, its
+    ``generate`` call waits, and the next ``begin_step`` resumes it where least loaded (prompt +
+    tokens so far); its response is the one it would have had in one go. With no next step it
+    resumes after ``DEFER_WAIT_S``. Only an async trainer's dispatcher wires the carrier into
+    ``rollout=rhyme``; the others refuse ``inter_step`` (``VerlExtSettings.from_custom``)."""
+    from verl_ext.config.settings import VerlExtSettings
+    from verl_ext.pipe import defer
+    from verl_ext.pipe.chunks import Chunked
+    from verl_ext.rollout import dispatcher as dispatcher_mod
+    from verl_ext.rollout.dispatcher import StrategyDispatcher
+
+    rhyme = {"verl_ext": {"strategy": "rhyme", "options": {"inter_step": True}}}
+    servers = {f"s{i}": MarkovServer.remote(f"s{i}") for i in range(2)}
+    for carries in (True, False):
+        d = StrategyDispatcher(VerlExtSettings.from_custom(rhyme, async_trainer=True), servers, 16, carries=carries)
+        assert (d.strategy._carry == d._carry) is carries
+
+    class DeferAll:
+        """Defers every request after its first 2 tokens (what rhyme does to an outlier)."""
+        defers_samples, carry = True, None
+
+        def set_deferral(self, carry):
+            self.carry = carry
+
+        def begin_step(self, step):
+            pass
+
+        def metrics(self):
+            return {}
+
+        async def submit(self, request, pool):
+            st = Chunked(request)
+            c = await pool.run(pool.least_loaded(request.request_id), st.next_request(2))
+            st.add(c)
+            if not st.more(2, c):
+                return st.result(c)
+            self.carry(st)
+            return defer.deferred_completion(st, c)
+
+    def want(prompt):
+        out, last = [], prompt[-1]
+        while len(out) < 16:
+            last = (last * 7 + 3) % 997 + 1
+            out.append(last)
+            if last % 5 == 0:
+                break
+        return out
+
+    prompts = [[1, 2, k] for k in range(3, 40)]
+    long = [p for p in prompts if len(want(p)) > 2][:4]  # longer than the first piece: deferred
+
+    async def main(wait_s):
+        monkeypatch.setattr(dispatcher_mod, "DEFER_WAIT_S", wait_s)
+        d = StrategyDispatcher(VerlExtSettings.from_custom({"verl_ext": {"strategy": "baseline"}}), servers, 16)
+        d.strategy = DeferAll()
+        d.strategy.set_deferral(d._carry)
+        await d.begin_step(1)
+        calls = [asyncio.ensure_future(d.generate(f"r{i}", p, {"max_tokens": 16})) for i, p in enumerate(long)]
+        while len(d._parked) < len(long):
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)
+        assert not any(c.done() for c in calls)  # held for the next step
+        if wait_s > 10:
+            await d.begin_step(2)
+        outs = await asyncio.wait_for(asyncio.gather(*calls), 30)
+        return outs, d.metrics()
+
+    for wait_s, late in ((1000.0, 0.0), (0.5, 4.0)):
+        outs, m = asyncio.run(main(wait_s))
+        assert [list(o.token_ids) for o in outs] == [want(p) for p in long]
+        assert m["verl_ext/deferred"] == 4 and m["verl_ext/deferred_waited_out"] == late

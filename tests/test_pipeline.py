@@ -220,8 +220,10 @@ def test_inter_step_migration_is_refused_where_nothing_carries_it(tmp_path, caps
         _outlier_arm(_INTER, "sync", step=1, rank=-1)
     with pytest.raises(StrategyConfigError, match="a single rollout"):
         make_arm(_INTER)
-    with pytest.raises(StrategyConfigError, match="veRL 0.9 rollout manager"):
-        VerlExtSettings.from_custom({"verl_ext": {"strategy": "rhyme", "options": {"inter_step": True}}})
+    inter = {"verl_ext": {"strategy": "rhyme", "options": {"inter_step": True}}}
+    with pytest.raises(StrategyConfigError, match="synchronous and one-step-off-policy trainers"):
+        VerlExtSettings.from_custom(inter)
+    assert VerlExtSettings.from_custom(inter, async_trainer=True).options == {"inter_step": True}  # veRL's async trainers
     with pytest.raises(StrategyConfigError, match="needs histopipe=true and migration=true"):
         make_arm("rhyme[inter_step=true,migration=false]", carrier=None)
     _bad(tmp_path, capsys, ["--sim", "--prompts", "8", "--samples", "2", "--mean-len", "64", "--max-len", "256",

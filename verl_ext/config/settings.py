@@ -128,8 +128,10 @@ class VerlExtSettings:
     history: HistorySettings = field(default_factory=HistorySettings)
 
     @classmethod
-    def from_custom(cls, custom: Optional[Mapping[str, Any]]) -> "VerlExtSettings":
-        """Parse ``RolloutConfig.custom`` (a dict, an OmegaConf node, or None)."""
+    def from_custom(cls, custom: Optional[Mapping[str, Any]], async_trainer: bool = False) -> "VerlExtSettings":
+        """Parse ``RolloutConfig.custom`` (a dict, an OmegaConf node, or None). ``async_trainer``:
+        the manager serves one of veRL's async trainers, which streams finished samples into
+        training (a strategy may then defer samples to the next step; refused otherwise)."""
         raw = _to_dict((custom or {}).get("verl_ext") if custom is not None else None)
         if raw is None:
             raise StrategyConfigError(
@@ -153,11 +155,11 @@ class VerlExtSettings:
         # Validate eagerly (unknown strategy, unknown or ill-typed options) so that a bad config
         # fails when the manager is built, not in the middle of the first rollout.
         # (constructing the strategy parses its options; strategies start nothing until ``prepare``)
-        require_carrier(get_strategy_class(strategy)(options), False,
-                        "verl_ext's veRL 0.9 rollout manager (it returns every sample of the batch it was given; "
-                        "in veRL's async trainers, trainer.v1.trainer_mode=colocate_async|separate_async, veRL's own "
-                        "partial rollout carries the requests still running when a step's batch is full into the "
-                        "next step)")
+        require_carrier(get_strategy_class(strategy)(options), async_trainer,
+                        "verl_ext's manager under veRL 0.9's synchronous and one-step-off-policy trainers (they "
+                        "train on every sample of the batch they sent, at a fixed batch size; veRL's async trainers, "
+                        "trainer.v1.trainer_mode=colocate_async|separate_async, take finished samples as they come "
+                        "and carry deferred ones)")
         trace = TraceSettings.parse(raw.get("trace"))
         history = HistorySettings.parse(raw.get("history"))
         return cls(strategy=strategy, options=options, seed=seed, trace=trace, history=history)

@@ -10,8 +10,11 @@ GRPO group trains with that next step, so every sample is trained exactly once, 
 
 That changes which step trains on a sample and with which weights, so it is off-policy by
 construction: a driver accepts it only where the trainer is (``require_carrier``). The simulator's
-``one_step_off`` and ``stream`` pipelines carry deferred samples; veRL 0.9's trainers, single
-rollouts (A/B runs) and the on-policy ``sync`` pipeline refuse it.
+``one_step_off`` and ``stream`` pipelines carry deferred samples, and so does the dispatcher under
+veRL 0.9's async trainers (``verl_ext.rollout.dispatcher``: the request waits for the next
+training step, and its ``generate`` call returns the whole response then); veRL's synchronous and
+one-step-off-policy recipe trainers, single rollouts (A/B runs) and the on-policy ``sync``
+pipeline refuse it.
 """
 
 from __future__ import annotations

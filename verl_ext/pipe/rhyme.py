@@ -43,9 +43,12 @@ HistoPipe scheduling from last epoch's lengths.
   re-prefilled, the same request) and its group trains with that step. This changes which step
   trains on the sample and with which weights (its first tokens come one step earlier than the
   step's own), so it needs an off-policy trainer: only drivers that carry deferred samples accept
-  it (``verl-ext ab --sim --pipeline one_step_off|stream``); veRL's trainers, single rollouts and
-  the ``sync`` pipeline refuse it with a clear error. Without a carrier for a step (the epoch's
-  last step) outliers migrate within the step.
+  it: ``verl-ext ab --sim --pipeline one_step_off|stream``, and veRL's async trainers
+  (``trainer.v1.trainer_mode=colocate_async|separate_async``, whose dispatcher holds the request
+  until the manager starts the next step, ``verl_ext.rollout.dispatcher``). veRL's synchronous
+  and one-step-off-policy recipe trainers, single rollouts and the ``sync`` pipeline refuse it
+  with a clear error. Without a carrier for a step (the epoch's last step in the simulator)
+  outliers migrate within the step.
 
 Knob ladder of the paper's Figure 14: ``histopipe=false`` (HistoSpec only), ``two_tier=false``
 (equal instance blocks), ``histospec=false`` (no drafting), ``migration=false``.

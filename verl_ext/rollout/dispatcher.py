@@ -20,6 +20,7 @@ import numpy as np
 
 from verl_ext.config.settings import VerlExtSettings
 from verl_ext.engine.instance import FINISH_ABORT, GenRequest, SamplingSpec
+from verl_ext.pipe.defer import is_deferred
 from verl_ext.pipe.pool import InstancePool
 from verl_ext.pipe.strategy import make_strategy
 from verl_ext.rollout.replica_instance import KWARGS_KEY, SAMPLING_KEY, TOKEN_OUTPUT_KEY, ReplicaInstance
@@ -54,6 +55,11 @@ def server_handles_from_load_balancer(load_balancer_handle) -> dict:
 #: prompt groups remembered for sample numbering (oldest forgotten first)
 GROUP_CACHE_SIZE = 100_000
 
+#: seconds a request deferred to the next training step (inter-step migration) waits for that
+#: step before it resumes anyway: veRL starts no next step after its last one, and a validation
+#: request whose prompt is also in the training batch must not wait for one
+DEFER_WAIT_S = 60.0
+
 
 def prompt_group_id(prompt_ids) -> str:
     """The GRPO group of a request, from its prompt tokens.
@@ -82,10 +88,15 @@ class StrategyDispatcher:
     """
 
     def __init__(self, settings: VerlExtSettings, servers: dict, max_tokens_default: Optional[int] = None,
-                 max_num_seqs: Optional[int] = None, drafting: bool = False, history_dir: Optional[str] = None):
+                 max_num_seqs: Optional[int] = None, drafting: bool = False, history_dir: Optional[str] = None,
+                 carries: bool = False):
         """``drafting``: the servers run verl_ext's vLLM drafter (requests then carry their group
         and prompt key, and the strategy may load drafter state over ``collective_rpc``).
-        ``history_dir``: the history workers' checkpoint directory (None: no checkpoints)."""
+        ``history_dir``: the history workers' checkpoint directory (None: no checkpoints).
+        ``carries``: the trainer is off-policy and streams samples into training as they finish
+        (veRL's async trainers), so a request the strategy defers to the next training step
+        (inter-step migration, ``verl_ext.pipe.defer``) is held here and resumed when the manager
+        starts that step (``begin_step``); its ``generate`` call returns the whole response then."""
         self.settings = settings
         self.strategy = make_strategy(settings.strategy, settings.options)
         self._versions: dict[str, int] = {}  # request id -> oldest weight version of its outputs
@@ -103,6 +114,13 @@ class StrategyDispatcher:
         # veRL's async trainers resume them under the same id (FullyAsyncLLMServerClient)
         self._aborted: OrderedDict[str, tuple[str, int, int]] = OrderedDict()
         self._resumed = 0
+        # inter-step migration: request id -> (Chunked state, future of its whole completion)
+        self._parked: dict[str, tuple[Any, asyncio.Future]] = {}
+        self._waiting: dict[str, asyncio.Future] = {}  # request id -> its future, for ``generate``
+        self._carried: set = set()  # resumed deferred requests still running
+        self._deferred = self._late = 0
+        if carries and self.strategy.defers_samples:
+            self.strategy.set_deferral(self._carry)
         self.history = None
         self._step: Optional[int] = None
         self._ingests: set = set()  # ingest calls still running
@@ -145,6 +163,44 @@ class StrategyDispatcher:
                 if self._checkpoint is None or self._checkpoint.done():
                     self._checkpoint = asyncio.ensure_future(self.history.checkpoint())
         self.strategy.begin_step(step)
+        for rid in list(self._parked):  # deferred in an earlier step: resume in this one
+            self._resume(rid)
+
+    # -- inter-step migration ------------------------------------------------------------------------
+    def _carry(self, st) -> None:
+        """The strategy defers ``st`` (a ``Chunked`` state) to the next training step."""
+        rid = st.request.request_id
+        loop = asyncio.get_running_loop()
+        fut = self._waiting[rid] = loop.create_future()
+        self._parked[rid] = (st, fut)
+        self._deferred += 1
+        loop.call_later(DEFER_WAIT_S, self._resume, rid, True)
+
+    def _resume(self, rid: str, late: bool = False) -> None:
+        entry = self._parked.pop(rid, None)
+        if entry is None:
+            return
+        if late:
+            self._late += 1
+            logger.warning("verl_ext: request %s, deferred to the next training step, waited %.0f s for it and "
+                           "resumes now", rid, DEFER_WAIT_S)
+        task = asyncio.ensure_future(self._run_resumed(*entry))
+        self._carried.add(task)
+        task.add_done_callback(self._carried.discard)
+
+    async def _run_resumed(self, st, fut: asyncio.Future) -> None:
+        """The rest of a deferred request, where least loaded (prompt + tokens so far, re-prefilled)."""
+        try:
+            req = st.next_request(st.remaining)
+            c = await self.pool.run(self.pool.least_loaded(req.request_id), req)
+            st.add(c)
+            if not fut.done():
+                fut.set_result(st.result(c))
+        except BaseException as exc:
+            if not fut.done():
+                fut.set_exception(exc)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
 
     async def ingest(self, step: int, items: Sequence[tuple]) -> int:
         """Finished trajectories of step ``step`` for the history workers: ``items`` are
@@ -186,6 +242,8 @@ class StrategyDispatcher:
         )
         try:
             completion = await self.strategy.submit(request, self.pool)
+            if is_deferred(completion):  # resumed at the next training step (``begin_step``)
+                completion = await self._waiting.pop(request_id)
         finally:
             oldest = self._versions.pop(request_id, None)
         self._requests += 1
@@ -225,6 +283,8 @@ class StrategyDispatcher:
             "verl_ext/requests": float(self._requests),
             "verl_ext/output_tokens": float(self._output_tokens),
             "verl_ext/resumed": float(self._resumed),
+            "verl_ext/deferred": float(self._deferred),
+            "verl_ext/deferred_waited_out": float(self._late),
             **{f"verl_ext/{self.settings.strategy}/{k}": float(v) for k, v in self.strategy.metrics().items()},
         }
         for name, count in self.pool.inflight.items():
@@ -232,7 +292,7 @@ class StrategyDispatcher:
         if self.history is not None:
             out.update({f"verl_ext/history/{k}": float(v) for k, v in self.history.metrics().items()})
         if reset:
-            self._requests = self._output_tokens = self._resumed = 0
+            self._requests = self._output_tokens = self._resumed = self._deferred = self._late = 0
         return out
 
 

@@ -183,7 +183,10 @@ class _VerlExtManagerMixin:
 
     def __init__(self, config, llm_client, teacher_client=None, reward_loop_worker_handles=None):
         rollout = config.actor_rollout_ref.rollout
-        self.verl_ext_settings = VerlExtSettings.from_custom(rollout.get("custom"))
+        # veRL's async trainers hand over a FullyAsyncLLMServerClient: they abort requests at weight
+        # syncs (resumed by that client's loop) and stream finished samples into training
+        async_trainer = isinstance(llm_client, FullyAsyncLLMServerClient)
+        self.verl_ext_settings = VerlExtSettings.from_custom(rollout.get("custom"), async_trainer=async_trainer)
         self.verl_ext_trace_recorder = None  # V0
         self.verl_ext_trace_collector = None  # V1
         trace = self._verl_ext_setup_trace(config)
@@ -192,7 +195,10 @@ class _VerlExtManagerMixin:
             raise RuntimeError("verl_ext needs veRL's LLMServerClient with a load balancer handle")
         servers = server_handles_from_load_balancer(load_balancer)
         _check_drafter_config(self.verl_ext_settings, rollout)
-        self.verl_ext_history = get_strategy_class(self.verl_ext_settings.strategy).uses_history
+        strategy_cls = get_strategy_class(self.verl_ext_settings.strategy)
+        self.verl_ext_history = strategy_cls.uses_history
+        # the dispatcher hears of each training step: history strategies, and deferred samples
+        self.verl_ext_steps = self.verl_ext_history or strategy_cls(self.verl_ext_settings.options).defers_samples
         history_dir = None
         if self.verl_ext_history:
             trainer = config.get("trainer") or {}
@@ -201,11 +207,11 @@ class _VerlExtManagerMixin:
             ray.remote(StrategyDispatcher)
             .options(num_cpus=0, max_concurrency=100_000)
             .remote(self.verl_ext_settings, servers, rollout.get("response_length"), rollout.get("max_num_seqs"),
-                    drafting=runs_verl_ext_drafter(rollout), history_dir=history_dir)
+                    drafting=runs_verl_ext_drafter(rollout), history_dir=history_dir, carries=async_trainer)
         )
         client_kwargs = dict(load_balancer_handle=load_balancer, dispatcher=self.verl_ext_dispatcher, trace=trace,
                              history=self.verl_ext_history)
-        if isinstance(llm_client, FullyAsyncLLMServerClient):  # an async trainer's: resume aborted requests
+        if async_trainer:  # resume aborted requests
             client = StrategyFullyAsyncLLMClient(config, only_hybrid=getattr(llm_client, "_only_hybrid", False),
                                                  **client_kwargs)
         else:
@@ -239,7 +245,7 @@ class _VerlExtManagerMixin:
         if last is not None and step <= last:
             step = last + 1
         self._verl_ext_last_step = step
-        if not self.verl_ext_history:
+        if not self.verl_ext_steps:
             return step
         try:
             ray.get(self.verl_ext_dispatcher.begin_step.remote(int(step)), timeout=self.verl_ext_settings.history.timeout_s * 3)
@@ -329,7 +335,7 @@ def _v1_cls():
         def generate_sequences(self, prompts):
             if self.verl_ext_trace_collector is not None:
                 self._verl_ext_expect(prompts)
-            if self.verl_ext_history:
+            if self.verl_ext_steps:
                 keys = set(prompts.keys())
                 validate = "validate" in keys and bool(prompts["validate"])
                 self._verl_ext_begin_step(int(prompts["global_steps"]) if "global_steps" in keys else None, validate)
