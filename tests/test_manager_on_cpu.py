@@ -545,3 +545,18 @@ def test_async_trainers_carry_deferred_requests_into_the_next_step(ray_local, mo
         outs, m = asyncio.run(main(wait_s))
         assert [list(o.token_ids) for o in outs] == [want(p) for p in long]
         assert m["verl_ext/deferred"] == 4 and m["verl_ext/deferred_waited_out"] == late
+
+    async def cancelled():  # a caller that gives up on a deferred request: it is never resumed
+        d = StrategyDispatcher(VerlExtSettings.from_custom({"verl_ext": {"strategy": "baseline"}}), servers, 16)
+        d.strategy = DeferAll()
+        d.strategy.set_deferral(d._carry)
+        call = asyncio.ensure_future(d.generate("r0", long[0], {"max_tokens": 16}))
+        while not d._parked:
+            await asyncio.sleep(0.01)
+        call.cancel()
+        await asyncio.sleep(0.05)
+        assert not d._parked and not d._waiting
+        await d.begin_step(2)
+        assert not d._carried
+
+    asyncio.run(cancelled())

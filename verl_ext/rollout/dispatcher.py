@@ -243,7 +243,11 @@ class StrategyDispatcher:
         try:
             completion = await self.strategy.submit(request, self.pool)
             if is_deferred(completion):  # resumed at the next training step (``begin_step``)
-                completion = await self._waiting.pop(request_id)
+                try:
+                    completion = await self._waiting.pop(request_id)
+                except asyncio.CancelledError:  # the caller gave up: do not resume it
+                    self._parked.pop(request_id, None)
+                    raise
         finally:
             oldest = self._versions.pop(request_id, None)
         self._requests += 1
