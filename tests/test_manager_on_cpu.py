@@ -463,13 +463,15 @@ def test_async_trainers_aborted_requests_resume_through_the_strategy(ray_local, 
     assert (1, 2) in got and all(lo <= hi for lo, hi in got)
     if strategy == "rhyme":  # the second batch drafts and plans from the first one's history
         assert out.meta_info["timing"]["verl_ext/rhyme/histopipe_active"] == 1
-    # weights move on with no abort: only a request generated in pieces can span them
-    ray.get([s.bump.remote(3, 3) for s in servers.values()])
+    # weights move on with no abort after each server's share of the 12 first pieces: only a
+    # request generated in pieces can span them
+    ray.get([s.bump.remote(6, 3) for s in servers.values()])
     got = versions(manager.generate_sequences(batch()))
+    assert all(lo <= hi for lo, hi in got)
     if strategy == "baseline":  # one piece per request
         assert all(lo == hi for lo, hi in got)
-    else:  # seer's chunks; rhyme's pieces up to its migration threshold and between rechecks
-        assert any(lo < hi for lo, hi in got) and all(lo <= hi for lo, hi in got)
+    elif strategy == "seer":  # 3-token chunks: the 12 first chunks go out together, the rest later
+        assert any(lo < hi for lo, hi in got)
 
 
 def test_async_trainers_carry_deferred_requests_into_the_next_step(ray_local, monkeypatch):
@@ -478,8 +480,11 @@ def test_async_trainers_carry_deferred_requests_into_the_next_step(ray_local, mo
     ``generate`` call waits, and the next ``begin_step`` resumes it where least loaded (prompt +
     tokens so far); its response is the one it would have had in one go. With no next step it
     resumes after ``DEFER_WAIT_S``. Only an async trainer's dispatcher wires the carrier into
-    ``rollout=rhyme``; the others refuse ``inter_step`` (``VerlExtSettings.from_custom``)."""
+    ``rollout=rhyme``; the others refuse ``inter_step`` (``VerlExtSettings.from_custom``). Also what
+    the strategy sees of a resumed request: its group, its sample index, and its tokens so far
+    (``PRIOR_TOKENS_KEY``, which ``seer``'s length estimates count)."""
     from verl_ext.config.settings import VerlExtSettings
+    from verl_ext.engine.instance import PRIOR_TOKENS_KEY
     from verl_ext.pipe import defer
     from verl_ext.pipe.chunks import Chunked
     from verl_ext.rollout import dispatcher as dispatcher_mod
@@ -560,3 +565,30 @@ def test_async_trainers_carry_deferred_requests_into_the_next_step(ray_local, mo
         assert not d._carried
 
     asyncio.run(cancelled())
+
+    class Capture:
+        """Records what the strategy is given; generates like baseline."""
+        defers_samples, seen = False, []
+
+        def metrics(self):
+            return {}
+
+        async def submit(self, request, pool):
+            self.seen.append((request.group_id, request.sample_index, request.extra.get(PRIOR_TOKENS_KEY)))
+            return await pool.run(pool.least_loaded(request.request_id), request)
+
+    async def resumed():  # an aborted request resent with its tokens so far, as veRL's async client does
+        d = StrategyDispatcher(VerlExtSettings.from_custom({"verl_ext": {"strategy": "baseline"}}), servers, 16)
+        d.strategy = Capture()
+        await d.generate("other", long[0], {"max_tokens": 16})  # sample 0 of the group
+        ray.get([s.abort.remote(1) for s in servers.values()])
+        first = await d.generate("r", long[0], {"max_tokens": 16})
+        assert first.stop_reason == "aborted" and first.token_ids
+        ray.get([s.abort.remote(-1) for s in servers.values()])  # the other server's abort is not used
+        tokens = list(first.token_ids)
+        second = await d.generate("r", long[0] + tokens, {"max_tokens": 16 - len(tokens)})
+        assert tokens + list(second.token_ids) == want(long[0])
+        return d.strategy.seen
+
+    (g0, i0, p0), (g1, i1, p1), (g2, i2, p2) = asyncio.run(resumed())
+    assert g0 == g1 == g2 and (i0, i1, i2) == (0, 1, 1) and (p0, p1) == (None, None) and p2 > 0

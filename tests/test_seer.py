@@ -10,7 +10,7 @@ import pytest
 from test_sim import _cost, _requests, _trace
 
 from verl_ext.ab.runner import make_arm, run_strategy, split_arms
-from verl_ext.engine.instance import FINISH_LENGTH, GenRequest, SamplingSpec, chunk_seed
+from verl_ext.engine.instance import FINISH_LENGTH, PRIOR_TOKENS_KEY, GenRequest, SamplingSpec, chunk_seed
 from verl_ext.pipe import StrategyConfigError, make_strategy
 from verl_ext.pipe.buffer import RequestBuffer
 from verl_ext.pipe.seer import auto_chunk
@@ -96,6 +96,14 @@ def test_a_request_aborted_from_outside_sets_no_length_estimate():
     buf.progressed(a1, 30)
     buf.finished(a1)
     assert buf.estimate(a1) == 30 and buf.settled(g)
+    # the aborted request comes back with its 7 tokens at the end of its prompt: they count
+    r = buf.add(GenRequest("a0", "a", [1, 2, 3] + [0] * 7, SamplingSpec(max_tokens=93), extra={PRIOR_TOKENS_KEY: 7}),
+                asyncio.new_event_loop().create_future())
+    assert buf.pick() is r and r.length == 7
+    r.tokens = [0] * 40
+    buf.progressed(r, 40)
+    buf.finished(r)
+    assert buf.estimate(a1) == 47
 
 
 def test_explore_picks_the_least_executed_group():

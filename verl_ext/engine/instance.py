@@ -89,9 +89,15 @@ def chunk_seed(seed: int, chunk: int) -> int:
     return (seed * 0x9E3779B1 + chunk * 0x85EBCA77 + 0x27D4EB2F) % (1 << 31)
 
 
+#: ``GenRequest.extra`` key: response tokens already generated (the tail of ``prompt_ids``)
+PRIOR_TOKENS_KEY = "prior_tokens"
+
+
 @dataclass
 class GenRequest:
-    """One sample to generate. ``group_id`` is the GRPO group (veRL's ``uid``)."""
+    """One sample to generate. ``group_id`` is the GRPO group (veRL's ``uid``). A request that
+    resumes an aborted one (veRL's async trainers) carries in ``extra[PRIOR_TOKENS_KEY]`` how many
+    of its ``prompt_ids`` are response tokens generated before."""
 
     request_id: str
     group_id: str

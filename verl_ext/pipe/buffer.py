@@ -38,7 +38,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
-from verl_ext.engine.instance import GenRequest
+from verl_ext.engine.instance import PRIOR_TOKENS_KEY, GenRequest
 from verl_ext.pipe.chunks import Chunked
 
 
@@ -94,6 +94,12 @@ class BufferedRequest:
         return len(self.gen.tokens)
 
     @property
+    def length(self) -> int:
+        """The response's length so far, including tokens generated before an abort from
+        outside (a resumed request's ``PRIOR_TOKENS_KEY``): what Algorithm 1's estimates use."""
+        return self.request.extra.get(PRIOR_TOKENS_KEY, 0) + len(self.gen.tokens)
+
+    @property
     def ori_max_tokens(self) -> int:
         return self.request.sampling.max_tokens
 
@@ -146,7 +152,7 @@ class RequestBuffer:
         elif self.true_length is not None:
             heapq.heappush(self._exact, (-self.true_length(r.request), r.seq, r))
         elif r.is_probe:
-            heapq.heappush(self._spec, (r.generated, r.seq, r))
+            heapq.heappush(self._spec, (r.length, r.seq, r))
         else:
             r.group.pending.append(r)
             self._push_group(r.group)
@@ -162,8 +168,8 @@ class RequestBuffer:
         """``r`` generated ``new_tokens`` more (a chunk returned)."""
         g = r.group
         g.executed += new_tokens
-        changed = r.generated > g.max_generated
-        g.max_generated = max(g.max_generated, r.generated)
+        changed = r.length > g.max_generated
+        g.max_generated = max(g.max_generated, r.length)
         if changed and g.finished and self.context:
             self._push_group(g)
 
@@ -177,7 +183,7 @@ class RequestBuffer:
             g.aborted += 1
             return
         g.finished += 1
-        g.max_finished = max(g.max_finished, r.generated)
+        g.max_finished = max(g.max_finished, r.length)
         if self.context:
             self._push_group(g)
 
@@ -223,7 +229,7 @@ class RequestBuffer:
             return self._exact[0][2] if self._exact else None
         while self._spec:
             gen, _, r = self._spec[0]
-            if r.state == "pending" and gen == r.generated:
+            if r.state == "pending" and gen == r.length:
                 return r
             heapq.heappop(self._spec)
         return self._peek_rest()

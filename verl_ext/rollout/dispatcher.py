@@ -19,7 +19,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from verl_ext.config.settings import VerlExtSettings
-from verl_ext.engine.instance import FINISH_ABORT, GenRequest, SamplingSpec
+from verl_ext.engine.instance import FINISH_ABORT, PRIOR_TOKENS_KEY, GenRequest, SamplingSpec
 from verl_ext.pipe.defer import is_deferred
 from verl_ext.pipe.pool import InstancePool
 from verl_ext.pipe.strategy import make_strategy
@@ -240,6 +240,8 @@ class StrategyDispatcher:
             ),
             extra={SAMPLING_KEY: params, KWARGS_KEY: kwargs},
         )
+        if len(prompt_ids) > prompt_len:  # a resumed request: its response so far ends its prompt
+            request.extra[PRIOR_TOKENS_KEY] = len(prompt_ids) - prompt_len
         try:
             completion = await self.strategy.submit(request, self.pool)
             if is_deferred(completion):  # resumed at the next training step (``begin_step``)
