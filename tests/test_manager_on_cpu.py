@@ -95,6 +95,17 @@ class MarkovServer:
         return None
 
 
+def _markov(prompt_ids, max_tokens=16):
+    """``MarkovServer``'s response to ``prompt_ids`` in one go."""
+    out, last = [], prompt_ids[-1]
+    while len(out) < max_tokens:
+        last = (last * 7 + 3) % 997 + 1
+        out.append(last)
+        if last % 5 == 0:
+            break
+    return out
+
+
 def _batch(k):
     from verl import DataProto
 
@@ -440,13 +451,7 @@ def test_async_trainers_aborted_requests_resume_through_the_strategy(ray_local, 
     prompt_ids, responses, mask = out.batch["prompts"], out.batch["responses"], out.batch["response_mask"]
     for row in range(4 * n):
         real_prompt = prompt_ids[row][out.batch["attention_mask"][row][: prompt_ids.shape[1]].bool()].tolist()
-        want, last = [], real_prompt[-1]  # MarkovServer's continuation in one go
-        while len(want) < 16:
-            last = (last * 7 + 3) % 997 + 1
-            want.append(last)
-            if last % 5 == 0:
-                break
-        assert responses[row][: int(mask[row].sum())].tolist() == want
+        assert responses[row][: int(mask[row].sum())].tolist() == _markov(real_prompt)
     timing = out.meta_info["timing"]
     assert timing["verl_ext/resumed"] == 8 and timing["verl_ext/requests"] >= 4 * n + 8
     sizes = ray.get(manager.verl_ext_dispatcher.__ray_call__.remote(lambda d: dict(d._group_sizes)))
@@ -518,17 +523,8 @@ def test_async_trainers_carry_deferred_requests_into_the_next_step(ray_local, mo
             self.carry(st)
             return defer.deferred_completion(st, c)
 
-    def want(prompt):
-        out, last = [], prompt[-1]
-        while len(out) < 16:
-            last = (last * 7 + 3) % 997 + 1
-            out.append(last)
-            if last % 5 == 0:
-                break
-        return out
-
     prompts = [[1, 2, k] for k in range(3, 40)]
-    long = [p for p in prompts if len(want(p)) > 2][:4]  # longer than the first piece: deferred
+    long = [p for p in prompts if len(_markov(p)) > 2][:4]  # longer than the first piece: deferred
 
     async def main(wait_s):
         monkeypatch.setattr(dispatcher_mod, "DEFER_WAIT_S", wait_s)
@@ -548,7 +544,7 @@ def test_async_trainers_carry_deferred_requests_into_the_next_step(ray_local, mo
 
     for wait_s, late in ((1000.0, 0.0), (0.5, 4.0)):
         outs, m = asyncio.run(main(wait_s))
-        assert [list(o.token_ids) for o in outs] == [want(p) for p in long]
+        assert [list(o.token_ids) for o in outs] == [_markov(p) for p in long]
         assert m["verl_ext/deferred"] == 4 and m["verl_ext/deferred_waited_out"] == late
 
     async def cancelled():  # a caller that gives up on a deferred request: it is never resumed
@@ -587,7 +583,7 @@ def test_async_trainers_carry_deferred_requests_into_the_next_step(ray_local, mo
         ray.get([s.abort.remote(-1) for s in servers.values()])  # the other server's abort is not used
         tokens = list(first.token_ids)
         second = await d.generate("r", long[0] + tokens, {"max_tokens": 16 - len(tokens)})
-        assert tokens + list(second.token_ids) == want(long[0])
+        assert tokens + list(second.token_ids) == _markov(long[0])
         return d.strategy.seen
 
     (g0, i0, p0), (g1, i1, p1), (g2, i2, p2) = asyncio.run(resumed())
