@@ -64,6 +64,9 @@ def main(argv=None) -> int:
     ap.add_argument("--drafter", action="append", default=[], metavar="NAME=COST_MODEL",
                     help=f"a method's draft-model cost model (preset or profile JSON); methods and defaults: "
                          f"{', '.join(f'{n}={d}' for n, d, _ in METHODS)}")
+    ap.add_argument("--acceptance", action="append", default=[], metavar="NAME=P",
+                    help="a method's mean per-token acceptance instead of the assumed default "
+                         f"({', '.join(f'{n}={p}' for n, _, p in METHODS)}); the ladder and the synthetic rates use it")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="runs/bench_specactor_sim.json")
     args = ap.parse_args(argv)
@@ -74,8 +77,18 @@ def main(argv=None) -> int:
         if not sep or name not in drafters:
             ap.error(f"--drafter wants NAME=COST_MODEL with NAME one of {', '.join(drafters)}, got '{item}'")
         drafters[name] = model
+    rates = {n: p for n, _, p in METHODS}
+    for item in args.acceptance:
+        name, sep, val = item.partition("=")
+        try:
+            p = float(val)
+        except ValueError:
+            p = -1.0
+        if not sep or name not in rates or not 0.0 <= p <= 1.0:
+            ap.error(f"--acceptance wants NAME=P with NAME one of {', '.join(rates)} and P in [0, 1], got '{item}'")
+        rates[name] = p
     cost = load_cost_model(args.preset)
-    methods = [DraftMethod(n, "model", p, drafter=drafters[n]) for n, _, p in METHODS]
+    methods = [DraftMethod(n, "model", rates[n], drafter=drafters[n]) for n, _, _ in METHODS]
     synth = {m.name: SyntheticMethod(m.acceptance, args.concentration, load_cost_model(m.drafter)) for m in methods}
     ladder = DraftLadder.build(cost, methods, max_window=args.spec_k)
     tmp = Path(tempfile.mkdtemp()) / "ladder.json"
@@ -115,18 +128,19 @@ def main(argv=None) -> int:
            "response_tokens": int(trace.response_lengths()[rows].sum()), "arms": {}}
     base = None
     print(f"{len(reqs)} requests on {args.instances} x {args.preset} ({per} per instance), "
-          f"{out['response_tokens']:,} tokens; methods {', '.join(f'{n}@{p} ({drafters[n]})' for n, _, p in METHODS)}")
+          f"{out['response_tokens']:,} tokens; methods {', '.join(f'{n}@{rates[n]} ({drafters[n]})' for n, _, _ in METHODS)}")
     for label, name, extra, drafts, decoupled, window in arms:
         t0 = time.perf_counter()
+        st = make_strategy(name, {**opts, **extra} if name == "specactor" else {})
+        # as `verl-ext ab`: engines draft only where the strategy asks for a drafter (specactor
+        # decodes plainly when no method pays even for a lone request)
+        drafts = drafts and (name != "specactor" or st.engine_spec(cost) is not None)
         drafter = SyntheticDrafter(spec, synth, args.vanilla, seed=args.seed, decoupled=decoupled) if drafts else None
         n = n_dec if decoupled else args.instances
         sims = [SimInstance(f"sim-{i}", cost, source, drafter, record_timeline=False) for i in range(n)]
         rq = reqs
         if window is not None:
             rq = [dataclasses.replace(r, extra={**r.extra, "spec_method": args.vanilla, "spec_window": window}) for r in reqs]
-        st = make_strategy(name, {**opts, **extra} if name == "specactor" else {})
-        if name == "specactor":
-            st.engine_spec(cost)
 
         async def go(st=st, sims=sims, rq=rq):
             import asyncio
