@@ -18,7 +18,8 @@ acceptance per method; the draft models' time from their cost models). Arms:
 Prints a table and writes JSON. ``--preset`` (the verifier) and ``--drafter NAME=COST_MODEL``
 (a draft model's, e.g. ``qwen0.5b=runs/gpu/profile_dummy.json`` from ``scripts/gpu_check.sh
 --config-only``) take presets or ``verl-ext profile`` JSONs, so measured step times replace the
-roofline presets.
+roofline presets; ``--acceptance NAME=P`` replaces a method's assumed mean acceptance (measured
+rates, or a sensitivity sweep: docs/BENCHMARKS.md).
 
     python scripts/bench_specactor_sim.py --instances 16 --prompts 128 --samples 16 --out runs/bench_specactor_sim.json
 """
