@@ -76,6 +76,10 @@ class MarkovServer:
         self.calls += 1
         if self.bump_at is not None and self.calls > self.bump_at:
             self.version = self.bump_to
+        # decided when the call starts, as on veRL's servers, where a weight sync aborts what is in
+        # flight before the weights change: a call runs under one version, and the first calls abort
+        version, aborted = self.version, self.aborts > 0
+        self.aborts -= aborted
         await asyncio.sleep(self.delay)
         tokens = []  # (inline: the test module is not importable in Ray workers)
         last, max_tokens = prompt_ids[-1], int(sampling_params.get("max_tokens", 16))
@@ -85,11 +89,10 @@ class MarkovServer:
             if last % 5 == 0:
                 break
         stop = "completed"
-        if self.aborts > 0:
-            self.aborts -= 1
+        if aborted:
             tokens, stop = tokens[: len(tokens) // 2], "aborted"
         return TokenOutput(token_ids=tokens, log_probs=[-0.5] * len(tokens), stop_reason=stop,
-                           extra_fields={"global_steps": self.version})
+                           extra_fields={"global_steps": version})
 
     async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
         return None
