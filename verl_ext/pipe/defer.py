@@ -48,6 +48,16 @@ def is_deferred(c: Completion) -> bool:
     return c.finish_reason == FINISH_DEFERRED
 
 
+async def resume_deferred(st: Chunked, pool) -> Completion:
+    """The rest of the deferred request ``st`` on ``pool``'s least-loaded instance (its prompt
+    plus its tokens so far, re-prefilled there): the request's whole completion. What every
+    carrier runs when the next step starts (the simulator's pipeline, the veRL dispatcher)."""
+    req = st.next_request(st.remaining)
+    c = await pool.run(pool.least_loaded(req.request_id), req)
+    st.add(c)
+    return st.result(c)
+
+
 def require_carrier(strategy, carries: bool, where: str) -> None:
     """Refuse a strategy that defers samples (``Strategy.defers_samples``) in a driver that
     cannot carry them to the next step, with a message saying where it can run."""

@@ -20,7 +20,7 @@ import numpy as np
 
 from verl_ext.config.settings import VerlExtSettings
 from verl_ext.engine.instance import FINISH_ABORT, PRIOR_TOKENS_KEY, GenRequest, SamplingSpec
-from verl_ext.pipe.defer import is_deferred
+from verl_ext.pipe.defer import is_deferred, resume_deferred
 from verl_ext.pipe.pool import InstancePool
 from verl_ext.pipe.strategy import make_strategy
 from verl_ext.rollout.replica_instance import KWARGS_KEY, SAMPLING_KEY, TOKEN_OUTPUT_KEY, ReplicaInstance
@@ -189,13 +189,11 @@ class StrategyDispatcher:
         task.add_done_callback(self._carried.discard)
 
     async def _run_resumed(self, st, fut: asyncio.Future) -> None:
-        """The rest of a deferred request, where least loaded (prompt + tokens so far, re-prefilled)."""
+        """Runs ``resume_deferred`` and hands its completion (or error) to the waiting ``generate``."""
         try:
-            req = st.next_request(st.remaining)
-            c = await self.pool.run(self.pool.least_loaded(req.request_id), req)
-            st.add(c)
+            result = await resume_deferred(st, self.pool)
             if not fut.done():
-                fut.set_result(st.result(c))
+                fut.set_result(result)
         except BaseException as exc:
             if not fut.done():
                 fut.set_exception(exc)

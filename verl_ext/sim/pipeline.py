@@ -50,7 +50,7 @@ import numpy as np
 
 from verl_ext.engine.instance import Completion, GenRequest, Instance, Telemetry
 from verl_ext.pipe.chunks import Chunked
-from verl_ext.pipe.defer import is_deferred
+from verl_ext.pipe.defer import is_deferred, resume_deferred
 from verl_ext.pipe.pool import InstancePool
 
 MODES = ("sync", "one_step_off", "stream")
@@ -223,10 +223,7 @@ class Pipeline:
     @staticmethod
     async def _run_resumed(pool: InstancePool, st: Chunked, on_done) -> Completion:
         try:
-            req = st.next_request(st.remaining)
-            c = await pool.run(pool.least_loaded(req.request_id), req)
-            st.add(c)
-            return st.result(c)
+            return await resume_deferred(st, pool)
         finally:
             if on_done is not None:
                 on_done()
