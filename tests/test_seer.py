@@ -90,12 +90,12 @@ def test_a_request_aborted_from_outside_sets_no_length_estimate():
     buf.finished(r, aborted=True)
     g = a0.group
     assert (g.finished, g.aborted) == (0, 1) and buf.estimate(a1) == 100  # still max_tokens
-    assert not buf.settled(g)  # a1 waits
+    assert not g.settled()  # a1 waits
     assert buf.pick() is a1
     a1.tokens = [0] * 30
     buf.progressed(a1, 30)
     buf.finished(a1)
-    assert buf.estimate(a1) == 30 and buf.settled(g)
+    assert buf.estimate(a1) == 30 and g.settled()
     # the aborted request comes back with its 7 tokens at the end of its prompt: they count
     r = buf.add(GenRequest("a0", "a", [1, 2, 3] + [0] * 7, SamplingSpec(max_tokens=93), extra={PRIOR_TOKENS_KEY: 7}),
                 asyncio.new_event_loop().create_future())

@@ -60,6 +60,10 @@ class GroupState:
             return ori_max_tokens
         return max(self.max_finished, self.max_generated)
 
+    def settled(self) -> bool:
+        """Every request of the group seen so far is done (finished or aborted) and none waits."""
+        return self.finished + self.aborted == self.members and not self.pending
+
 
 @dataclass(eq=False)
 class BufferedRequest:
@@ -186,11 +190,6 @@ class RequestBuffer:
         g.max_finished = max(g.max_finished, r.length)
         if self.context:
             self._push_group(g)
-
-    @staticmethod
-    def settled(g: GroupState) -> bool:
-        """Every request of ``g`` seen so far is done and none waits."""
-        return g.finished + g.aborted == g.members and not g.pending
 
     def forget(self, g: GroupState) -> None:
         """Drop group ``g`` (all of it finished): a request of the same group id that arrives later

@@ -344,7 +344,7 @@ class _Rollout:
             return
         self.buffer.finished(r, aborted=c.finish_reason == FINISH_ABORT)
         g = r.group
-        group_done = self.buffer.settled(g)
+        group_done = g.settled()
         if group_done:
             # the group's length context lives for one rollout: the same prompt in a later step
             # (next epoch) is probed again (Algorithm 1), and the buffer does not grow over training
