@@ -29,7 +29,7 @@ setup(
     # `hydra_plugins` is a namespace package shared with other Hydra plugins: no __init__.py there.
     packages=find_namespace_packages(include=["verl_ext", "verl_ext.*", "hydra_plugins.*"]),
     package_data={
-        "verl_ext.config": ["*.yaml", "rollout/*.yaml"],
+        "verl_ext.config": ["*.yaml", "rollout/*.yaml", "verl_ext_cpu/*.yaml"],
         "verl_ext.spec": ["csrc/*.h", "csrc/*.cc"],
         "verl_ext.sim": ["presets/*.json"],
     },

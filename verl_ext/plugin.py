@@ -3,15 +3,22 @@
 It must stay cheap and must never raise: veRL logs plugin import errors only at DEBUG level, so
 we catch everything and log a WARNING ourselves.
 
-What it does: the literal short form ``python -m verl.trainer.main_ppo rollout=<strategy>``.
+What it does:
+
+1. The CPU mode (:mod:`verl_ext.cpu.mode`): ``trainer.device=cpu`` on the trainer's command line,
+   on a machine without an accelerator, exports ``VERL_PLATFORM=cpu`` (and ``VLLM_TARGET_DEVICE``)
+   and adds the CPU preset ``+verl_ext_cpu=default``; in every process whose environment names
+   the ``cpu`` platform, it registers that platform and installs the CPU shim.
+2. The literal short form ``python -m verl.trainer.main_ppo rollout=<strategy>``.
 veRL's defaults list names the rollout group ``rollout@actor_rollout_ref.rollout``, so plain
 Hydra rejects ``rollout=<strategy>`` ("Could not override 'rollout'"). When, and only when, the
 running program is ``verl.trainer.main_ppo`` and its command line has a bare ``rollout=<name>``
 argument, this rewrites that one argument to ``rollout@actor_rollout_ref.rollout=<name>``, which
 Hydra then resolves against ``pkg://verl_ext.config`` (added to every Hydra app's search path by
 ``hydra_plugins/verl_ext_searchpath``). Any other program, or a command line without a bare
-``rollout=`` argument, is left untouched. Set ``VERL_EXT_REWRITE_ARGV=0`` to turn the rewrite
-off (the long form keeps working), or ``VERL_USE_EXTERNAL_PLUGINS=none`` to skip all plugins.
+``rollout=`` argument, is left untouched. Set ``VERL_EXT_REWRITE_ARGV=0`` to leave the command
+line alone (the long form keeps working; the CPU mode then needs ``+verl_ext_cpu=default`` on it),
+or ``VERL_USE_EXTERNAL_PLUGINS=none`` to skip all plugins.
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
+
+from verl_ext.cpu import mode as cpu_mode
 
 logger = logging.getLogger("verl_ext")
 
@@ -88,13 +97,16 @@ def _check_known(name: str) -> None:
 
 
 def _apply() -> None:
-    if os.environ.get("VERL_EXT_REWRITE_ARGV", "1") == "0":
-        return
     orig = getattr(sys, "orig_argv", None)
     if not orig:
         return
     program = running_module(orig)
-    new = rewrite_rollout_args(sys.argv, program)
+    rewrite = os.environ.get("VERL_EXT_REWRITE_ARGV", "1") != "0"
+    new = sys.argv
+    if _is_trainer(program):
+        new = cpu_mode.activate_for_trainer(new, add_preset=rewrite)
+    if rewrite:
+        new = rewrite_rollout_args(new, program)
     if new != sys.argv:
         # In place: runpy keeps this list object and only replaces argv[0] afterwards.
         sys.argv[:] = new
@@ -104,3 +116,10 @@ try:
     _apply()
 except Exception as exc:  # never raise from a veRL plugin
     logger.warning("verl_ext plugin: skipped argv handling (%s: %s)", type(exc).__name__, exc)
+
+try:
+    if cpu_mode.enabled():
+        cpu_mode.install()
+except Exception as exc:
+    logger.warning("verl_ext plugin: CPU mode not set up (%s: %s)", type(exc).__name__, exc)
+
