@@ -22,6 +22,14 @@ _Base = getattr(AgentLoopWorkerTQ, "__ray_actor_class__", AgentLoopWorkerTQ)
 
 
 class TracingAgentLoopWorkerTQ(_Base):
+    def __init__(self, *args, **kwargs):
+        # Ray ships an actor class's ``__init__`` by value. veRL's ``AgentLoopWorkerTQ.__init__``
+        # calls zero-argument ``super()``, and a by-value copy of it carries its own copy of the
+        # class in its ``__class__`` cell, so in the worker ``super()`` fails ("obj must be an
+        # instance or subtype of type"). Ours is shipped by reference and calls the worker's own
+        # import of veRL's ``__init__``.
+        _Base.__init__(self, *args, **kwargs)
+
     def _verl_ext_trace(self):
         """(collector handle, TraceSettings, response_length) or None."""
         return getattr(self.llm_client, "verl_ext_trace", None)
