@@ -23,6 +23,7 @@ from verl_ext.engine.instance import FINISH_ABORT, PRIOR_TOKENS_KEY, GenRequest,
 from verl_ext.pipe.defer import is_deferred, resume_deferred
 from verl_ext.pipe.pool import InstancePool
 from verl_ext.pipe.strategy import make_strategy
+from verl_ext.rollout import server_metrics
 from verl_ext.rollout.replica_instance import KWARGS_KEY, SAMPLING_KEY, TOKEN_OUTPUT_KEY, ReplicaInstance
 
 logger = logging.getLogger(__name__)
@@ -109,6 +110,7 @@ class StrategyDispatcher:
         self.max_tokens_default = max_tokens_default or (1 << 30)
         self._requests = 0
         self._output_tokens = 0
+        self._spec = server_metrics.SpecCounters() if drafting else None
         self._group_sizes: OrderedDict[str, int] = OrderedDict()  # group id -> samples seen
         # request id -> (group id, sample index, prompt length) of requests that ended aborted:
         # veRL's async trainers resume them under the same id (FullyAsyncLLMServerClient)
@@ -281,8 +283,16 @@ class StrategyDispatcher:
             self._group_sizes.popitem(last=False)
         return group_id, sample_index, len(prompt_ids)
 
-    def metrics(self, reset: bool = True) -> dict[str, float]:
-        """Dispatcher counters since the last call, prefixed for veRL's tracking."""
+    async def metrics(self, reset: bool = True) -> dict[str, float]:
+        """Dispatcher counters since the last call, prefixed for veRL's tracking; with verl_ext's
+        drafter on the servers, also what they drafted and accepted (their ``/metrics``)."""
+        out = self._counters(reset)
+        if self._spec is not None:
+            readings = await asyncio.to_thread(server_metrics.read_all, list(self.pool.instances))
+            out.update(self._spec.step(readings) if reset else {})
+        return out
+
+    def _counters(self, reset: bool) -> dict[str, float]:
         out = {
             "verl_ext/requests": float(self._requests),
             "verl_ext/output_tokens": float(self._output_tokens),
