@@ -322,3 +322,18 @@ def test_shipped_avx2_profile_matches_what_it_records():
     for k in ("draft_token_s", "draft_kv_token_s"):
         assert getattr(drafts, k) == pytest.approx(getattr(shipped, k), rel=1e-6, abs=1e-15), k
     assert rep["speed_factor"] == pytest.approx(raw["fit"]["speed_factor"], rel=1e-9)
+
+
+def test_instances_sharing_a_gpu_profile_with_the_smallest_kv_cache():
+    # on CUDA each engine sizes its KV cache from its own memory profiling: two engines sharing a
+    # GPU came out 102,080 and 102,219 blocks (H100, vLLM 0.24.0); the profile keeps what both hold
+    from verl_ext.sim.profile import common_limits
+
+    base = {"block_size": 16, "max_num_seqs": 64, "max_batched_tokens": 8192, "max_model_len": 2048,
+            "dtype": "bfloat16", "prefix_caching": True}
+    a = {**base, "kv_capacity_tokens": 102_219 * 16, "num_blocks": 102_219}
+    b = {**base, "kv_capacity_tokens": 102_080 * 16, "num_blocks": 102_080}
+    assert common_limits([a, b]) == {**base, "kv_capacity_tokens": 102_080 * 16, "num_blocks": 102_080}
+    assert common_limits([a]) == a
+    with pytest.raises(RuntimeError, match="disagree on their engine config"):
+        common_limits([a, {**b, "max_num_seqs": 32}])

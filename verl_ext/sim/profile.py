@@ -480,6 +480,21 @@ async def _shutdown_all(instances) -> None:
     await asyncio.sleep(0)
 
 
+#: engine limits that size the KV cache: on CUDA each engine sizes it from its own memory
+#: profiling, so two engines sharing a GPU come out a few blocks apart
+KV_SIZE_FIELDS = ("kv_capacity_tokens", "num_blocks")
+
+
+def common_limits(limits: list[dict]) -> dict:
+    """The limits the instances share: every field alike but the KV cache's size, of which the
+    smallest (what every instance can hold); instances configured differently raise."""
+    rest = [{k: v for k, v in lim.items() if k not in KV_SIZE_FIELDS} for lim in limits]
+    if any(r != rest[0] for r in rest):
+        raise RuntimeError(f"instances disagree on their engine config: {limits}")
+    smallest = min(limits, key=lambda lim: lim["kv_capacity_tokens"])
+    return {**limits[0], **{k: smallest[k] for k in KV_SIZE_FIELDS}}
+
+
 def engine_limits(inst) -> dict:
     """KV capacity and scheduler limits of a started ``VLLMInstance``, from its vLLM config."""
     cfg = inst.engine.vllm_config
@@ -553,12 +568,10 @@ async def profile_engine(
     insts = await factory.create(instances)
     timings = {"start_s": time.perf_counter() - t_start}
     try:
-        limits = [engine_limits(i) for i in insts]
-        if any(l != limits[0] for l in limits):
-            raise RuntimeError(f"instances disagree on their engine config: {limits}")
-        _check_plan(plan.batches, limits[0])
+        limits = common_limits([engine_limits(i) for i in insts])
+        _check_plan(plan.batches, limits)
         if log:
-            log(f"{instances} engine(s) started in {timings['start_s']:.0f}s: {limits[0]}")
+            log(f"{instances} engine(s) started in {timings['start_s']:.0f}s: {limits}")
         await _warm(insts, vocab)
         t = time.perf_counter()
         samples = await _run_plan_on(insts, plan.batches, seed, vocab, "base", log)
@@ -582,7 +595,7 @@ async def profile_engine(
             await _shutdown_all(sinsts)
     return {
         "samples": samples,
-        "engine": {**limits[0], **factory.describe(), "instances": instances, "spec_k": plan.spec_k if spec else None},
+        "engine": {**limits, **factory.describe(), "instances": instances, "spec_k": plan.spec_k if spec else None},
         "timings": timings,
     }
 
