@@ -8,7 +8,9 @@ reference model over gloo, GRPO) on the arithmetic workload written as veRL parq
 ``generations/``) and ``summary.json``:
 ``steps_completed``, per step ``timing_s_gen``, ``timing_s_step``, ``response_length_mean`` and
 ``reward_mean`` (veRL's ``timing_s/gen``, ``timing_s/step``, ``response_length/mean``,
-``critic/score/mean``), ``verl_ext_metrics`` (every ``verl_ext/*`` metric of the last step) and
+``critic/score/mean``), ``rollout_s`` (``verl_ext/rollout_s``: the rollout's span as verl_ext's
+dispatcher sees it, finer than ``timing_s/gen``, which veRL's V1 trainer rounds up to its replay
+buffer's 2-s polling), ``verl_ext_metrics`` (every ``verl_ext/*`` metric of the last step) and
 ``identical_to_verl_manager`` (:mod:`verl_ext.cpu.identity`; null unless ``--check-identity``).
 ``OUT/summary.json`` puts the strategies side by side.
 
@@ -42,6 +44,9 @@ PER_STEP = {
     "timing_s/step": "timing_s_step",
     "response_length/mean": "response_length_mean",
     "critic/score/mean": "reward_mean",
+    # the dispatcher's first request in to last response out: timing_s/gen without the V1
+    # trainer's polling of its replay buffer (every 2 s), which quantizes timing_s/gen
+    "verl_ext/rollout_s": "rollout_s",
 }
 
 
@@ -142,14 +147,20 @@ def run_strategy(strategy: str, out: Path, cmd: list[str], timeout_s: float,
 
 
 def side_by_side(summaries: dict[str, dict]) -> dict:
-    """Each strategy's ``timing_s/gen`` per step and its ratio to ``baseline``'s in this run."""
-    base = summaries.get("baseline", {}).get("timing_s_gen") or []
+    """Each strategy's ``timing_s/gen`` and ``rollout_s`` per step and their ratios to
+    ``baseline``'s in this run."""
+    def ratios(values, base):
+        return [round(v / b, 3) if v and b else None for v, b in zip(values, base)]
+
+    base = summaries.get("baseline", {})
     table = {}
     for name, s in summaries.items():
-        gen = s.get("timing_s_gen") or []
+        gen, rollout = s.get("timing_s_gen") or [], s.get("rollout_s") or []
         table[name] = {
             "timing_s_gen": gen,
-            "gen_ratio_to_baseline": [round(g / b, 3) if g and b else None for g, b in zip(gen, base)],
+            "gen_ratio_to_baseline": ratios(gen, base.get("timing_s_gen") or []),
+            "rollout_s": rollout,
+            "rollout_ratio_to_baseline": ratios(rollout, base.get("rollout_s") or []),
             "steps_completed": s.get("steps_completed"),
             "identical_to_verl_manager": s.get("identical_to_verl_manager"),
         }

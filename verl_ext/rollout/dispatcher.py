@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import time
 from collections import OrderedDict
 from typing import Any, Optional, Sequence
 
@@ -110,6 +111,9 @@ class StrategyDispatcher:
         self.max_tokens_default = max_tokens_default or (1 << 30)
         self._requests = 0
         self._output_tokens = 0
+        # the rollout's span since the last ``metrics`` call: first call in, last response out
+        self._first_in: Optional[float] = None
+        self._last_out: Optional[float] = None
         self._spec = server_metrics.SpecCounters() if drafting else None
         self._group_sizes: OrderedDict[str, int] = OrderedDict()  # group id -> samples seen
         # request id -> (group id, sample index, prompt length) of requests that ended aborted:
@@ -224,6 +228,8 @@ class StrategyDispatcher:
 
     async def generate(self, request_id: str, prompt_ids: list[int], sampling_params: dict, **kwargs: Any):
         """Same arguments as veRL's ``server.generate`` (plus the caller's sticky ``request_id``)."""
+        if self._first_in is None:
+            self._first_in = time.monotonic()
         params = dict(sampling_params)
         max_tokens = params.get("max_tokens", params.get("max_new_tokens", self.max_tokens_default))
         group_id, sample_index, prompt_len = self._identify(request_id, prompt_ids)
@@ -254,6 +260,7 @@ class StrategyDispatcher:
             oldest = self._versions.pop(request_id, None)
         self._requests += 1
         self._output_tokens += len(completion.token_ids)
+        self._last_out = time.monotonic()
         if completion.finish_reason == FINISH_ABORT:
             self._aborted[request_id] = (group_id, sample_index, prompt_len)
             if len(self._aborted) > GROUP_CACHE_SIZE:
@@ -299,6 +306,9 @@ class StrategyDispatcher:
             "verl_ext/resumed": float(self._resumed),
             "verl_ext/deferred": float(self._deferred),
             "verl_ext/deferred_waited_out": float(self._late),
+            # veRL's timing_s/gen also counts its trainer's polling (V1's replay buffer: every 2 s)
+            "verl_ext/rollout_s": (self._last_out - self._first_in if self._last_out is not None
+                                   and self._first_in is not None else 0.0),
             **{f"verl_ext/{self.settings.strategy}/{k}": float(v) for k, v in self.strategy.metrics().items()},
         }
         for name, count in self.pool.inflight.items():
@@ -307,6 +317,7 @@ class StrategyDispatcher:
             out.update({f"verl_ext/history/{k}": float(v) for k, v in self.history.metrics().items()})
         if reset:
             self._requests = self._output_tokens = self._resumed = self._deferred = self._late = 0
+            self._first_in = self._last_out = None
         return out
 
 
