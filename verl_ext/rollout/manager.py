@@ -82,8 +82,10 @@ class _DispatchingClient(LLMServerClient):
         try:
             output = await self._dispatcher.generate.remote(request_id, list(prompt_ids), dict(sampling_params), **forwarded)
         except ray.exceptions.RayActorError as exc:
-            self._dispatcher_failed = True
-            logger.error("verl_ext dispatcher is gone (%s); falling back to veRL's load balancer for this worker", exc)
+            if not self._dispatcher_failed:  # once per worker, not once per call that was in flight
+                self._dispatcher_failed = True
+                logger.error("verl_ext dispatcher is gone (%s); falling back to veRL's load balancer for this worker",
+                             exc)
             return await super().generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs)
         steps = output.extra_fields.get("global_steps")
         output.extra_fields.setdefault("min_global_steps", steps)
