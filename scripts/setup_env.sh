@@ -9,6 +9,9 @@
 # requirements/overrides.txt: reproducible, and no site-packages is patched.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# bash gives a shell started without PATH (env -i) a default one but does not export it; the
+# native extension's build (uv -> setuptools -> g++) needs it
+export PATH
 
 VENV=${VERL_EXT_VENV:-.venv}
 PYTHON=${PYTHON:-python3}

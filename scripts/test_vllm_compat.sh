@@ -15,6 +15,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 unset PYTHONDONTWRITEBYTECODE
+export PATH  # exported even when the shell started without one (env -i): the native build runs g++
 
 VLLM_VERSION=${VERL_EXT_COMPAT_VLLM:-0.24.0}
 TORCH_VERSION=${VERL_EXT_COMPAT_TORCH:-2.11.0}
