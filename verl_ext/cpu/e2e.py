@@ -50,28 +50,38 @@ PER_STEP = {
 }
 
 
+def run_overrides(strategy: str, data_dir: Path, model: str, prompts: int, n: int, max_tokens: int,
+                  temperature: float) -> list[str]:
+    """What a training run and the identity check (:mod:`verl_ext.cpu.identity`) share: the data,
+    the model, the samples and their sampling, the reward, and a strategy's cost model."""
+    overrides = [
+        f"data.train_files={data_dir / 'train.parquet'}", f"data.val_files={data_dir / 'val.parquet'}",
+        f"data.train_batch_size={prompts}", "data.max_prompt_length=128", f"data.max_response_length={max_tokens}",
+        f"actor_rollout_ref.model.path={model}",
+        f"actor_rollout_ref.rollout.n={n}", f"actor_rollout_ref.rollout.temperature={temperature}",
+        "reward.custom_reward_function.path=pkg://verl_ext.workload.verl_data",
+    ]
+    if strategy in PROFILED:
+        overrides.append(f"actor_rollout_ref.rollout.custom.verl_ext.options.profile={CPU_PROFILE}")
+    return overrides
+
+
 def trainer_command(strategy: str, data_dir: Path, model: str, steps: int, prompts: int, n: int,
                     max_tokens: int, temperature: float, extra: list[str] = ()) -> list[str]:
     """The trainer's command line for one strategy (the CPU mode adds its preset to it)."""
     cmd = [
         sys.executable, "-m", "verl.trainer.main_ppo", f"rollout={strategy}", "trainer.device=cpu",
         "algorithm.adv_estimator=grpo",
-        f"data.train_files={data_dir / 'train.parquet'}", f"data.val_files={data_dir / 'val.parquet'}",
-        f"data.train_batch_size={prompts}", "data.max_prompt_length=128", f"data.max_response_length={max_tokens}",
-        f"actor_rollout_ref.model.path={model}",
+        *run_overrides(strategy, data_dir, model, prompts, n, max_tokens, temperature),
         f"actor_rollout_ref.actor.ppo_mini_batch_size={prompts}",
         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={prompts * n}",
         f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={prompts * n}",
         f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={prompts * n}",
         "actor_rollout_ref.actor.use_kl_loss=true",
-        f"actor_rollout_ref.rollout.n={n}", f"actor_rollout_ref.rollout.temperature={temperature}",
-        "reward.custom_reward_function.path=pkg://verl_ext.workload.verl_data",
         "trainer.logger=[console,file]", f"trainer.project_name={PROJECT}", f"trainer.experiment_name={strategy}",
         f"trainer.total_training_steps={steps}", "trainer.test_freq=-1", "trainer.save_freq=-1",
         "trainer.val_before_train=false",
     ]
-    if strategy in PROFILED:
-        cmd.append(f"actor_rollout_ref.rollout.custom.verl_ext.options.profile={CPU_PROFILE}")
     return cmd + list(extra)
 
 

@@ -42,20 +42,14 @@ def compose_config(strategy: str, model: str, data_dir: Path, prompts: int, n: i
                    out: Path, extra: list[str] = ()):
     """veRL's trainer config for ``rollout=<strategy>`` in the CPU mode, greedy, V0 flavour (the
     managers return a ``DataProto``), one standalone rollout replica."""
-    from verl_ext.cpu.e2e import CPU_PROFILE, PROFILED
+    from verl_ext.cpu.e2e import run_overrides
 
     overrides = [
         f"rollout@actor_rollout_ref.rollout={strategy}", PRESET_ARG, "trainer.use_v1=false",
-        f"actor_rollout_ref.model.path={model}",
-        f"data.train_files={data_dir / 'train.parquet'}", f"data.val_files={data_dir / 'val.parquet'}",
-        f"data.train_batch_size={prompts}", "data.max_prompt_length=256", f"data.max_response_length={max_tokens}",
-        f"actor_rollout_ref.rollout.n={n}", "actor_rollout_ref.rollout.temperature=0",
+        *run_overrides(strategy, data_dir, model, prompts, n, max_tokens, temperature=0.0),
         "actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1",
-        "reward.custom_reward_function.path=pkg://verl_ext.workload.verl_data",
         f"trainer.default_local_dir={out / 'checkpoints'}",  # rhyme's history workers checkpoint there
     ]
-    if strategy in PROFILED:
-        overrides.append(f"actor_rollout_ref.rollout.custom.verl_ext.options.profile={CPU_PROFILE}")
     config = _compose(overrides + list(extra))
     from omegaconf import OmegaConf
 
