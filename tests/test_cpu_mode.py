@@ -59,6 +59,8 @@ def test_no_accelerator_is_detected_here():
 
 
 def test_plugin_turns_the_cpu_mode_on_only_for_the_trainer_with_trainer_device_cpu(tmp_path):
+    from verl_ext.config.check import CALLBACK_ARG
+
     code = """
         import os, sys
         import verl
@@ -89,8 +91,8 @@ def test_plugin_turns_the_cpu_mode_on_only_for_the_trainer_with_trainer_device_c
         print(sys.argv[1:], os.environ.get("VERL_PLATFORM"), get_platform().device_name, get_nccl_backend())
     """
     out = probe(["-c", textwrap.dedent(code)])
-    assert out == ("['rollout@actor_rollout_ref.rollout=seer', 'trainer.device=cpu', '+verl_ext_cpu=default'] "
-                   "cpu cpu gloo")
+    assert out == ("['rollout@actor_rollout_ref.rollout=seer', 'trainer.device=cpu', '+verl_ext_cpu=default', "
+                   f"'{CALLBACK_ARG}'] cpu cpu gloo")
 
 
 def test_cpu_platform_is_veRLs_cpu_device_over_gloo():

@@ -75,7 +75,7 @@ def test_rhyme_knobs_reach_the_engines_drafter(tmp_path):
     drafter accepts; the history workers' checkpoints default under veRL's checkpoint dir."""
     from verl.utils.config import omega_conf_to_dataclass
 
-    from verl_ext.rollout.manager import runs_verl_ext_drafter
+    from verl_ext.config.check import runs_verl_ext_drafter
     from verl_ext.spec.options import SpecOptions
 
     opts = "actor_rollout_ref.rollout.custom.verl_ext.options"
@@ -138,16 +138,16 @@ def _compose_with_drafter(strategy: str, spec_k: int):
 
 
 def test_rlhfspec_engines_get_the_selection_and_need_a_profile():
-    from verl_ext.rollout.manager import _check_drafter_config
+    from verl_ext.config.check import check_drafter_config
 
     base, cfg, rollout, spec = _compose_with_drafter("rlhfspec", 24)
     assert spec.select and spec.select_profile == "h100-7b" and spec.min_prob == 0.0 and spec.acceptance == ()
     assert spec.draft_selector() is not None
     settings = VerlExtSettings.from_custom(rollout.custom)
-    _check_drafter_config(settings, cfg.actor_rollout_ref.rollout)
+    check_drafter_config(settings, cfg.actor_rollout_ref.rollout)
     bare = compose_verl(base)
     with pytest.raises(ValueError, match="options.profile"):
-        _check_drafter_config(VerlExtSettings.from_custom(bare.actor_rollout_ref.rollout.custom), bare.actor_rollout_ref.rollout)
+        check_drafter_config(VerlExtSettings.from_custom(bare.actor_rollout_ref.rollout.custom), bare.actor_rollout_ref.rollout)
 
 
 def test_specactor_composes_with_its_drafter_and_needs_a_ladder_or_profile():
@@ -164,3 +164,54 @@ def test_specactor_composes_with_its_drafter_and_needs_a_ladder_or_profile():
     st = make_strategy("specactor", VerlExtSettings.from_custom(bare.actor_rollout_ref.rollout.custom).options)
     with pytest.raises(StrategyConfigError, match="options.profile"):
         st.engine_spec()
+
+
+OPTS = "actor_rollout_ref.rollout.custom.verl_ext.options"
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_config_check_passes_each_strategys_own_config(strategy):
+    from verl_ext.config.check import check_rollout
+
+    overrides = [f"rollout@actor_rollout_ref.rollout={strategy}", "actor_rollout_ref.rollout.name=vllm"]
+    if strategy in ("rlhfspec", "specactor"):
+        overrides.append(f"{OPTS}.profile=cpu-smollm2-avx2")
+    assert check_rollout(compose_verl(overrides).actor_rollout_ref.rollout).strategy == strategy
+    assert check_rollout(compose_verl([]).actor_rollout_ref.rollout) is None  # verl_ext not selected
+
+
+@pytest.mark.parametrize(
+    "strategy,overrides,match",
+    [
+        ("seer", [f"+{OPTS}.chunk_sise=8"], r"strategy 'seer': unknown option\(s\) \['chunk_sise'\]"),
+        ("rlhfspec", [f"{OPTS}.profile=/nonexistent/profile.json"], "cost model file '/nonexistent/profile.json' does not exist"),
+        ("rlhfspec", [], "needs step times"),
+        ("rhyme", ["+actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config.verl_ext_spec.nope=1"],
+         r"unknown spec option\(s\) \['nope'\]"),
+        ("seer", ["+actor_rollout_ref.rollout.custom.verl_ext.chunk=1"], "unknown key"),
+    ],
+)
+def test_config_check_refuses_what_the_rollouts_start_would_refuse(strategy, overrides, match):
+    from verl_ext.config.check import check_rollout
+
+    cfg = compose_verl([f"rollout@actor_rollout_ref.rollout={strategy}", "actor_rollout_ref.rollout.name=vllm", *overrides])
+    with pytest.raises(ValueError, match=match):
+        check_rollout(cfg.actor_rollout_ref.rollout)
+
+
+@pytest.mark.parametrize(
+    "args,line",
+    [
+        (["rollout=seer", f"+{OPTS}.chunk_sise=8"], "verl_ext: strategy 'seer': unknown option(s) ['chunk_sise']; valid options: ["),
+        (["rollout=rlhfspec", f"{OPTS}.profile=/nonexistent/profile.json"],
+         "verl_ext: strategy 'rlhfspec': profile: cost model file '/nonexistent/profile.json' does not exist; presets: "),
+    ],
+)
+def test_main_ppo_ends_on_a_bad_setting_before_starting_anything(args, line):
+    """The plugin's config check (a Hydra callback) runs before veRL's task function: one line on
+    stderr, status 1, and no Ray, worker or server started."""
+    r = subprocess.run([sys.executable, "-m", "verl.trainer.main_ppo", *args, "trainer.device=cpu"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1].startswith(line), r.stderr[-2000:]
+    assert "ray init kwargs" not in r.stdout + r.stderr and "Started a local Ray instance" not in r.stdout + r.stderr

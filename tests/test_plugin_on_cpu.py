@@ -33,6 +33,18 @@ def test_rewrite_only_on_main_ppo():
         assert rewrite_rollout_args(untouched, "verl.trainer.main_ppo") == untouched
 
 
+def test_config_check_joins_the_overrides_once_and_only_on_main_ppo():
+    from verl_ext.config.check import CALLBACK_ARG
+    from verl_ext.plugin import with_config_check
+
+    # Hydra takes the overrides as one run of positional arguments: the callback joins that run
+    argv = ["-m", "rollout=seer", "a=b", "--cfg", "job"]
+    assert with_config_check(argv, "verl.trainer.main_ppo") == ["-m", "rollout=seer", "a=b", CALLBACK_ARG, "--cfg", "job"]
+    assert with_config_check(["-m"], "verl.trainer.main_ppo") == ["-m", CALLBACK_ARG]
+    assert with_config_check(["-m", CALLBACK_ARG], "verl.trainer.main_ppo") == ["-m", CALLBACK_ARG]
+    assert with_config_check(argv, "my_app.main") == argv
+
+
 def test_unknown_name_warns(caplog):
     with caplog.at_level(logging.WARNING, logger="verl_ext"):
         rewrite_rollout_args(["-m", "rollout=nope"], "verl.trainer.main_ppo")

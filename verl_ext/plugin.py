@@ -19,6 +19,11 @@ Hydra then resolves against ``pkg://verl_ext.config`` (added to every Hydra app'
 ``rollout=`` argument, is left untouched. Set ``VERL_EXT_REWRITE_ARGV=0`` to leave the command
 line alone (the long form keeps working; the CPU mode then needs ``+verl_ext_cpu=default`` on it),
 or ``VERL_USE_EXTERNAL_PLUGINS=none`` to skip all plugins.
+3. An early check of verl_ext's settings. On the same trainer command lines it adds the Hydra
+callback :class:`verl_ext.config.check.ConfigCheck` (``+hydra.callbacks.verl_ext_check``), which
+checks ``custom.verl_ext``, the strategy's options and profiles and the engines' drafter settings
+once the config is composed, before veRL starts Ray or any server: a bad setting ends the run in
+seconds with one line, ``verl_ext: ...``. It does nothing for a config without ``custom.verl_ext``.
 """
 
 from __future__ import annotations
@@ -84,6 +89,17 @@ def rewrite_rollout_args(argv: list[str], program: str | None) -> list[str]:
     return out
 
 
+def with_config_check(argv: list[str], program: str | None) -> list[str]:
+    """``argv`` plus verl_ext's config-check callback (for veRL's trainer, once)."""
+    if not _is_trainer(program):
+        return argv
+    from verl_ext.config.check import CALLBACK_ARG, CALLBACK_KEY
+
+    if any(f"hydra.callbacks.{CALLBACK_KEY}" in arg for arg in argv[1:]):
+        return argv
+    return cpu_mode.insert_override(argv, CALLBACK_ARG)
+
+
 def _check_known(name: str) -> None:
     try:
         from verl_ext.config.settings import option_names
@@ -106,7 +122,7 @@ def _apply() -> None:
     if _is_trainer(program):
         new = cpu_mode.activate_for_trainer(new, add_preset=rewrite)
     if rewrite:
-        new = rewrite_rollout_args(new, program)
+        new = with_config_check(rewrite_rollout_args(new, program), program)
     if new != sys.argv:
         # In place: runpy keeps this list object and only replaces argv[0] afterwards.
         sys.argv[:] = new

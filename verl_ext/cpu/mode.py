@@ -60,11 +60,19 @@ def accelerator_present() -> bool:
     return False
 
 
+def insert_override(argv: list[str], override: str) -> list[str]:
+    """``argv`` with ``override`` right after its last Hydra override (or at the end without one):
+    Hydra's parser takes the overrides as one run of positional arguments, so one appended after
+    ``--cfg job`` would be refused."""
+    last = max((i for i, arg in enumerate(argv) if i > 0 and "=" in arg and not arg.startswith("-")), default=len(argv) - 1)
+    return [*argv[: last + 1], override, *argv[last + 1:]]
+
+
 def with_preset(argv: list[str]) -> list[str]:
     """``argv`` plus the CPU preset, unless the command line already picks a preset option."""
     if any(arg.lstrip("+~").startswith(f"{PRESET_GROUP}=") for arg in argv[1:]):
         return list(argv)
-    return [*argv, PRESET_ARG]
+    return insert_override(argv, PRESET_ARG)
 
 
 def install() -> None:

@@ -33,6 +33,7 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopManager
 from verl.utils.ray_utils import auto_await
 from verl.workers.rollout.llm_server import FullyAsyncLLMServerClient, LLMServerClient
 
+from verl_ext.config.check import check_drafter_config, runs_verl_ext_drafter
 from verl_ext.config.settings import VerlExtSettings
 from verl_ext.pipe.strategy import StrategyConfigError, get_strategy_class
 from verl_ext.rollout.dispatcher import StrategyDispatcher, prompt_group_id, server_handles_from_load_balancer
@@ -135,49 +136,6 @@ class StrategyFullyAsyncLLMClient(_TracingClient, FullyAsyncLLMServerClient, _Di
         return output
 
 
-def _vllm_engine_kwargs(rollout):
-    return (rollout.get("engine_kwargs") or {}).get("vllm") or {}
-
-
-def runs_verl_ext_drafter(rollout) -> bool:
-    """Whether veRL starts its vLLM servers with verl_ext's suffix drafter (``engine_kwargs``)."""
-    if rollout.get("name") != "vllm":
-        return False
-    spec = _vllm_engine_kwargs(rollout).get("speculative_config") or {}
-    return str(spec.get("model", "")).startswith("verl_ext.")
-
-
-def _check_drafter_config(settings: VerlExtSettings, rollout) -> None:
-    """Warn where the strategy's options and the engines' drafter settings disagree (the engines
-    read theirs from ``engine_kwargs`` at start-up)."""
-    if not runs_verl_ext_drafter(rollout):
-        return
-    engine = _vllm_engine_kwargs(rollout)
-    spec = (engine.get("additional_config") or {}).get("verl_ext_spec") or {}
-    if spec.get("select") and not spec.get("select_profile"):
-        raise ValueError("verl_ext: the engines' draft selection (engine_kwargs.vllm.additional_config.verl_ext_spec."
-                         "select, rollout=rlhfspec) needs step times: set actor_rollout_ref.rollout.custom.verl_ext."
-                         "options.profile to a cost-model preset (h100-7b, ...) or a `verl-ext profile` JSON, or "
-                         "options.selection=false")
-    if settings.options.get("batch_cutoff") is False and spec.get("cutoff_profile"):
-        logger.warning("verl_ext: options.batch_cutoff=false, but the engines compute a batch cut-off from "
-                       "engine_kwargs.vllm.additional_config.verl_ext_spec.cutoff_profile=%s; set that to '' "
-                       "to draft at every batch size", spec.get("cutoff_profile"))
-    k = int(engine["speculative_config"].get("num_speculative_tokens") or 0)
-    need = int(rollout.get("prompt_length") or 0) + int(rollout.get("response_length") or 0) + k
-    if rollout.get("max_model_len") is not None and int(rollout.max_model_len) < need:
-        # vLLM 0.32 (gpu_model_runner._input_fits_in_drafter): once any sequence of the batch is
-        # within k tokens of max_model_len, every request of the step gets k zero drafts, all
-        # verified and rejected: the step costs k + 1 tokens per request
-        logger.warning("verl_ext: max_model_len=%s leaves less than num_speculative_tokens=%d tokens past "
-                       "prompt_length + response_length; near the end vLLM verifies %d padding drafts per request "
-                       "and step. Set actor_rollout_ref.rollout.max_model_len=%d (or leave it unset)",
-                       rollout.max_model_len, k, k, need)
-    if settings.options.get("histospec") is False or settings.options.get("speculative") is False:
-        logger.warning("verl_ext: drafting is off in the strategy's options, but the engines still start "
-                       "verl_ext's drafter (engine_kwargs.vllm.speculative_config); remove it to decode plainly")
-
-
 class _VerlExtManagerMixin:
     """Builds the dispatcher and swaps the workers' LLM client; the rest is veRL's manager."""
 
@@ -196,7 +154,7 @@ class _VerlExtManagerMixin:
         if load_balancer is None:
             raise RuntimeError("verl_ext needs veRL's LLMServerClient with a load balancer handle")
         servers = server_handles_from_load_balancer(load_balancer)
-        _check_drafter_config(self.verl_ext_settings, rollout)
+        check_drafter_config(self.verl_ext_settings, rollout)
         strategy_cls = get_strategy_class(self.verl_ext_settings.strategy)
         self.verl_ext_history = strategy_cls.uses_history
         # the dispatcher hears of each training step: history strategies, and deferred samples

@@ -1,0 +1,129 @@
+"""A trainer config's verl_ext settings, checked before veRL starts anything.
+
+``check_rollout(rollout)`` does, in the driver and in about a second, every check the rollout's
+own start-up would do minutes later (after Ray, the training workers and the vLLM servers are
+up): ``custom.verl_ext`` (unknown keys, malformed values), the strategy's options (unknown
+options, unreadable profiles: the strategy is built once and dropped), the engines' drafter
+settings (``engine_kwargs.vllm.additional_config.verl_ext_spec``, parsed as the drafter parses
+them) and the options that must agree between the two. It raises ``ValueError`` with the same
+message the later failure would have, or returns None for a config that does not select verl_ext.
+
+``ConfigCheck`` runs it as a Hydra callback (``on_job_start``, before veRL's task function);
+verl_ext's ``verl.plugins`` entry point adds it to ``python -m verl.trainer.main_ppo`` command
+lines (:mod:`verl_ext.plugin`). A bad setting then ends the run, status 1, with one line on
+stderr, ``verl_ext: <what is wrong>``.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any, Optional
+
+from verl_ext.config.settings import VerlExtSettings
+from verl_ext.pipe.strategy import get_strategy_class
+
+logger = logging.getLogger(__name__)
+
+#: where the plugin registers ``ConfigCheck`` among Hydra's callbacks
+CALLBACK_KEY = "verl_ext_check"
+CALLBACK_ARG = f"+hydra.callbacks.{CALLBACK_KEY}._target_=verl_ext.config.check.ConfigCheck"
+
+
+def vllm_engine_kwargs(rollout) -> dict:
+    return (rollout.get("engine_kwargs") or {}).get("vllm") or {}
+
+
+def runs_verl_ext_drafter(rollout) -> bool:
+    """Whether veRL starts its vLLM servers with verl_ext's suffix drafter (``engine_kwargs``)."""
+    if rollout.get("name") != "vllm":
+        return False
+    spec = vllm_engine_kwargs(rollout).get("speculative_config") or {}
+    return str(spec.get("model", "")).startswith("verl_ext.")
+
+
+def drafter_options(rollout) -> Optional[dict]:
+    """The drafter's settings as the engines will read them (``verl_ext_spec`` plus ``k``), or None
+    without verl_ext's drafter."""
+    if not runs_verl_ext_drafter(rollout):
+        return None
+    engine = vllm_engine_kwargs(rollout)
+    spec = dict((engine.get("additional_config") or {}).get("verl_ext_spec") or {})
+    spec["k"] = int(engine["speculative_config"].get("num_speculative_tokens") or 0)
+    return spec
+
+
+def check_drafter_config(settings: VerlExtSettings, rollout) -> None:
+    """Refuse, or warn about, strategy options and engine drafter settings that disagree (the
+    engines read theirs from ``engine_kwargs`` at start-up)."""
+    spec = drafter_options(rollout)
+    if spec is None:
+        return
+    if spec.get("select") and not spec.get("select_profile"):
+        raise ValueError("verl_ext: the engines' draft selection (engine_kwargs.vllm.additional_config.verl_ext_spec."
+                         "select, rollout=rlhfspec) needs step times: set actor_rollout_ref.rollout.custom.verl_ext."
+                         "options.profile to a cost-model preset (h100-7b, ...) or a `verl-ext profile` JSON, or "
+                         "options.selection=false")
+    if settings.options.get("batch_cutoff") is False and spec.get("cutoff_profile"):
+        logger.warning("verl_ext: options.batch_cutoff=false, but the engines compute a batch cut-off from "
+                       "engine_kwargs.vllm.additional_config.verl_ext_spec.cutoff_profile=%s; set that to '' "
+                       "to draft at every batch size", spec.get("cutoff_profile"))
+    k = spec["k"]
+    need = int(rollout.get("prompt_length") or 0) + int(rollout.get("response_length") or 0) + k
+    if rollout.get("max_model_len") is not None and int(rollout.max_model_len) < need:
+        # vLLM 0.32 (gpu_model_runner._input_fits_in_drafter): once any sequence of the batch is
+        # within k tokens of max_model_len, every request of the step gets k zero drafts, all
+        # verified and rejected: the step costs k + 1 tokens per request
+        logger.warning("verl_ext: max_model_len=%s leaves less than num_speculative_tokens=%d tokens past "
+                       "prompt_length + response_length; near the end vLLM verifies %d padding drafts per request "
+                       "and step. Set actor_rollout_ref.rollout.max_model_len=%d (or leave it unset)",
+                       rollout.max_model_len, k, k, need)
+    if settings.options.get("histospec") is False or settings.options.get("speculative") is False:
+        logger.warning("verl_ext: drafting is off in the strategy's options, but the engines still start "
+                       "verl_ext's drafter (engine_kwargs.vllm.speculative_config); remove it to decode plainly")
+
+
+def check_rollout(rollout) -> Optional[VerlExtSettings]:
+    """Every check of verl_ext's settings that needs no server (see the module docstring)."""
+    custom = rollout.get("custom") or {}
+    if "verl_ext" not in custom:
+        return None
+    settings = VerlExtSettings.from_custom(custom)
+    get_strategy_class(settings.strategy)(settings.options)  # unknown options, unreadable profiles
+    spec = drafter_options(rollout)
+    if spec is not None:
+        from verl_ext.spec.options import SpecOptions
+
+        SpecOptions.from_dict(spec)  # as each engine's drafter does at start-up
+    check_drafter_config(settings, rollout)
+    return settings
+
+
+try:
+    from hydra.experimental.callback import Callback
+except ImportError:  # pragma: no cover - Hydra comes with veRL
+    Callback = object
+
+
+class ConfigCheck(Callback):
+    """Hydra callback: :func:`check_rollout` on ``actor_rollout_ref.rollout`` before the job runs.
+    A bad setting writes its one line to stderr and exits with status 1 (Hydra turns a callback's
+    exceptions into warnings and runs the job anyway, so exiting is the only way to stop it); a
+    failure of the check itself is logged and the run goes on (the rollout's start-up checks again)."""
+
+    def on_job_start(self, config: Any, **kwargs: Any) -> None:
+        from omegaconf import OmegaConf
+
+        rollout = OmegaConf.select(config, "actor_rollout_ref.rollout", default=None)
+        if rollout is None:
+            return
+        try:
+            check_rollout(rollout)
+        except (ValueError, TypeError) as exc:
+            message = str(exc)
+            sys.stderr.write((message if message.startswith("verl_ext") else f"verl_ext: {message}") + "\n")
+            sys.stderr.flush()
+            raise SystemExit(1) from None
+        except Exception as exc:  # the check's own failure must not stop a run
+            logger.warning("verl_ext: could not check the rollout settings before start (%s: %s)",
+                           type(exc).__name__, exc)
