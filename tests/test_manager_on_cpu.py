@@ -269,10 +269,13 @@ def test_manager_seer_syncs_group_trees_across_servers(ray_local, model_dir):
             assert with_server.batch[key].equal(without.batch[key])
 
 
-def test_one_step_off_policy_trainer_gets_a_dataproto(ray_local, model_dir, tmp_path):
+def test_one_step_off_policy_trainer_gets_a_dataproto_and_numbers_generations_as_steps(ray_local, model_dir, tmp_path):
     """veRL's one-step-off-policy trainer builds the manager from a config with use_v1=true but no
     TransferQueue and unions what ``generate_sequences`` returns with its own batch
-    (``OneStepOffRayTrainer._async_gen_next_batch``): the factory gives it the V0 manager."""
+    (``OneStepOffRayTrainer._async_gen_next_batch``): the factory gives it the V0 manager. The
+    trainer starts generation 2 before step 1 ends and passes ``global_steps`` 1 to both: the
+    manager numbers generation 2 as step 2, so rollout=rhyme plans it from generation 1's history
+    (here the same prompts: the dataset's next epoch), as in the synchronous trainer."""
     n = 2
     manager, servers = _v0_manager("rhyme", model_dir, n, f"trainer.default_local_dir={tmp_path}",
                                    compose=_compose_one_step_off)
@@ -282,31 +285,21 @@ def test_one_step_off_policy_trainer_gets_a_dataproto(ray_local, model_dir, tmp_
 
     from verl.experimental.one_step_off_policy.ray_trainer import OneStepOffRayTrainer
 
-    # the trainer's batch (the dataloader's tensors besides these), split by veRL's own code
-    batch = DataProto.from_dict(tensors={"row": torch.arange(3)}, non_tensors=dict(_batch(3).non_tensor_batch))
-    gen_batch = OneStepOffRayTrainer._get_gen_batch(None, batch)  # (does not use self)
-    out = manager.generate_sequences(gen_batch.repeat(repeat_times=n, interleave=True))
-    merged = batch.repeat(repeat_times=n, interleave=True).union(out)
-    assert merged.batch["row"].tolist() == [i for i in range(3) for _ in range(n)]
-    assert len(merged) == 3 * n and list(merged.non_tensor_batch["uid"]) == [f"uid-{i}" for i in range(3) for _ in range(n)]
-    assert merged.batch["responses"].shape[0] == 3 * n
-    assert out.meta_info["timing"]["verl_ext/requests"] == 3 * n
-    assert sum(ray.get([s.num_calls.remote() for s in servers.values()])) == 3 * n
-
-
-def test_one_step_off_generations_are_numbered_as_steps(ray_local, model_dir, tmp_path):
-    """The one-step-off-policy trainer starts generation 2 before step 1 ends and passes
-    ``global_steps`` 1 to both (``_async_gen_next_batch``): the manager numbers generation 2 as
-    step 2, so rollout=rhyme plans it from generation 1's history (here the same prompts: the
-    dataset's next epoch), as in the synchronous trainer."""
-    n = 2
-    manager, _ = _v0_manager("rhyme", model_dir, n, f"trainer.default_local_dir={tmp_path}",
-                             compose=_compose_one_step_off)
     outs = []
     for global_steps in (1, 1, 2):  # what the trainer passes to generations 1, 2, 3
-        gen = _batch(4).repeat(repeat_times=n, interleave=True)
+        # the trainer's batch (the dataloader's tensors besides these), split by veRL's own code
+        batch = DataProto.from_dict(tensors={"row": torch.arange(4)}, non_tensors=dict(_batch(4).non_tensor_batch))
+        gen = OneStepOffRayTrainer._get_gen_batch(None, batch).repeat(repeat_times=n, interleave=True)  # (no self)
         gen.meta_info["global_steps"] = global_steps
-        outs.append(manager.generate_sequences(gen).meta_info["timing"])
+        out = manager.generate_sequences(gen)
+        merged = batch.repeat(repeat_times=n, interleave=True).union(out)
+        assert merged.batch["row"].tolist() == [i for i in range(4) for _ in range(n)]
+        assert len(merged) == 4 * n and list(merged.non_tensor_batch["uid"]) == [f"uid-{i}" for i in range(4) for _ in range(n)]
+        assert merged.batch["responses"].shape[0] == 4 * n
+        outs.append(out.meta_info["timing"])
+        if global_steps == 1 and len(outs) == 1:  # (later generations plan from history)
+            assert sum(ray.get([s.num_calls.remote() for s in servers.values()])) == 4 * n
+    assert outs[0]["verl_ext/requests"] == 4 * n
     assert outs[0]["verl_ext/rhyme/histopipe_active"] == 0  # no history yet
     for m in outs[1:]:
         assert m["verl_ext/rhyme/histopipe_active"] == 1 and m["verl_ext/rhyme/history_prompts"] == 4
@@ -366,7 +359,8 @@ def test_async_trainer_modes_get_the_v1_manager_or_a_clear_error():
         VerlExtAgentLoopManager.manager_cls(compose_verl(base + ["trainer.v1.trainer_mode=separate_async"]))
 
 
-@pytest.mark.parametrize("strategy,options", [("baseline", ()), ("seer", ("chunk_size=3",)), ("rhyme", ())])
+# (baseline's calls take the same path as rhyme's, without history)
+@pytest.mark.parametrize("strategy,options", [("seer", ("chunk_size=3",)), ("rhyme", ())])
 def test_async_trainers_aborted_requests_resume_through_the_strategy(ray_local, model_dir, tmp_path, strategy,
                                                                       options):
     """An async trainer's weight sync aborts the requests in flight (``stop_reason`` "aborted");

@@ -66,6 +66,27 @@ def run_overrides(strategy: str, data_dir: Path, model: str, prompts: int, n: in
     return overrides
 
 
+def parse_strategies(spec: str, default_steps: int) -> dict[str, int]:
+    """``"baseline,seer,rhyme:3"`` -> each strategy's training steps (``default_steps`` unless
+    ``NAME:STEPS``), in order."""
+    steps: dict[str, int] = {}
+    for entry in (e.strip() for e in spec.split(",")):
+        if not entry:
+            continue
+        name, _, count = entry.partition(":")
+        if name not in STRATEGIES:
+            raise ValueError(f"unknown strategy '{name}'; available: {', '.join(STRATEGIES)}")
+        try:
+            steps[name] = int(count) if count else default_steps
+        except ValueError:
+            raise ValueError(f"bad step count in '{entry}' (NAME:STEPS)") from None
+        if steps[name] < 1:
+            raise ValueError(f"{name}: steps must be >= 1")
+    if not steps:
+        raise ValueError("no strategy given")
+    return steps
+
+
 def trainer_command(strategy: str, data_dir: Path, model: str, steps: int, prompts: int, n: int,
                     max_tokens: int, temperature: float, extra: list[str] = ()) -> list[str]:
     """The trainer's command line for one strategy (the CPU mode adds its preset to it)."""
@@ -179,7 +200,8 @@ def side_by_side(summaries: dict[str, dict]) -> dict:
 
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="verl_e2e", description=__doc__.split("\n")[0])
-    p.add_argument("--strategies", default="baseline,seer", help=f"comma-separated, from {','.join(STRATEGIES)}")
+    p.add_argument("--strategies", default="baseline,seer",
+                   help=f"comma-separated, from {','.join(STRATEGIES)}; NAME:STEPS gives one its own step count")
     p.add_argument("--steps", type=int, default=2, help="training steps per strategy")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--model", default=None, help="HF model directory (default: SmolLM2-135M-Instruct)")
@@ -188,17 +210,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--max-tokens", type=int, default=48, help="data.max_response_length")
     p.add_argument("--temperature", type=float, default=0.0, help="rollout temperature (default 0: see above)")
     p.add_argument("--check-identity", action="store_true",
-                   help="also compare each strategy's first-step responses with veRL's own manager's")
+                   help="also compare each strategy's first-step responses with veRL's own manager's (in a "
+                        "process beside the training runs, whose timings then share the CPU with it)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per training run")
     p.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run (after --)")
     args = p.parse_args(argv)
 
-    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    unknown = [s for s in strategies if s not in STRATEGIES]
-    if unknown or not strategies:
-        p.error(f"unknown strategy {unknown}; available: {', '.join(STRATEGIES)}")
-    if args.steps < 1:
-        p.error("--steps must be >= 1")
+    try:
+        steps = parse_strategies(args.strategies, args.steps)
+    except ValueError as exc:
+        p.error(str(exc))
+    strategies = list(steps)
 
     from verl_ext.model import default_model_dir
     from verl_ext.workload.verl_data import write_dataset
@@ -211,27 +233,32 @@ def main(argv: Optional[list[str]] = None) -> int:
     write_dataset(data_dir, train=args.prompts, val=8)
 
     identical: dict[str, Optional[bool]] = {s: None for s in strategies}
-    if args.check_identity:
-        from verl_ext.cpu.identity import check_identity
+    check = None
+    if args.check_identity:  # beside the training runs: their timings share the CPU with it
+        from verl_ext.cpu.identity import IdentityCheck
 
-        results = check_identity(strategies, model=model, data_dir=data_dir, prompts=args.prompts, n=args.n,
-                                 max_tokens=args.max_tokens, out=out / "identity")
-        identical = {s: r["identical"] for s, r in results.items()}
+        check = IdentityCheck(strategies, model=model, data_dir=data_dir, prompts=args.prompts, n=args.n,
+                              max_tokens=args.max_tokens, out=out / "identity")
 
     summaries = {}
     for strategy in strategies:
-        cmd = trainer_command(strategy, data_dir, model, args.steps, args.prompts, args.n, args.max_tokens,
+        cmd = trainer_command(strategy, data_dir, model, steps[strategy], args.prompts, args.n, args.max_tokens,
                               args.temperature, args.overrides)
         print(f"[verl_e2e] {strategy}: {' '.join(cmd[1:4])} ...", flush=True)
         s = run_strategy(strategy, out / strategy, cmd, args.timeout)
-        s["identical_to_verl_manager"] = identical[strategy]
         (out / strategy / "summary.json").write_text(json.dumps(s, indent=2) + "\n")
         summaries[strategy] = s
         print(f"[verl_e2e] {strategy}: exit {s['returncode']}, {s['steps_completed']} step(s), "
               f"timing_s/gen {s['timing_s_gen']}", flush=True)
 
+    if check is not None:
+        identical = {s: r["identical"] for s, r in check.results(args.timeout).items()}
+        print(f"[verl_e2e] identical to veRL's own manager: {identical}", flush=True)
+        for strategy, same in identical.items():
+            summaries[strategy]["identical_to_verl_manager"] = same
+            (out / strategy / "summary.json").write_text(json.dumps(summaries[strategy], indent=2) + "\n")
     (out / "summary.json").write_text(json.dumps(side_by_side(summaries), indent=2) + "\n")
-    failed = [s for s, v in summaries.items() if v["returncode"] != 0 or v["steps_completed"] < args.steps]
+    failed = [s for s, v in summaries.items() if v["returncode"] != 0 or v["steps_completed"] < steps[s]]
     failed += [s for s, same in identical.items() if same is False]
     if failed:
         print(f"[verl_e2e] failed: {', '.join(dict.fromkeys(failed))} (see {out}/<strategy>/console.log)", file=sys.stderr)

@@ -9,8 +9,9 @@ sampler and ``data.seed``), and run it through ``generate_sequences`` twice: wit
 length. The servers are the same for both runs and are started once per strategy (their
 engine settings, verl_ext's drafter among them, differ between strategies).
 
-``python -m verl_ext.cpu.identity --strategies baseline,seer --out DIR`` (``verl_e2e.sh
---check-identity`` calls it) writes ``DIR/identity.json`` and exits 1 if any strategy differs.
+``python -m verl_ext.cpu.identity --strategies baseline,seer --out DIR`` writes
+``DIR/identity.json`` and exits 1 if any strategy differs. ``verl_e2e.sh --check-identity`` runs
+it (``IdentityCheck``) beside its training runs.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -143,26 +145,36 @@ def check_strategy(strategy: str, model: str, data_dir: Path, prompts: int, n: i
     return result
 
 
-def check_identity(strategies: list[str], model: str, data_dir: Path, prompts: int, n: int, max_tokens: int,
-                   out: Path, timeout_s: float = 3600) -> dict[str, dict]:
-    """Run this module in a fresh process (the CPU mode's environment, its own Ray session) and
-    return its per-strategy results; a strategy whose check could not run reports
-    ``identical: None`` and the error."""
-    import subprocess
+class IdentityCheck:
+    """This module run in a fresh process (the CPU mode's environment, its own Ray session), beside
+    whatever the caller does meanwhile (``verl_e2e.sh --check-identity``: the training runs)."""
 
-    out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "verl_ext.cpu.identity", "--strategies", ",".join(strategies), "--model", model,
-           "--data", str(data_dir), "--prompts", str(prompts), "--n", str(n), "--max-tokens", str(max_tokens),
-           "--out", str(out)]
-    env = dict(os.environ, **CPU_ENV, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
-    with open(out / "console.log", "w") as log:
+    def __init__(self, strategies: list[str], model: str, data_dir: Path, prompts: int, n: int, max_tokens: int,
+                 out: Path):
+        self.strategies, self.out = list(strategies), out
+        out.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "verl_ext.cpu.identity", "--strategies", ",".join(strategies), "--model", model,
+               "--data", str(data_dir), "--prompts", str(prompts), "--n", str(n), "--max-tokens", str(max_tokens),
+               "--out", str(out)]
+        env = dict(os.environ, **CPU_ENV, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
+        self._log = open(out / "console.log", "w")
+        # its own process group, so that a check that overstays goes with everything it started
+        self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def results(self, timeout_s: float = 3600) -> dict[str, dict]:
+        """Wait for the check; per strategy its result, or ``identical: None`` and the error where
+        the check could not run."""
+        from verl_ext.cpu.e2e import stop_group
+
         try:
-            subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout_s)
+            self._proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            pass
-    path = out / "identity.json"
-    found = json.loads(path.read_text()) if path.is_file() else {}
-    return {s: found.get(s, {"identical": None, "error": f"no result (see {out}/console.log)"}) for s in strategies}
+            stop_group(self._proc)
+        self._log.close()
+        path = self.out / "identity.json"
+        found = json.loads(path.read_text()) if path.is_file() else {}
+        return {s: found.get(s, {"identical": None, "error": f"no result (see {self.out}/console.log)"})
+                for s in self.strategies}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
