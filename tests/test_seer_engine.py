@@ -43,12 +43,12 @@ def workload(model_dir):
     return tok, problems, encode_prompts(tok, problems)
 
 
-def _requests(workload, samples=4, temperature=0.0, logprobs=False):
+def _requests(workload, samples=4, temperature=0.0, logprobs=False, max_tokens=MAX_TOKENS):
     tok, problems, ids = workload
     out = []
     for i, (p, x) in enumerate(zip(problems, ids)):
         for j in range(samples):
-            s = SamplingSpec(temperature=temperature, max_tokens=MAX_TOKENS, seed=1000 + 10 * i + j,
+            s = SamplingSpec(temperature=temperature, max_tokens=max_tokens, seed=1000 + 10 * i + j,
                              stop_token_ids=(tok.eos_token_id,), logprobs=logprobs)
             out.append(GenRequest(f"{p.uid}-s{j}", p.uid, list(x), s, sample_index=j))
     return out
@@ -109,7 +109,7 @@ async def test_temperature_one_chunks_keep_each_token_on_its_prefix(fp32_engine,
 async def test_killed_draft_server_falls_back_and_the_rollout_completes(fp32_engine, spec_engine, seer_engine, workload, caplog):
     import ray
 
-    reqs = _requests(workload, samples=6)
+    reqs = _requests(workload, samples=3)
     want = await _rollout(make_strategy("baseline"), [fp32_engine], reqs)
     seer = _seer(chunk_size=4)
 
@@ -176,7 +176,7 @@ async def test_a_later_step_with_the_same_groups_and_request_ids_syncs_without_r
     refused, dropped, held = [], [], []
     for step in (1, 2):  # sampled, so the two steps' responses differ under the same request ids
         reqs = [dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, seed=r.sampling.seed + 100 * step))
-                for r in _requests((tok, problems, ids), temperature=1.0)]
+                for r in _requests((tok, problems, ids), temperature=1.0, max_tokens=24)]
         seer.begin_step(step)
         got = await _rollout(seer, [seer_engine, spec_engine], reqs)
         assert all(c.token_ids for c in got.completions)
