@@ -207,11 +207,11 @@ def test_config_check_refuses_what_the_rollouts_start_would_refuse(strategy, ove
          "verl_ext: strategy 'rlhfspec': profile: cost model file '/nonexistent/profile.json' does not exist; presets: "),
     ],
 )
-def test_main_ppo_ends_on_a_bad_setting_before_starting_anything(args, line):
+def test_main_ppo_ends_on_a_bad_setting_before_starting_anything(args, line, tmp_path):
     """The plugin's config check (a Hydra callback) runs before veRL's task function: one line on
     stderr, status 1, and no Ray, worker or server started."""
     r = subprocess.run([sys.executable, "-m", "verl.trainer.main_ppo", *args, "trainer.device=cpu"],
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path)  # (Hydra's outputs/ go there)
     assert r.returncode == 1, r.stderr[-2000:]
     assert r.stderr.strip().splitlines()[-1].startswith(line), r.stderr[-2000:]
     assert "ray init kwargs" not in r.stdout + r.stderr and "Started a local Ray instance" not in r.stdout + r.stderr
