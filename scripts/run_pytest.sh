@@ -3,6 +3,9 @@
 # (one OpenMP thread, no model hub), exit status 0 when pytest collected no tests (its status 5,
 # e.g. a -k filter that matches nothing). Used by scripts/test.sh and scripts/test_vllm_compat.sh.
 set -uo pipefail
+# exported even when the shell started without one (env -i): vLLM's sampler compiles C++ with
+# torch inductor, whose g++ must find its own tools on PATH
+export PATH
 python=$1
 shift
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
