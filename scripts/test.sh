@@ -3,9 +3,6 @@
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -k hydra`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# exported even when the shell started without one (env -i): vLLM's sampler compiles C++ with
-# torch inductor, whose g++ must find its own tools on PATH
-export PATH
 # Each vLLM engine starts 2 Python processes that import vllm + torch; without cached bytecode
 # that costs ~30 s more per engine, so let Python write .pyc files even if the shell says not to.
 unset PYTHONDONTWRITEBYTECODE
