@@ -15,6 +15,16 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 REPO = Path(__file__).resolve().parent.parent
 
 
+#: test modules that run first: their real veRL training runs need most of the 24 GiB that CI
+#: machines have, and the session's shared engines (below) hold ~5 GiB once started. After them,
+#: Ray's memory monitor killed the training run's vLLM server (a CI run, 2026-11-25).
+FIRST = ("test_verl_e2e_on_cpu.py",)
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.path.name not in FIRST)  # stable: the rest keep their order
+
+
 @pytest.fixture(scope="session")
 def model_dir():
     """The converted default model (SmolLM2-135M-Instruct), converted once per cache dir."""

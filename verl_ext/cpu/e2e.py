@@ -179,8 +179,9 @@ def run_strategy(strategy: str, out: Path, cmd: list[str], timeout_s: float,
 
 def side_by_side(summaries: dict[str, dict]) -> dict:
     """Each strategy's ``timing_s/gen`` and ``rollout_s`` per step and their ratios to
-    ``baseline``'s in this run."""
+    ``baseline``'s in this run (None for a step that either lacks)."""
     def ratios(values, base):
+        base = list(base) + [None] * (len(values) - len(base))
         return [round(v / b, 3) if v and b else None for v, b in zip(values, base)]
 
     base = summaries.get("baseline", {})
