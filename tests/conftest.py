@@ -16,8 +16,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 #: test modules that run first: their real veRL training runs need most of the 24 GiB that CI
-#: machines have, and the session's shared engines (below) hold ~5 GiB once started. After them,
-#: Ray's memory monitor killed the training run's vLLM server (a CI run, 2026-11-25).
+#: machines have, and the session's shared engines (below) hold ~5 GiB once started. Run after
+#: them, the training run lost its vLLM server to Ray's memory monitor (a CI run, 2026-11-25).
 FIRST = ("test_verl_e2e_on_cpu.py",)
 
 
