@@ -4,8 +4,15 @@
 
 A strategy implements `submit(request, pool)`: pick an instance (or several, for chunks) and
 run the request through `pool.run`, which keeps load and timing accounting uniform. Once
-registered, the name works in `verl-ext ab --strategies ...` and, with a
-`verl_ext/config/rollout/<name>.yaml` option, as `rollout=<name>` in veRL.
+registered, the name works in `verl-ext ab --strategies ...`. In veRL, name it by import path on
+top of `rollout=baseline` (the module must be importable where veRL runs, e.g. installed):
+
+    python -m verl.trainer.main_ppo rollout=baseline \
+        actor_rollout_ref.rollout.custom.verl_ext.strategy=my_pkg.my_mod:RoundRobinStrategy \
+        +actor_rollout_ref.rollout.custom.verl_ext.options.start=1
+
+or declare it in your package's `verl_ext.strategies` entry-point group
+(`round_robin = my_pkg.my_mod:RoundRobinStrategy`) and use its name.
 """
 
 import dataclasses

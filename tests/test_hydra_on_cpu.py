@@ -10,7 +10,7 @@ from _util import compose_verl
 
 from verl_ext.config import VerlExtSettings, option_names
 from verl_ext.config.settings import HistorySettings
-from verl_ext.pipe import available_strategies
+from verl_ext.pipe import available_strategies, make_strategy
 from verl_ext.spec import SCOPE_HISTORY
 
 STRATEGIES = option_names()
@@ -96,6 +96,26 @@ def test_rhyme_knobs_reach_the_engines_drafter(tmp_path):
                                                    "actor_rollout_ref.rollout.name=vllm"]).actor_rollout_ref.rollout)
     assert runs_verl_ext_drafter(compose_verl(["rollout@actor_rollout_ref.rollout=seer",
                                                "actor_rollout_ref.rollout.name=vllm"]).actor_rollout_ref.rollout)
+
+
+def test_seers_draft_profile_reaches_the_engines_adaptive_budget():
+    """rollout=seer: ``options.draft_profile`` gives the engines' drafter its knee (the adaptive
+    draft budget), as ``engine_spec`` gives the A/B runner's engines; without one, none."""
+    from verl.utils.config import omega_conf_to_dataclass
+
+    from verl_ext.sim.cost import load_cost_model
+    from verl_ext.spec.options import SpecOptions
+
+    def spec(*overrides):
+        cfg = compose_verl(["rollout@actor_rollout_ref.rollout=seer", "actor_rollout_ref.rollout.name=vllm", *overrides])
+        vllm = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout).engine_kwargs["vllm"]
+        return SpecOptions.from_dict({**vllm["additional_config"]["verl_ext_spec"], "k": 8})
+
+    knee = load_cost_model("cpu-smollm2-avx2").draft_thresholds()["knee_tokens"]
+    assert spec(f"{OPTS}.draft_profile=cpu-smollm2-avx2").knee_tokens == knee > 0
+    assert spec().knee_tokens == 0
+    strategy = make_strategy("seer", {"draft_profile": "cpu-smollm2-avx2"})
+    assert strategy.engine_spec(None).knee_tokens == knee  # the A/B runner's engines: the same knee
 
 
 def _main_ppo(*args):

@@ -80,6 +80,9 @@ def test_request_info_finish_reason():
     assert request_info(_Out([1, 2, 3]), {}, 3, 1, 2)["finish_reason"] == "length"  # rollout response_length
     assert request_info(_Out([1, 2, 3]), {}, None, 1, 2)["finish_reason"] == "stop"
     assert request_info(_Out([1], "aborted"), {"max_tokens": 1}, None, 1, 2)["finish_reason"] == "abort"
+    # an EOS (stop id) that fills the budget is a stop, not a cut-off (veRL says "completed" for both)
+    assert request_info(_Out([1, 2]), {"max_tokens": 2}, None, 1, 2, stop_ids=[2])["finish_reason"] == "stop"
+    assert request_info(_Out([1, 2]), {"max_tokens": 2, "ignore_eos": True}, None, 1, 2, stop_ids=[2])["finish_reason"] == "length"
 
 
 # -- DataProto -> Trace -------------------------------------------------------------------------------

@@ -179,6 +179,10 @@ def test_verl_ext_metrics_are_in_verls_tracking_every_step(e2e):
     # the strategies' own counters, and drafting as the servers count it (vLLM's /metrics)
     assert _tracking(out, "seer")[0]["verl_ext/seer/requests"] == PROMPTS * N
     assert _tracking(out, "seer")[0]["verl_ext/spec/accepted_tokens"] > 0
+    # the servers' load, as strategies see it (ReplicaInstance.telemetry from vLLM's /metrics)
+    for strategy in STRATEGIES:
+        first = _tracking(out, strategy)[0]
+        assert first["verl_ext/load/kv_capacity_tokens"] > 0 and first["verl_ext/load/engine_steps"] > 0, strategy
 
 
 def test_first_step_responses_are_token_identical_to_verls_own_manager(e2e):
@@ -198,6 +202,8 @@ def test_rhyme_drafts_in_the_second_step_from_the_first_steps_history(e2e):
     assert second["verl_ext/rhyme/served_histories"] == PROMPTS  # every prompt had its step-1 responses
     assert second["verl_ext/history/served_tokens"] > 0
     assert second["verl_ext/spec/accepted_tokens"] > 0  # history drafts the server accepted
+    # HistoPipe's tier 2 floors t0 at the trainer's time between rollouts, as the dispatcher saw it
+    assert "verl_ext/rhyme/t_train_s" not in first and 0 < second["verl_ext/rhyme/t_train_s"] < first["timing_s/step"]
 
 
 def test_a_killed_dispatcher_falls_back_to_verls_load_balancer_mid_step(e2e):

@@ -18,6 +18,15 @@ from verl_ext.engine.instance import FINISH_LENGTH, Completion, GenRequest
 
 #: ``GenRequest.extra`` key carrying the chunk index of a continuation
 CHUNK_KEY = "chunk"
+#: ``GenRequest.extra`` key: the request is generated in one piece, never continued (set by a
+#: driver whose engine samples it with a state a continuation cannot carry, e.g. vLLM's
+#: presence and frequency penalties, which count only the tokens generated in one piece)
+WHOLE_KEY = "whole"
+
+
+def is_whole(request: GenRequest) -> bool:
+    """Whether ``request`` must be generated in one piece (no chunks, copies or migrations)."""
+    return bool(request.extra.get(WHOLE_KEY))
 
 
 class Chunked:
@@ -41,8 +50,11 @@ class Chunked:
         return self.request.sampling.max_tokens - len(self.tokens)
 
     def next_request(self, max_tokens: int) -> GenRequest:
-        """The request for the next chunk of at most ``max_tokens`` tokens."""
+        """The request for the next chunk of at most ``max_tokens`` tokens (all that is left for
+        a request generated whole, ``is_whole``)."""
         req = self.request
+        if is_whole(req):
+            max_tokens = self.remaining
         if self.chunks == 0 and max_tokens == req.sampling.max_tokens:
             return req
         return dataclasses.replace(

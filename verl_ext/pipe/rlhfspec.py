@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from verl_ext.engine.instance import FINISH_ABORT, FINISH_LENGTH, Completion, GenRequest, Instance
-from verl_ext.pipe.chunks import Chunked
+from verl_ext.pipe.chunks import Chunked, is_whole
 from verl_ext.pipe.pool import InstancePool
 from verl_ext.pipe.realloc import TURN, pick_samples, plan_reallocation, turning_point
 from verl_ext.pipe.strategy import Strategy, StrategyConfigError, register_strategy
@@ -349,7 +349,7 @@ class RlhfSpecStrategy(Strategy):
             name = s.instance.name
             if name in counts:
                 counts[name] += 1
-                if s.moving is None:
+                if s.moving is None and not is_whole(s.chunks.request):  # a move continues it elsewhere
                     movable[name].append(s)
         thr = self.threshold(pool)
         self._m["threshold"] = thr

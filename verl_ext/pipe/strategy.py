@@ -4,9 +4,12 @@ A strategy decides which request (or chunk of a request) goes to which instance,
 sees only the engine contract (``verl_ext.engine.instance``) through an ``InstancePool``, so
 the same code drives local vLLM engines, veRL's server replicas and the simulator.
 
-Third-party strategies register with ``@register_strategy("name")`` (see
-``examples/custom_strategy.py``). Only strategies that work are registered: naming any other
-fails with ``UnknownStrategyError``, which lists the available ones.
+Third-party strategies are named in one of three ways (see ``examples/custom_strategy.py``):
+by import path, ``"my_pkg.my_mod:MyStrategy"`` (any ``Strategy`` subclass; nothing to register);
+by an entry point in the ``verl_ext.strategies`` group of an installed package
+(``name = my_pkg.my_mod:MyStrategy``); or by ``@register_strategy("name")`` in a module imported
+before the name is used. Only strategies that work are registered: naming any other fails with
+``UnknownStrategyError``, which lists the available ones.
 """
 
 from __future__ import annotations
@@ -143,19 +146,50 @@ def register_strategy(name: str) -> Callable[[type[Strategy]], type[Strategy]]:
     return deco
 
 
+#: entry-point group of installed packages' strategies (``name = module:Class``)
+ENTRY_POINT_GROUP = "verl_ext.strategies"
+
+
+def _entry_points() -> dict:
+    from importlib.metadata import entry_points
+
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
 def available_strategies() -> list[str]:
+    """Registered strategies and those installed packages declare (``ENTRY_POINT_GROUP``)."""
     _load_builtins()
-    return sorted(_REGISTRY)
+    return sorted(set(_REGISTRY) | set(_entry_points()))
+
+
+def _imported(path: str, what: str) -> type[Strategy]:
+    import importlib
+
+    module, _, attr = path.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise UnknownStrategyError(f"rollout strategy '{what}': cannot import {path} ({type(exc).__name__}: {exc})") from None
+    if not (isinstance(cls, type) and issubclass(cls, Strategy)) or getattr(cls, "__abstractmethods__", None):
+        raise UnknownStrategyError(f"rollout strategy '{what}': {path} is not a concrete verl_ext Strategy subclass")
+    return cls
 
 
 def get_strategy_class(name: str) -> type[Strategy]:
+    """The strategy class for a registered name, an entry point's name, or an import path
+    (``module:Class``)."""
     _load_builtins()
-    try:
+    if name in _REGISTRY:
         return _REGISTRY[name]
-    except KeyError:
-        raise UnknownStrategyError(
-            f"unknown rollout strategy '{name}'; available: {', '.join(sorted(_REGISTRY))}"
-        ) from None
+    if ":" in name:
+        return _imported(name, name)
+    ep = _entry_points().get(name)
+    if ep is not None:
+        return _imported(ep.value, name)
+    raise UnknownStrategyError(
+        f"unknown rollout strategy '{name}'; available: {', '.join(available_strategies())} "
+        "(or an import path, module:Class)"
+    )
 
 
 def make_strategy(name: str, options: Optional[Mapping[str, Any]] = None) -> Strategy:

@@ -25,7 +25,8 @@ from verl_ext.pipe.defer import is_deferred, resume_deferred
 from verl_ext.pipe.pool import InstancePool
 from verl_ext.pipe.strategy import make_strategy
 from verl_ext.rollout import server_metrics
-from verl_ext.rollout.replica_instance import KWARGS_KEY, SAMPLING_KEY, TOKEN_OUTPUT_KEY, ReplicaInstance
+from verl_ext.pipe.chunks import WHOLE_KEY
+from verl_ext.rollout.replica_instance import BASE_LEN_KEY, KWARGS_KEY, SAMPLING_KEY, TOKEN_OUTPUT_KEY, ReplicaInstance
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,9 @@ def server_handles_from_load_balancer(load_balancer_handle) -> dict:
     return handles
 
 
+#: seconds between reads of the servers' load (``ReplicaInstance.refresh``) while requests run
+LOAD_POLL_S = 0.5
+
 #: prompt groups remembered for sample numbering (oldest forgotten first)
 GROUP_CACHE_SIZE = 100_000
 
@@ -69,7 +73,8 @@ def prompt_group_id(prompt_ids) -> str:
     veRL's agent loops do not pass the prompt's ``uid`` to ``generate()``, but the ``n`` samples
     of one prompt send the same prompt tokens, so the tokens identify the group (two prompts with
     identical tokens share one group, which for length estimates and drafting is what a group
-    means anyway). Later turns of a multi-turn trajectory have other prompts, so other groups.
+    means anyway). Later turns of a multi-turn trajectory keep their first turn's group
+    (``StrategyDispatcher._identify``).
     """
     h = hashlib.blake2b(digest_size=12)
     h.update(len(prompt_ids).to_bytes(4, "little"))
@@ -91,19 +96,26 @@ class StrategyDispatcher:
 
     def __init__(self, settings: VerlExtSettings, servers: dict, max_tokens_default: Optional[int] = None,
                  max_num_seqs: Optional[int] = None, drafting: bool = False, history_dir: Optional[str] = None,
-                 carries: bool = False):
+                 carries: bool = False, stop_ids: Sequence[int] = ()):
         """``drafting``: the servers run verl_ext's vLLM drafter (requests then carry their group
         and prompt key, and the strategy may load drafter state over ``collective_rpc``).
         ``history_dir``: the history workers' checkpoint directory (None: no checkpoints).
         ``carries``: the trainer is off-policy and streams samples into training as they finish
         (veRL's async trainers), so a request the strategy defers to the next training step
         (inter-step migration, ``verl_ext.pipe.defer``) is held here and resumed when the manager
-        starts that step (``begin_step``); its ``generate`` call returns the whole response then."""
+        starts that step (``begin_step``); its ``generate`` call returns the whole response then.
+        ``stop_ids``: the model's EOS ids (``verl_ext.rollout.finish.model_stop_ids``)."""
         self.settings = settings
         self.strategy = make_strategy(settings.strategy, settings.options)
+        # a registered name, or the class name of one given by import path (module:Class)
+        self._metric_name = type(self.strategy).name or type(self.strategy).__name__
         self._versions: dict[str, int] = {}  # request id -> oldest weight version of its outputs
+        self._warned_whole = False
+        self._load_watch: Optional[asyncio.Task] = None  # reads the servers' load (first request on)
+        self._load_watch_ready: Optional[asyncio.Future] = None  # done after the first read
         self.pool = InstancePool(
-            [ReplicaInstance(str(sid), h, max_tokens_default, max_num_seqs, drafting=drafting, versions=self._versions)
+            [ReplicaInstance(str(sid), h, max_tokens_default, max_num_seqs, drafting=drafting, versions=self._versions,
+                             stop_ids=stop_ids)
              for sid, h in servers.items()],
             seed=settings.seed,
         )
@@ -114,12 +126,17 @@ class StrategyDispatcher:
         # the rollout's span since the last ``metrics`` call: first call in, last response out
         self._first_in: Optional[float] = None
         self._last_out: Optional[float] = None
+        self._rollout_end: Optional[float] = None  # the last response out (kept across metrics calls)
         self._spec = server_metrics.SpecCounters() if drafting else None
         self._group_sizes: OrderedDict[str, int] = OrderedDict()  # group id -> samples seen
-        # request id -> (group id, sample index, prompt length) of requests that ended aborted:
-        # veRL's async trainers resume them under the same id (FullyAsyncLLMServerClient)
-        self._aborted: OrderedDict[str, tuple[str, int, int]] = OrderedDict()
-        self._resumed = 0
+        # request id -> (group id, sample index, prompt length, length of the prompt prefix the
+        # group id hashes) of requests that ended aborted: veRL's async trainers resume them under
+        # the same id (FullyAsyncLLMServerClient)
+        self._aborted: OrderedDict[str, tuple[str, int, int, int]] = OrderedDict()
+        # request id -> (group id, sample index, key length) of finished turns: veRL's multi-turn
+        # agent loops (tool_agent_loop) send every turn of a trajectory under its first's id
+        self._turns: OrderedDict[str, tuple[str, int, int]] = OrderedDict()
+        self._resumed = self._later_turns = 0
         # inter-step migration: request id -> (Chunked state, future of its whole completion)
         self._parked: dict[str, tuple[Any, asyncio.Future]] = {}
         self._waiting: dict[str, asyncio.Future] = {}  # request id -> its future, for ``generate``
@@ -168,6 +185,10 @@ class StrategyDispatcher:
             if self.history.worker_args.get("checkpoint_dir") and prev % every == 0:
                 if self._checkpoint is None or self._checkpoint.done():
                     self._checkpoint = asyncio.ensure_future(self.history.checkpoint())
+        if prev is not None and self._rollout_end is not None:
+            # from the last response of the previous rollout to this step's start: what veRL's
+            # trainer spent between the two (reward, log-probs, update, weight sync)
+            self.strategy.observe_train_time(time.monotonic() - self._rollout_end)
         self.strategy.begin_step(step)
         for rid in list(self._parked):  # deferred in an earlier step: resume in this one
             self._resume(rid)
@@ -230,9 +251,13 @@ class StrategyDispatcher:
         """Same arguments as veRL's ``server.generate`` (plus the caller's sticky ``request_id``)."""
         if self._first_in is None:
             self._first_in = time.monotonic()
+        if self._load_watch is None:
+            self._load_watch_ready = asyncio.get_running_loop().create_future()
+            self._load_watch = asyncio.ensure_future(self._watch_load())
+        await asyncio.shield(self._load_watch_ready)  # the first read only
         params = dict(sampling_params)
         max_tokens = params.get("max_tokens", params.get("max_new_tokens", self.max_tokens_default))
-        group_id, sample_index, prompt_len = self._identify(request_id, prompt_ids)
+        group_id, sample_index, prompt_len, key_len = self._identify(request_id, prompt_ids)
         request = GenRequest(
             request_id=request_id,
             group_id=group_id,
@@ -244,8 +269,16 @@ class StrategyDispatcher:
                 top_k=int(params.get("top_k", -1)),
                 max_tokens=int(max_tokens),
             ),
-            extra={SAMPLING_KEY: params, KWARGS_KEY: kwargs},
+            extra={SAMPLING_KEY: params, KWARGS_KEY: kwargs, BASE_LEN_KEY: len(prompt_ids)},
         )
+        if params.get("presence_penalty") or params.get("frequency_penalty"):
+            # vLLM counts these over the tokens generated in one call: a continuation (chunk,
+            # copy, migration) would restart them, so the request is generated in one piece
+            request.extra[WHOLE_KEY] = True
+            if not self._warned_whole:
+                self._warned_whole = True
+                logger.warning("verl_ext: requests with presence or frequency penalties are generated in one piece "
+                               "(strategy '%s' does not divide, copy or move them)", self.settings.strategy)
         if len(prompt_ids) > prompt_len:  # a resumed request: its response so far ends its prompt
             request.extra[PRIOR_TOKENS_KEY] = len(prompt_ids) - prompt_len
         try:
@@ -260,35 +293,63 @@ class StrategyDispatcher:
             oldest = self._versions.pop(request_id, None)
         self._requests += 1
         self._output_tokens += len(completion.token_ids)
-        self._last_out = time.monotonic()
-        if completion.finish_reason == FINISH_ABORT:
-            self._aborted[request_id] = (group_id, sample_index, prompt_len)
-            if len(self._aborted) > GROUP_CACHE_SIZE:
-                self._aborted.popitem(last=False)
+        self._last_out = self._rollout_end = time.monotonic()
+        table, entry = ((self._aborted, (group_id, sample_index, prompt_len, key_len))
+                        if completion.finish_reason == FINISH_ABORT else (self._turns, (group_id, sample_index, key_len)))
+        table[request_id] = entry
+        table.move_to_end(request_id)
+        if len(table) > GROUP_CACHE_SIZE:
+            table.popitem(last=False)
         out = merged_token_output(completion)
         if oldest is not None and oldest != out.extra_fields.get("global_steps"):
             # chunks generated under different weights: veRL's staleness metrics read the oldest
             out.extra_fields["min_global_steps"] = oldest
         return out
 
-    def _identify(self, request_id: str, prompt_ids: list[int]) -> tuple[str, int, int]:
-        """(group id, sample index, original prompt length) of a request. A request that comes back
-        after an abort (veRL's async trainers resend ``prompt + tokens so far`` under the same
-        ``request_id``) keeps its group and sample index; any other request is a new sample of the
+    async def _watch_load(self) -> None:
+        """Read every server's load once before the first request (strategies size their
+        admission by the KV capacity), then every ``LOAD_POLL_S`` while requests run; stop for
+        good when no server serves load metrics (``disable_log_stats=true``, veRL's default)."""
+        instances = list(self.pool.instances.values())
+        try:
+            read = await asyncio.gather(*(i.refresh() for i in instances))
+        finally:
+            self._load_watch_ready.set_result(None)
+        if not any(read) or not any(i.telemetry().steps or i.telemetry().kv_capacity_tokens for i in instances):
+            logger.info("verl_ext: the rollout servers serve no load metrics; strategies see in-flight counts only")
+            return
+        while True:
+            await asyncio.sleep(LOAD_POLL_S)
+            if any(self.pool.inflight.values()):
+                await asyncio.gather(*(i.refresh() for i in instances))
+
+    def _identify(self, request_id: str, prompt_ids: list[int]) -> tuple[str, int, int, int]:
+        """(group id, sample index, original prompt length, key length) of a request; the group id
+        hashes the first ``key length`` prompt tokens. A request that comes back after an abort
+        (veRL's async trainers resend ``prompt + tokens so far`` under the same ``request_id``)
+        keeps its group and sample index, and so does a later turn of a multi-turn trajectory
+        (same ``request_id``, its prompt extends the first turn's), so that group drafts, length
+        estimates and history follow the trajectory. Any other request is a new sample of the
         group of its prompt tokens."""
         known = self._aborted.pop(request_id, None)
         if known is not None:
-            group_id, sample_index, prompt_len = known
-            if len(prompt_ids) >= prompt_len and prompt_group_id(prompt_ids[:prompt_len]) == group_id:
+            group_id, sample_index, prompt_len, key_len = known
+            if len(prompt_ids) >= prompt_len and prompt_group_id(prompt_ids[:key_len]) == group_id:
                 self._resumed += 1
                 return known
+        turn = self._turns.pop(request_id, None)
+        if turn is not None:
+            group_id, sample_index, key_len = turn
+            if len(prompt_ids) > key_len and prompt_group_id(prompt_ids[:key_len]) == group_id:
+                self._later_turns += 1
+                return group_id, sample_index, len(prompt_ids), key_len
         group_id = prompt_group_id(prompt_ids)
         sample_index = self._group_sizes.get(group_id, 0)
         self._group_sizes[group_id] = sample_index + 1
         self._group_sizes.move_to_end(group_id)
         if len(self._group_sizes) > GROUP_CACHE_SIZE:
             self._group_sizes.popitem(last=False)
-        return group_id, sample_index, len(prompt_ids)
+        return group_id, sample_index, len(prompt_ids), len(prompt_ids)
 
     async def metrics(self, reset: bool = True) -> dict[str, float]:
         """Dispatcher counters since the last call, prefixed for veRL's tracking; with verl_ext's
@@ -304,19 +365,24 @@ class StrategyDispatcher:
             "verl_ext/requests": float(self._requests),
             "verl_ext/output_tokens": float(self._output_tokens),
             "verl_ext/resumed": float(self._resumed),
+            "verl_ext/later_turns": float(self._later_turns),
             "verl_ext/deferred": float(self._deferred),
             "verl_ext/deferred_waited_out": float(self._late),
             # veRL's timing_s/gen also counts its trainer's polling (V1's replay buffer: every 2 s)
             "verl_ext/rollout_s": (self._last_out - self._first_in if self._last_out is not None
                                    and self._first_in is not None else 0.0),
-            **{f"verl_ext/{self.settings.strategy}/{k}": float(v) for k, v in self.strategy.metrics().items()},
+            **{f"verl_ext/{self._metric_name}/{k}": float(v) for k, v in self.strategy.metrics().items()},
         }
         for name, count in self.pool.inflight.items():
             out[f"verl_ext/inflight/{name}"] = float(count)
+        loads = [i.telemetry() for i in self.pool.instances.values()]
+        if any(t.kv_capacity_tokens for t in loads):  # what the servers' load metrics say (ReplicaInstance.refresh)
+            out["verl_ext/load/kv_capacity_tokens"] = float(sum(t.kv_capacity_tokens or 0 for t in loads))
+            out["verl_ext/load/engine_steps"] = float(sum(t.steps for t in loads))
         if self.history is not None:
             out.update({f"verl_ext/history/{k}": float(v) for k, v in self.history.metrics().items()})
         if reset:
-            self._requests = self._output_tokens = self._resumed = self._deferred = self._late = 0
+            self._requests = self._output_tokens = self._resumed = self._deferred = self._late = self._later_turns = 0
             self._first_in = self._last_out = None
         return out
 

@@ -37,6 +37,7 @@ from verl_ext.config.check import check_drafter_config, runs_verl_ext_drafter
 from verl_ext.config.settings import VerlExtSettings
 from verl_ext.pipe.strategy import StrategyConfigError, get_strategy_class
 from verl_ext.rollout.dispatcher import StrategyDispatcher, prompt_group_id, server_handles_from_load_balancer
+from verl_ext.rollout.finish import model_stop_ids
 from verl_ext.trace import verl_hook
 
 logger = logging.getLogger(__name__)
@@ -46,8 +47,9 @@ class _TracingClient(LLMServerClient):
     """Adds per-request trace info (``custom.verl_ext.trace``) to what the rest of the client
     returns; outermost, so that it sees the whole response of a resumed request."""
 
-    def __init__(self, config, load_balancer_handle=None, trace=None, **kwargs):
+    def __init__(self, config, load_balancer_handle=None, trace=None, stop_ids=(), **kwargs):
         super().__init__(config, load_balancer_handle=load_balancer_handle, **kwargs)
+        self.verl_ext_stop_ids = tuple(stop_ids)  # the model's EOS ids, for the finish reason
         #: (V1 collector handle or None, TraceSettings, response_length) when traces are recorded
         self.verl_ext_trace = trace
 
@@ -58,7 +60,7 @@ class _TracingClient(LLMServerClient):
         output = await super().generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs)
         try:  # per-request trace info; the trace hook removes it before veRL stores the output
             output.extra_fields[verl_hook.TRACE_KEY] = verl_hook.request_info(
-                output, sampling_params, self.verl_ext_trace[2], submit_t, time.time()
+                output, sampling_params, self.verl_ext_trace[2], submit_t, time.time(), self.verl_ext_stop_ids
             )
         except Exception as exc:
             logger.error("verl_ext: no trace info for request %s (%s)", request_id, exc)
@@ -163,14 +165,17 @@ class _VerlExtManagerMixin:
         if self.verl_ext_history:
             trainer = config.get("trainer") or {}
             history_dir = self.verl_ext_settings.history.resolve_dir(trainer.get("default_local_dir"))
+        model = config.actor_rollout_ref.model
+        stop_ids = sorted(model_stop_ids(model.path, bool(model.get("trust_remote_code", False))))
         self.verl_ext_dispatcher = (
             ray.remote(StrategyDispatcher)
             .options(num_cpus=0, max_concurrency=100_000)
             .remote(self.verl_ext_settings, servers, rollout.get("response_length"), rollout.get("max_num_seqs"),
-                    drafting=runs_verl_ext_drafter(rollout), history_dir=history_dir, carries=async_trainer)
+                    drafting=runs_verl_ext_drafter(rollout), history_dir=history_dir, carries=async_trainer,
+                    stop_ids=stop_ids)
         )
         client_kwargs = dict(load_balancer_handle=load_balancer, dispatcher=self.verl_ext_dispatcher, trace=trace,
-                             history=self.verl_ext_history)
+                             stop_ids=stop_ids, history=self.verl_ext_history)
         if async_trainer:  # resume aborted requests
             client = StrategyFullyAsyncLLMClient(config, only_hybrid=getattr(llm_client, "_only_hybrid", False),
                                                  **client_kwargs)

@@ -3,12 +3,17 @@
 veRL's servers expose ``generate(prompt_ids, sampling_params, request_id, ...) -> TokenOutput``
 (``verl/workers/rollout/vllm_rollout/vllm_async_server.py``, 0.9.1). The request's original veRL
 sampling dict travels in ``GenRequest.extra["verl_sampling_params"]`` and is passed through
-unchanged, except ``max_tokens`` when a strategy generates the request in chunks, so routing
-through verl_ext never changes what the engine samples.
+unchanged, except for a continuation (a chunk, copy or moved request: prompt + tokens so far):
+``max_tokens`` is its budget, ``min_tokens`` counts the tokens so far, and a seeded request gets a
+derived seed. Repetition penalties see the tokens so far in the prompt, as they would in the
+output; presence and frequency penalties cannot, so the dispatcher has such requests generated in
+one piece (``verl_ext.pipe.chunks.WHOLE_KEY``). Routing through verl_ext never changes what the
+engine samples.
 
-When the servers run verl_ext's vLLM drafter (``drafting``), each request also carries its group
-and prompt key in ``SamplingParams.extra_args["verl_ext"]`` (read only by the drafter, for group
-and history drafts), and ``drafter_call`` reaches the drafter through veRL's public
+When the servers run verl_ext's vLLM drafter (``drafting``), each request also carries its id,
+group and prompt key and the strategy's per-request drafting keys (``spec_window``,
+``spec_scopes``: ``REQUEST_DRAFT_KEYS``) in ``SamplingParams.extra_args["verl_ext"]`` (read only
+by the drafter), and ``drafter_call`` reaches the drafter through veRL's public
 ``vLLMHttpServer.collective_rpc`` (which returns nothing: calls are fire-and-check, errors raise).
 ``import_drafts`` takes the grouped draft server's deltas that way; veRL's servers do not stream,
 so ``generate`` hands a chunk's tokens to ``on_tokens`` (and so to the draft server) when the
@@ -17,34 +22,36 @@ chunk ends.
 
 from __future__ import annotations
 
+import asyncio
+import time
 import uuid
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
-from verl_ext.engine.instance import (
-    FINISH_ABORT,
-    FINISH_LENGTH,
-    FINISH_STOP,
-    Completion,
-    GenRequest,
-    Instance,
-    Telemetry,
-    chunk_seed,
-)
+from verl_ext.engine.instance import Completion, GenRequest, Instance, Telemetry, chunk_seed
+from verl_ext.rollout.finish import finish_reason
+from verl_ext.spec.options import REQUEST_DRAFT_KEYS
 
 SAMPLING_KEY = "verl_sampling_params"
+#: ``GenRequest.extra`` key: the length of the prompt veRL sent (a continuation's prompt also holds
+#: the response tokens generated so far)
+BASE_LEN_KEY = "verl_prompt_len"
 KWARGS_KEY = "verl_generate_kwargs"
 TOKEN_OUTPUT_KEY = "token_output"
 
 
 class ReplicaInstance(Instance):
     def __init__(self, name: str, handle: Any, max_tokens_default: Optional[int] = None,
-                 max_running: Optional[int] = None, drafting: bool = False, versions: Optional[dict] = None):
+                 max_running: Optional[int] = None, drafting: bool = False, versions: Optional[dict] = None,
+                 stop_ids: Iterable[int] = ()):
         """``max_running``: the server's ``max_num_seqs`` (veRL's rollout config), for strategies
         that keep each replica below the concurrency at which it would queue or preempt.
         ``drafting``: the server is vLLM with verl_ext's drafter (see the module docstring).
         ``versions``: request id -> oldest weight version (``global_steps``) any of its outputs
-        reported, shared by the dispatcher's instances (a request's chunks may span a weight sync)."""
+        reported, shared by the dispatcher's instances (a request's chunks may span a weight sync).
+        ``stop_ids``: the model's EOS ids (``verl_ext.rollout.finish``), which tell a response
+        that ended on its last allowed token from one that was cut off there."""
         self.name = name
+        self.stop_ids = frozenset(stop_ids)
         self.versions = versions
         self.drafting = drafting
         self.max_running = max_running
@@ -53,6 +60,9 @@ class ReplicaInstance(Instance):
         self._engine_ids: dict[str, str] = {}
         self._inflight = 0
         self._generated = 0
+        self._load: dict[str, float] = {}  # the server's last /metrics reading (parse_load)
+        self._load_at: Optional[float] = None  # when it was read (time.monotonic)
+        self._load_failures = 0
 
     def _sampling(self, request: GenRequest) -> dict:
         params = dict(request.extra.get(SAMPLING_KEY) or {})
@@ -63,11 +73,26 @@ class ReplicaInstance(Instance):
         chunk = int(request.extra.get("chunk", 0))
         if chunk and params.get("seed") is not None:  # chunks do not replay one random stream
             params["seed"] = chunk_seed(int(params["seed"]), chunk)
+        done = len(request.prompt_ids) - int(request.extra.get(BASE_LEN_KEY, len(request.prompt_ids)))
+        if params.get("min_tokens"):  # a continuation's tokens so far count; a chunk cannot ask for more than its budget
+            left = max(0, int(params["min_tokens"]) - max(0, done))
+            params["min_tokens"] = min(left, int(params.get("max_tokens", request.sampling.max_tokens)))
         if self.drafting:
             extra_args = dict(params.get("extra_args") or {})
-            extra_args["verl_ext"] = {"group_id": request.group_id, "prompt_key": request.group_id}
+            extra_args["verl_ext"] = {"request_id": request.request_id, "group_id": request.group_id,
+                                      "prompt_key": request.group_id,
+                                      **{k: request.extra[k] for k in REQUEST_DRAFT_KEYS if k in request.extra}}
             params["extra_args"] = extra_args
         return params
+
+    async def set_spec_windows(self, windows: dict, modes: Optional[dict] = None) -> int:
+        """New draft windows of running requests (the drafter's ``set_windows`` op, addressed by
+        verl_ext's request id). vLLM speculates coupled only, so ``modes`` do not apply.
+        ``collective_rpc`` returns nothing: the count is of the windows sent."""
+        if not self.drafting or not windows:
+            return 0
+        await self.drafter_call("set_windows", {str(k): int(v) for k, v in windows.items()})
+        return len(windows)
 
     async def drafter_call(self, op: str, *args) -> None:
         """Call the servers' drafter (``verl_ext.spec.vllm_proposer`` RPC ops) on every worker."""
@@ -112,12 +137,8 @@ class ReplicaInstance(Instance):
             self.versions[rid] = min(self.versions.get(rid, version), version)
         if on_tokens is not None and tokens:
             on_tokens(tokens)  # veRL's server does not stream: one delta at the end
-        if output.stop_reason in ("aborted", "abort"):
-            reason = FINISH_ABORT
-        elif len(tokens) >= request.sampling.max_tokens:
-            reason = FINISH_LENGTH
-        else:
-            reason = FINISH_STOP
+        reason = finish_reason(tokens, output.stop_reason, request.extra.get(SAMPLING_KEY) or {},
+                               request.sampling.max_tokens, self.stop_ids)
         return Completion(request.request_id, tokens, reason, logprobs=output.log_probs, extra={TOKEN_OUTPUT_KEY: output})
 
     async def abort(self, request_id: str) -> None:
@@ -125,7 +146,39 @@ class ReplicaInstance(Instance):
         if engine_id is not None and hasattr(self.handle, "abort_request"):
             await self.handle.abort_request.remote(engine_id)
 
+    async def refresh(self, timeout_s: float = 1.0) -> bool:
+        """Read the server's load from its Prometheus page (``server_metrics.parse_load``);
+        False, keeping the last reading, when it does not answer."""
+        from verl_ext.rollout import server_metrics
+
+        if ":" not in self.name:  # not a server address (veRL names its servers host:port)
+            return False
+        try:
+            text = await asyncio.to_thread(server_metrics.fetch, self.name, timeout_s)
+        except Exception:
+            self._load_failures += 1
+            return False
+        self._load, self._load_at = server_metrics.parse_load(text), time.monotonic()
+        return True
+
     def telemetry(self) -> Telemetry:
-        # veRL's servers expose no cheap load probe; in-flight requests are what its own load
-        # balancer uses, too.
-        return Telemetry(running=self._inflight, generated_tokens=self._generated, max_running=self.max_running)
+        """What the dispatcher sent here and has not got back (exact), split into running and
+        waiting by the server's last reading; KV usage and capacity, engine steps, generated,
+        drafted and accepted tokens from that reading (``refresh``; absent without one), which is
+        also the snapshot's ``timestamp``."""
+        load, inflight = self._load, self._inflight
+        running = min(inflight, int(load["running"])) if "running" in load else inflight
+        cap = load.get("kv_capacity_tokens")
+        return Telemetry(
+            running=running,
+            waiting=inflight - running if "running" in load else None,
+            kv_cache_usage=load.get("kv_cache_usage"),
+            generated_tokens=int(load.get("generated_tokens", self._generated)),
+            steps=int(load.get("steps", 0)),
+            drafts=int(load.get("drafts", 0)),
+            draft_tokens=int(load.get("draft_tokens", 0)),
+            accepted_tokens=int(load.get("accepted_tokens", 0)),
+            kv_capacity_tokens=None if cap is None else int(cap),
+            max_running=self.max_running,
+            **({"timestamp": self._load_at} if self._load_at is not None else {}),
+        )

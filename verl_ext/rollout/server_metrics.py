@@ -1,10 +1,11 @@
-"""What a veRL vLLM server's own Prometheus endpoint says about its drafts.
+"""What a veRL vLLM server's own Prometheus endpoint says about its drafts and its load.
 
-veRL's ``vLLMHttpServer`` serves vLLM's OpenAI app, and with it vLLM's ``/metrics`` (counters
-are recorded unless the rollout sets ``disable_log_stats=true``, veRL's default; verl_ext's
-drafting strategies turn it off in their rollout configs). :func:`scrape` reads one server's
+veRL's ``vLLMHttpServer`` serves vLLM's OpenAI app, and with it vLLM's ``/metrics`` (recorded
+unless the rollout sets ``disable_log_stats=true``, veRL's default; verl_ext's strategies that
+read them turn it off in their rollout configs). :func:`scrape` reads one server's
 speculative-decoding counters with ``prometheus_client``'s parser; :class:`SpecCounters` turns
-cumulative counters of several servers into per-step deltas for veRL's tracking.
+cumulative counters of several servers into per-step deltas for veRL's tracking;
+:func:`parse_load` reads the load a strategy schedules by (``ReplicaInstance.telemetry``).
 """
 
 from __future__ import annotations
@@ -37,10 +38,49 @@ def parse(text: str) -> dict[str, float]:
     return out
 
 
+#: vLLM family -> (our name, how to read it) for a server's load (vLLM 0.24-0.33,
+#: ``vllm/v1/metrics/loggers.py``): gauges and counters summed over the server's engines; the
+#: histogram's sample count (one observation per engine step)
+LOAD_METRICS = {
+    "vllm:num_requests_running": ("running", ""),
+    "vllm:num_requests_waiting": ("waiting", ""),
+    "vllm:kv_cache_usage_perc": ("kv_cache_usage", ""),
+    "vllm:generation_tokens": ("generated_tokens", "_total"),
+    "vllm:iteration_tokens_total": ("steps", "_count"),
+}
+
+
+def parse_load(text: str) -> dict[str, float]:
+    """A server's load and capacity from its Prometheus page: ``running``, ``waiting``,
+    ``kv_cache_usage`` (fraction; the mean over its engines), ``generated_tokens``, ``steps``
+    (engine iterations), ``kv_capacity_tokens`` (``cache_config_info``: blocks x block size) and
+    the drafting counters of :func:`parse`; what the page lacks is absent."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name in SPEC_COUNTERS:
+            out[SPEC_COUNTERS[family.name]] = sum(x.value for x in family.samples if x.name.endswith("_total"))
+        elif family.name in LOAD_METRICS:
+            name, suffix = LOAD_METRICS[family.name]
+            values = [x.value for x in family.samples if x.name == family.name + suffix]
+            if values:
+                out[name] = sum(values) / len(values) if name == "kv_cache_usage" else sum(values)
+        elif family.name == "vllm:cache_config_info":
+            caps = [int(x.labels["num_gpu_blocks"]) * int(x.labels["block_size"]) for x in family.samples
+                    if str(x.labels.get("num_gpu_blocks", "")).isdigit() and str(x.labels.get("block_size", "")).isdigit()]
+            if caps:
+                out["kv_capacity_tokens"] = float(sum(caps))
+    return out
+
+
+def fetch(address: str, timeout_s: float = 2.0) -> str:
+    """``http://<address>/metrics``; raises on any HTTP or network error."""
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=timeout_s) as resp:
+        return resp.read().decode()
+
+
 def scrape(address: str, timeout_s: float = 2.0) -> dict[str, float]:
     """``parse`` of ``http://<address>/metrics``; raises on any HTTP or network error."""
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=timeout_s) as resp:
-        return parse(resp.read().decode())
+    return parse(fetch(address, timeout_s))
 
 
 class SpecCounters:

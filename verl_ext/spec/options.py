@@ -14,6 +14,11 @@ SCOPES = {"request": SCOPE_REQUEST, "group": SCOPE_GROUP, "history": SCOPE_HISTO
 MAX_K = 128
 
 
+#: ``GenRequest.extra`` keys the engine's drafter reads per request (``request_drafting``, and
+#: ``verl_ext.spec.reference`` for reference drafts); drivers forward them to the engine
+REQUEST_DRAFT_KEYS = ("spec_scopes", "spec_window", "spec_reference", "spec_accept", "spec_seed")
+
+
 def request_drafting(ident, mask: int) -> tuple[int, Optional[int]]:
     """One request's drafting from its per-request keys (``GenRequest.extra``, or the vLLM
     request's ``extra_args["verl_ext"]``): ``spec_scopes`` narrows the engine's scope ``mask``,
@@ -60,6 +65,8 @@ class SpecOptions:
     ``B`` requests drafts at most ``knee_tokens - B`` tokens in total (``knee_tokens``: from the
     profiled cost model, ``CostModel.draft_thresholds``; 0 = no batch threshold), shared out with
     weight ``1 + sibling_boost * (finished fraction of the request's group)``, at most ``k`` each.
+    ``knee_profile``: a cost-model preset name or profile JSON path to take ``knee_tokens`` from
+    when it is 0 (how engines started from a YAML config, e.g. veRL's, get Seer's profile).
 
     AIMD draft window (RhymeRL section 5.4, ``verl_ext.spec.aimd``): with ``aimd`` on, each
     request drafts at most its window, which starts at ``aimd_start``, grows by ``aimd_step`` after
@@ -94,6 +101,7 @@ class SpecOptions:
     max_bytes: int = 2 << 30
     adaptive: bool = False
     knee_tokens: int = 0
+    knee_profile: str = ""
     sibling_boost: float = 1.0
     group_source: str = "local"
     aimd: bool = False
@@ -157,6 +165,14 @@ class SpecOptions:
             except (OSError, ValueError) as exc:
                 raise ValueError(f"spec cutoff_profile: {exc}") from exc
         object.__setattr__(self, "batch_cutoffs", check_cutoffs(cutoffs))
+        if self.knee_profile and not self.knee_tokens:
+            from verl_ext.sim.cost import load_cost_model
+
+            try:
+                knee = int(load_cost_model(self.knee_profile).draft_thresholds()["knee_tokens"])
+            except (OSError, ValueError, KeyError) as exc:
+                raise ValueError(f"spec knee_profile: {exc}") from exc
+            object.__setattr__(self, "knee_tokens", max(0, knee))
 
     def batch_cutoff(self):
         """A fresh ``BatchCutoff`` for these options, or None without a table."""

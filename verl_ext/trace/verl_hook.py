@@ -11,9 +11,10 @@ What is recorded (``epoch == step == N`` in both flavours; ``instance`` is null)
 
 * **Per request, both flavours** (``StrategyLLMClient`` adds it to the server's
   ``TokenOutput.extra_fields["verl_ext_trace"]``; the hook removes it again before veRL stores
-  the trajectory): ``finish_reason`` (``abort`` when the server reports ``aborted``, ``length``
-  when the request produced ``max_tokens`` tokens, i.e. the sampling ``max_tokens`` or the
-  rollout's ``response_length``, else ``stop``) and wall-clock submit/finish times
+  the trajectory): ``finish_reason`` (``verl_ext.rollout.finish``: ``abort`` when the server
+  reports ``aborted``; ``length`` when the request produced ``max_tokens`` tokens, i.e. the
+  sampling ``max_tokens`` or the rollout's ``response_length``, and the last is no stop token;
+  else ``stop``) and wall-clock submit/finish times
   (``time.time()`` in the agent-loop worker; stored relative to the step's first submit).
   Multi-turn loops (veRL's ``tool_agent_loop`` keeps the first turn's ``extra_fields``) get the
   first turn's values.
@@ -66,17 +67,15 @@ def step_path(directory, step: int) -> Path:
     return Path(directory) / f"step_{int(step)}.parquet"
 
 
-def request_info(output, sampling_params: dict, default_max_tokens: Optional[int], submit_t: float, finish_t: float) -> dict:
-    """The per-request info the client attaches to a ``TokenOutput`` (see the module docstring)."""
-    stop = getattr(output, "stop_reason", None)
-    n = len(getattr(output, "token_ids", ()) or ())
+def request_info(output, sampling_params: dict, default_max_tokens: Optional[int], submit_t: float, finish_t: float,
+                 stop_ids: Sequence[int] = ()) -> dict:
+    """The per-request info the client attaches to a ``TokenOutput`` (see the module docstring);
+    ``stop_ids``: the model's EOS ids (``verl_ext.rollout.finish``)."""
+    from verl_ext.rollout.finish import finish_reason
+
     max_tokens = sampling_params.get("max_tokens", sampling_params.get("max_new_tokens", default_max_tokens))
-    if stop in ("aborted", "abort"):
-        reason = "abort"
-    elif max_tokens is not None and n >= int(max_tokens):
-        reason = "length"
-    else:
-        reason = "stop"
+    reason = finish_reason(getattr(output, "token_ids", ()) or (), getattr(output, "stop_reason", None),
+                           sampling_params, max_tokens, stop_ids)
     return {"finish_reason": reason, "submit_t": float(submit_t), "finish_t": float(finish_t)}
 
 

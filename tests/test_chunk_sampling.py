@@ -1,0 +1,64 @@
+"""Chunking never changes what veRL's server samples: a continuation's ``min_tokens`` counts the
+tokens so far, and requests whose penalties a continuation would restart (presence, frequency)
+are generated in one piece. veRL's ``vLLMHttpServer.generate`` is stood in for by a recorder."""
+
+import asyncio
+
+import pytest
+
+from verl_ext.config.settings import VerlExtSettings
+
+pytest.importorskip("verl")
+
+
+class _Generate:
+    """Answers ``max_tokens`` tokens 10, 11, ... continuing the prompt; records the sampling."""
+
+    def __init__(self):
+        self.params = []
+
+    def remote(self, prompt_ids, sampling_params, request_id, **kwargs):
+        from verl.workers.rollout.replica import TokenOutput
+
+        self.params.append(dict(sampling_params))
+        done = len(prompt_ids) - 3
+        tokens = [10 + done + i for i in range(int(sampling_params["max_tokens"]))]
+
+        async def run():
+            return TokenOutput(token_ids=tokens, log_probs=[-0.1] * len(tokens), stop_reason="completed")
+
+        return run()
+
+
+class _Server:
+    def __init__(self):
+        self.generate = _Generate()
+
+
+def _seer(params):
+    from verl_ext.rollout.dispatcher import StrategyDispatcher
+
+    server = _Server()
+    dispatcher = StrategyDispatcher(VerlExtSettings(strategy="seer", options={"chunk_size": 4, "speculative": False}),
+                                    {"s0": server}, max_tokens_default=14)
+    out = asyncio.run(dispatcher.generate("r0", [1, 1, 1], {"max_tokens": 14, "temperature": 1.0, **params}))
+    assert out.token_ids == list(range(10, 24))  # the whole response either way
+    return server.generate.params
+
+
+def test_min_tokens_counts_the_tokens_of_earlier_chunks():
+    sent = _seer({"min_tokens": 10})
+    assert [p["max_tokens"] for p in sent] == [4, 4, 4, 2]
+    assert [p["min_tokens"] for p in sent] == [4, 4, 2, 0]  # 10 in all, none past the budget
+
+
+@pytest.mark.parametrize("penalty", ["presence_penalty", "frequency_penalty"])
+def test_requests_with_penalties_a_continuation_would_restart_are_generated_whole(penalty):
+    sent = _seer({penalty: 0.5, "repetition_penalty": 1.1})
+    assert len(sent) == 1 and sent[0]["max_tokens"] == 14 and sent[0][penalty] == 0.5
+
+
+def test_repetition_penalty_alone_keeps_chunking():
+    """vLLM applies it over prompt and output tokens, so a continuation's prompt carries it."""
+    sent = _seer({"repetition_penalty": 1.1})
+    assert [p["max_tokens"] for p in sent] == [4, 4, 4, 2] and all(p["repetition_penalty"] == 1.1 for p in sent)

@@ -1,0 +1,118 @@
+"""Which GRPO group and sample a veRL ``generate`` call belongs to (``StrategyDispatcher``): veRL's
+agent loops pass prompt tokens and a request id, not the prompt's uid."""
+
+import asyncio
+
+import pytest
+
+from verl_ext.config.settings import VerlExtSettings
+
+pytest.importorskip("verl")
+
+
+class _Generate:
+    def __init__(self):
+        self.params = []
+
+    def remote(self, prompt_ids, sampling_params, request_id, **kwargs):
+        from verl.workers.rollout.replica import TokenOutput
+
+        self.params.append(dict(sampling_params))
+
+        async def run():
+            return TokenOutput(token_ids=[5, 6], log_probs=[-0.1, -0.1], stop_reason="completed")
+
+        return run()
+
+
+class _Server:
+    def __init__(self):
+        self.generate = _Generate()
+
+    class collective_rpc:  # noqa: N801 (a Ray method handle's shape)
+        @staticmethod
+        async def remote(*args, **kwargs):
+            return None
+
+
+def test_a_multi_turn_trajectory_keeps_its_first_turns_group_and_sample():
+    """veRL's tool agent loop sends every turn under the trajectory's request id, each turn's
+    prompt extending the last: group drafts, history and length estimates follow it."""
+    from verl_ext.rollout.dispatcher import StrategyDispatcher, prompt_group_id
+
+    server = _Server()
+    d = StrategyDispatcher(VerlExtSettings(strategy="baseline"), {"s0": server}, max_tokens_default=8, drafting=True)
+
+    async def run():
+        first = [await d.generate(f"t{j}", [1, 2, 3], {"max_tokens": 8}) for j in range(2)]
+        later = await d.generate("t1", [1, 2, 3, 5, 6, 40, 41], {"max_tokens": 8})  # t1's second turn
+        other = await d.generate("t2", [1, 2, 3, 5, 6, 40, 41], {"max_tokens": 8})  # a new trajectory
+        return first, later, other
+
+    asyncio.run(run())
+    groups = [p["extra_args"]["verl_ext"]["group_id"] for p in server.generate.params]
+    assert groups[:3] == [prompt_group_id([1, 2, 3])] * 3
+    assert groups[3] == prompt_group_id([1, 2, 3, 5, 6, 40, 41])
+    counters = asyncio.run(d.metrics())
+    assert counters["verl_ext/later_turns"] == 1 and counters["verl_ext/requests"] == 4
+    assert d._identify("t9", [1, 2, 3])[1] == 2  # t1's later turn took no new sample index
+
+
+def test_a_requests_drafting_keys_and_window_changes_reach_veRLs_server():
+    """specactor's per-request window and scopes travel in ``extra_args["verl_ext"]`` (the drafter
+    reads them), and ``set_spec_windows`` goes to the drafter over ``collective_rpc``."""
+    from verl_ext.engine.instance import GenRequest, SamplingSpec
+    from verl_ext.rollout.replica_instance import SAMPLING_KEY, ReplicaInstance
+
+    calls = []
+
+    class _Rpc:
+        @staticmethod
+        async def remote(method, args=()):
+            calls.append((method, args))
+
+    server = _Server()
+    server.collective_rpc = _Rpc
+    r = ReplicaInstance("s0", server, drafting=True)
+    req = GenRequest("r1", "g", [1, 2], SamplingSpec(max_tokens=4),
+                     extra={SAMPLING_KEY: {"max_tokens": 4}, "spec_window": 3, "spec_scopes": "request", "other": 1})
+    asyncio.run(r.generate(req))
+    assert server.generate.params[0]["extra_args"]["verl_ext"] == {
+        "request_id": "r1", "group_id": "g", "prompt_key": "g", "spec_window": 3, "spec_scopes": "request"}
+    assert asyncio.run(r.set_spec_windows({"r1": 1})) == 1
+    assert calls == [("verl_ext_drafter", ("set_windows", {"r1": 1}))]
+    assert asyncio.run(ReplicaInstance("s1", server).set_spec_windows({"r1": 1})) == 0  # no drafter there
+
+
+def test_a_strategy_named_by_import_path_runs_in_the_dispatcher():
+    from verl_ext.pipe.strategy import UnknownStrategyError, get_strategy_class
+    from verl_ext.rollout.dispatcher import StrategyDispatcher
+
+    servers = {"s0": _Server(), "s1": _Server()}
+    settings = VerlExtSettings.from_custom({"verl_ext": {"strategy": "_custom_strategy:LastInstance",
+                                                         "options": {"tag": "y"}}})
+    d = StrategyDispatcher(settings, servers, max_tokens_default=8)
+    out = asyncio.run(d.generate("r", [1, 2], {"max_tokens": 8}))
+    assert out.token_ids == [5, 6] and len(servers["s1"].generate.params) == 1 and not servers["s0"].generate.params
+    assert asyncio.run(d.metrics())["verl_ext/LastInstance/sent"] == 1
+    with pytest.raises(ValueError, match="unknown option"):
+        VerlExtSettings.from_custom({"verl_ext": {"strategy": "_custom_strategy:LastInstance", "options": {"nope": 1}}})
+    for path, message in (("_custom_strategy:Nope", "cannot import _custom_strategy:Nope"),
+                          ("no_such_module:X", "cannot import no_such_module:X"),
+                          ("_custom_strategy:NotAStrategy", "is not a concrete verl_ext Strategy subclass")):
+        with pytest.raises(UnknownStrategyError, match=message):
+            get_strategy_class(path)
+
+
+def test_an_installed_packages_entry_point_names_a_strategy(tmp_path, monkeypatch):
+    """A distribution on ``sys.path`` (its ``.dist-info``, as pip installs it) that declares a
+    strategy in the ``verl_ext.strategies`` entry-point group."""
+    from verl_ext.pipe import strategy as registry
+
+    info = tmp_path / "my_strategies-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: my-strategies\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[{registry.ENTRY_POINT_GROUP}]\nlast_instance = _custom_strategy:LastInstance\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert "last_instance" in registry.available_strategies()
+    assert registry.get_strategy_class("last_instance").__name__ == "LastInstance"
