@@ -198,8 +198,8 @@ def test_manager_rhyme_feeds_history_and_serves_it_next_epoch(ray_local, model_d
     assert all(rpcs == [] for _, rpcs in seen)
     # every request names its group and history key for the drafter
     for prompts, params in (x for sampling, _ in seen for x in sampling):
-        assert params["extra_args"]["verl_ext"] == {"group_id": prompt_group_id(prompts),
-                                                   "prompt_key": prompt_group_id(prompts)}
+        ident = dict(params["extra_args"]["verl_ext"])
+        assert ident.pop("request_id") and ident == {"group_id": prompt_group_id(prompts), "prompt_key": prompt_group_id(prompts)}
     responses = {}
     mask = out1.batch["response_mask"].bool()
     for row in range(len(out1)):
@@ -213,8 +213,8 @@ def test_manager_rhyme_feeds_history_and_serves_it_next_epoch(ray_local, model_d
     loaded = {}
     for _, rpcs in ray.get([s.seen.remote() for s in servers.values()]):
         assert [m for m, _ in rpcs] == ["verl_ext_drafter"]  # one call per server and step
-        (op, items), = (args for _, args in rpcs)
-        assert op == "add_histories"
+        (op, items, stale), = (args for _, args in rpcs)
+        assert op == "set_histories" and stale == []
         for key, toks, weights in items:
             loaded[key] = sorted(toks)
             assert weights == [pytest.approx(0.1)] * n  # unscored responses: the floor weight

@@ -227,6 +227,21 @@ def test_two_tier_respects_training_time_and_bad_input():
         plan_allocation([1, 2, 3], 2, tau)
 
 
+def test_set_histories_replaces_each_given_prompts_tree():
+    from _util import ProposerBatch, make_proposer
+
+    p = make_proposer(scopes="history", k=4, min_match=2, min_prob=0.0)
+    old, new = list(range(100, 140)), list(range(300, 340))
+    assert p.rpc("set_histories", [("q", [old], [1.0]), ("r", [old], [1.0])]) == 2
+    assert p.rpc("set_histories", [("q", [new], [1.0])], ["r"]) == 1  # q replaced, r dropped
+    assert p.rpc("stats")["histories"] == 1
+    b = ProposerBatch(p)
+    b.add("a", [1] + old[:3], "g", history="q")
+    b.add("b", [1] + new[:3], "h", history="q")
+    d = b.step()
+    assert not d.get("a") and d["b"] == new[3:7]
+
+
 def test_vllm_proposer_aimd_window_and_cutoff():
     """The engine-side proposer (driven like vLLM's runner) drafts from history within each
     request's AIMD window, learns acceptance from what the engine emitted, and stops drafting for
@@ -308,6 +323,22 @@ def test_rhyme_first_epoch_dispatches_like_baseline():
     m = strategy.metrics()
     assert m["histopipe_active"] == 0 and m["migrations"] == 0 and m["unknown_prompts"] == 8
     assert sum(r["output_tokens"] for r in arm.records) == int(tr.response_lengths()[tr.epoch == 0].sum())
+
+
+def test_rhyme_checks_an_outlier_as_soon_as_it_passes_the_length_condition():
+    """The first chunk ends one token past beta x the ranking group's longest historical response,
+    where section 6.3's length condition first holds: the outlier moves at its first check, not
+    ``recheck_tokens`` (1,024 by default, more than it has left) later."""
+    from verl_ext.pipe.histopipe import migration_threshold
+
+    tr = _two_epoch_trace()
+    strategy, arm, _ = _sim_rhyme(tr, 1, {"ranking_groups": 4, "two_tier": False})
+    m = strategy.metrics()
+    assert m["migration_checks"] == 1 and m["migrations"] == 1
+    moved = [rec for rec in arm.records if rec["request_id"] == "p0-s1"]
+    top = max(len(tr.response(i)) for i in np.flatnonzero((tr.epoch == 0) & np.isin(tr.prompt_uid, ["p0", "p1"])))
+    assert moved[0]["output_tokens"] == migration_threshold(top, m["beta"]) > m["beta"] * top
+    assert sum(rec["output_tokens"] for rec in moved) == 900
 
 
 def test_rhyme_blocks_alternation_and_outlier_migration():
@@ -426,11 +457,12 @@ def test_rhyme_serves_each_block_its_prompts_histories():
         drafting = True
 
         def __init__(self, name, fail=False):
-            self.name, self.fail, self.calls = name, fail, 0
+            self.name, self.fail, self.calls, self.sent = name, fail, 0, []
             self.proposer = make_proposer(scopes="history", k=8)
 
         async def drafter_call(self, op, *args):
             self.calls += 1
+            self.sent.append(args)
             if self.fail:
                 raise RuntimeError("engine gone")
             return self.proposer.rpc(op, *args)
@@ -454,6 +486,25 @@ def test_rhyme_serves_each_block_its_prompts_histories():
     assert m["served_histories"] == 3 and m["history_failures"] == 1
     asyncio.run(strategy._serve_histories([(plan.blocks[g], [f"p{g}"]) for g in range(4)]))  # loaded: no new RPCs
     assert [i.calls for i in insts] == [1, 1, 2, 1]
+    # the next step: each engine's trees are replaced by the new history (the store keeps a
+    # prompt's last rollout, step 3's), a
+    # prompt that moved to another engine is dropped from the old one, and a tree the engine lost
+    # (LRU eviction) comes back
+    for g in range(4):
+        store.ingest([Trajectory(f"p{g}", 3, j, list(range(100, 105 + g + j)), 1.0) for j in range(2)])
+    insts[0].proposer.rpc("drop_history", "p0")  # evicted on e0
+    strategy.begin_step(4)  # even: descending, ranking group g on instance e<3-g>
+    plan = asyncio.run(strategy._make_plan(reqs, pool))
+    assert [b[0].name for b in plan.blocks] == ["e3", "e2", "e1", "e0"]
+    assert [i.calls for i in insts] == [2, 2, 3, 2]
+    for g in (0, 2, 3):  # (e2, ranking group 1's, fails)
+        e = insts[3 - g]
+        assert e.proposer.rpc("stats")["histories"] == 1, g  # its new prompt only; the old one was dropped
+        (key, responses, _), = e.sent[-1][0]
+        assert key == f"p{g}" and sorted(responses) == [list(range(100, 105 + g)), list(range(100, 106 + g))]
+        assert e.sent[-1][1] == [f"p{3 - g}"]
+    m = strategy.metrics()
+    assert m["served_histories"] == 6 and m["history_failures"] == 3  # e2: once per attempt
     # HistoSpec without HistoPipe: every drafting engine gets every prompt of the step
     alone = make_strategy("rhyme", {"histopipe": False})
     alone.set_history(LocalHistory(store))
@@ -461,3 +512,56 @@ def test_rhyme_serves_each_block_its_prompts_histories():
     fresh = [Drafting("f0"), Drafting("f1")]
     assert asyncio.run(alone._make_plan(reqs, InstancePool(fresh))) is None
     assert [f.proposer.rpc("stats")["histories"] for f in fresh] == [4, 4]
+
+
+def test_rhyme_places_a_prompt_that_arrives_after_the_plan_by_its_history():
+    """veRL's agent loops submit one request at a time; the step is planned from the requests of
+    its first ``PLAN_WINDOW_S``. A prompt whose requests come later (a refill, a later turn) still
+    joins its ranking group's block, and that block's drafting engines get its history."""
+    import asyncio
+
+    from _util import ScriptedInstance, make_proposer
+    from verl_ext.engine.instance import GenRequest, SamplingSpec
+    from verl_ext.history.store import HistoryStore, Trajectory
+    from verl_ext.pipe import make_strategy
+    from verl_ext.pipe.pool import InstancePool
+    from verl_ext.pipe.rhyme import PLAN_WINDOW_S, LocalHistory
+
+    class Drafting(ScriptedInstance):
+        drafting = True
+
+        def __init__(self, name):
+            super().__init__(name, delay=0.05)
+            self.proposer = make_proposer(scopes="history", k=8)
+
+        async def drafter_call(self, op, *args):
+            return self.proposer.rpc(op, *args)
+
+    store = HistoryStore()
+    for g in range(4):  # prompt p<g> answered in ~10 (g + 1) tokens
+        store.ingest([Trajectory(f"p{g}", 1, j, list(range(10 * (g + 1) + j)), 1.0) for j in range(2)])
+    insts = [Drafting(f"e{i}") for i in range(4)]
+    strategy = make_strategy("rhyme", {"ranking_groups": 4, "two_tier": False, "migration": False})
+    strategy.set_history(LocalHistory(store))
+    strategy.begin_step(3)  # odd: ascending, ranking group g on e<g>
+    pool = InstancePool(insts)
+
+    def req(g, j):
+        return GenRequest(f"p{g}-s{j}", f"p{g}", [1], SamplingSpec(max_tokens=4), sample_index=j)
+
+    async def step():
+        first = [asyncio.ensure_future(strategy.submit(req(g, j), pool)) for g in (0, 1, 2) for j in range(2)]
+        await asyncio.sleep(PLAN_WINDOW_S * 4)  # planned without p3
+        late = [asyncio.ensure_future(strategy.submit(req(3, j), pool)) for j in range(2)]
+        return await asyncio.gather(*first, *late)
+
+    asyncio.run(step())
+    # 3 prompts planned: 3 ranking groups, ascending on blocks [e0, e1], [e2], [e3]; p3 (the
+    # longest history) falls in p2's ranking group, whose block is e3
+    plan = strategy._plan
+    assert [[i.name for i in b] for b in plan.blocks] == [["e0", "e1"], ["e2"], ["e3"]]
+    assert plan.group_of("p3") == plan.group_of("p2") == 2
+    m = strategy.metrics()
+    assert m["late_prompts"] == 1 and m["history_prompts"] == 4
+    assert {"p3-s0", "p3-s1"} <= set(insts[3].seen) and not any(r.startswith("p3") for i in insts[:3] for r in i.seen)
+    assert insts[3].proposer.rpc("stats")["histories"] == 2  # p2's and p3's

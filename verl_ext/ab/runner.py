@@ -582,11 +582,11 @@ async def _timed_epoch(desc, strategy, instances, requests, score, cfg, progress
 async def _load_histories(instances, store, requests, step: int) -> None:
     """Give every drafting engine the earlier epochs' responses of this epoch's prompts (what the
     history workers serve inside veRL), before the timed rollout."""
-    from verl_ext.pipe.rhyme import LocalHistory, add_histories_items
+    from verl_ext.pipe.rhyme import LocalHistory, set_histories_items
 
-    items = add_histories_items(await LocalHistory(store).serve(sorted({r.group_id for r in requests}), step))
-    if items:
-        await asyncio.gather(*(inst.drafter_call("add_histories", items) for inst in instances
+    items = set_histories_items(await LocalHistory(store).serve(sorted({r.group_id for r in requests}), step))
+    if items:  # replaces each prompt's tree: an epoch's history holds every earlier epoch's responses
+        await asyncio.gather(*(inst.drafter_call("set_histories", items) for inst in instances
                                if hasattr(inst, "drafter_call")))
 
 

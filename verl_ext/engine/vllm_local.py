@@ -304,7 +304,7 @@ class VLLMInstance(Instance):
             await self.engine.abort(ids)
 
     async def drafter_call(self, op: str, *args):
-        """Call the engine's suffix drafter (``verl_ext.spec.vllm_proposer``): ``add_history``, ``add_histories``,
+        """Call the engine's suffix drafter (``verl_ext.spec.vllm_proposer``): ``add_history``, ``set_histories``,
         ``drop_history``, ``save``, ``load``, ``stats``, ``import_groups`` or ``group_counts``.
         Returns the first worker's answer."""
         if self.engine is None:

@@ -11,7 +11,10 @@ HistoPipe scheduling from last epoch's lengths.
   tree (reward-weighted branch priority, ``verl_ext.spec``), prefix match from 7 down to 3
   tokens, AIMD window 2 (+2, up to ``spec_k`` = 32, reset on rejection), and the profiled
   batch-size cut-off (``CostModel.spec_batch_cutoffs``). Engines that take drafter RPCs get the
-  histories of the prompts their ranking group serves when a step is planned.
+  histories of the prompts their ranking group serves when a step is planned, replaced every step.
+  One request at a time (veRL), a step is planned from the requests of its first
+  ``PLAN_WINDOW_S``; a prompt first seen later joins its ranking group's block by its history,
+  and that block's engines get its history.
 * **HistoPipe (section 6, ``verl_ext.pipe.histopipe``).** Tier 1: prompts ranked by historical
   median length into ``ranking_groups`` equal groups. Tier 2: instances per ranking group by the
   binary search of Figure 12 with ``tau`` from the cost model (without one: instances in
@@ -178,8 +181,8 @@ class LocalHistory:
         return {u: v for u in uids if (v := self.store.serve(u, step))[0]}
 
 
-def add_histories_items(hist: dict, skip=()) -> list:
-    """The drafter's ``add_histories`` payload for ``{uid: ([token arrays], [weights])}`` (what a
+def set_histories_items(hist: dict, skip=()) -> list:
+    """The drafter's ``set_histories`` payload for ``{uid: ([token arrays], [weights])}`` (what a
     history provider's ``serve`` returns), leaving out the uids in ``skip``."""
     return [(u, [t.tolist() for t in toks], list(ws)) for u, (toks, ws) in hist.items() if u not in skip]
 
@@ -218,13 +221,17 @@ class RhymeStrategy(Strategy):
         self._plan_step: Optional[int] = None  # the step self._plan was made for (None: none yet)
         self._planning: Optional[asyncio.Future] = None
         self._batch: list = []
+        self._known: set = set()  # uids the step's plan covers, or that were placed late
+        self._late: dict = {}  # uid -> its late placement (one per prompt, for its samples)
+        self._spread = False  # this step serves histories to every drafting engine (no blocks)
         self._warned_no_history = False
-        self._served: dict = {}  # instance name -> uids whose history it holds
+        self._served: dict = {}  # instance name -> {uid: the step whose history of uid it holds}
         self._predicted: dict = {}  # uid -> historical median length, for the step being rolled out
         self._observed: dict = {}  # uid -> [response lengths] of that step
         self._carry = NO_CARRIER  # inter-step migration: the driver's carrier (set_deferral)
         self._m = {"migrations": 0, "migration_checks": 0, "deferrals": 0, "histopipe_active": 0, "histopipe_fallbacks": 0,
-                   "history_prompts": 0, "unknown_prompts": 0, "served_histories": 0, "history_failures": 0}
+                   "history_prompts": 0, "unknown_prompts": 0, "late_prompts": 0, "served_histories": 0,
+                   "history_failures": 0}
 
     # -- inputs -------------------------------------------------------------------------------
     def set_history(self, history) -> None:
@@ -249,6 +256,7 @@ class RhymeStrategy(Strategy):
         """The last training step's time: tier 2's ``t0`` floor is the larger of it and
         ``t_train_s``."""
         self._t_train_seen = max(0.0, float(seconds))
+        self._m["t_train_s"] = self._t_train_seen
 
     def _load_profile(self):
         if not self.options.profile:
@@ -290,10 +298,14 @@ class RhymeStrategy(Strategy):
             self._warned_no_history = True
             logger.warning("rhyme: no history provider (set_history was not called); requests are dispatched "
                            "like baseline and HistoSpec has no history to draft from")
+        self._known = {r.group_id for r in requests}
+        self._late = {}
+        self._spread = False
         if self.history is None:
             return None
-        uids = sorted({r.group_id for r in requests})
+        uids = sorted(self._known)
         if not o.histopipe:  # HistoSpec alone: every drafting engine gets the step's histories
+            self._spread = True
             if o.histospec:
                 await self._serve_histories([(list(pool.instances.values()), uids)])
             return None
@@ -316,6 +328,7 @@ class RhymeStrategy(Strategy):
             self._m["histopipe_fallbacks"] += 1
             logger.info("rhyme: step %d: historical ranks predict lengths poorly (Spearman %.2f < %.2f); "
                         "HistoPipe sits this step out", self.step, corr, o.min_rank_corr)
+            self._spread = True
             if o.histospec:
                 await self._serve_histories([(list(pool.instances.values()), uids)])
             return None
@@ -410,7 +423,10 @@ class RhymeStrategy(Strategy):
 
     async def _serve_histories(self, assignments) -> None:
         """Give engines that take drafter RPCs the histories of the prompts they will serve:
-        ``assignments`` is [(instances, uids)], one pair per ranking group's block."""
+        ``assignments`` is [(instances, uids)], one pair per ranking group's block. A prompt's
+        history grows every step, so an engine gets it again each step it serves the prompt (its
+        tree replaced: ``set_histories``), which also restores a tree the engine evicted; trees
+        an engine holds from an earlier step for prompts it does not serve now are dropped."""
         for block, uids in assignments:
             targets = [i for i in block if hasattr(i, "drafter_call") and getattr(i, "drafting", False)]
             if not targets:
@@ -421,18 +437,22 @@ class RhymeStrategy(Strategy):
                 self._m["history_failures"] += 1
                 logger.warning("rhyme: history drafts unavailable (%s: %s)", type(exc).__name__, exc)
                 return
+            wanted = set(uids)
             for inst in targets:
-                have = self._served.setdefault(inst.name, set())
-                new = add_histories_items(hist, skip=have)
-                if not new:
+                have = self._served.setdefault(inst.name, {})
+                new = set_histories_items(hist, skip={u for u, step in have.items() if step == self.step})
+                stale = [u for u, step in have.items() if step != self.step and u not in wanted]
+                if not new and not stale:
                     continue
                 try:  # one RPC per engine and step
-                    await inst.drafter_call("add_histories", new)
+                    await inst.drafter_call("set_histories", new, stale)
                 except Exception as exc:  # drafting is an optimisation
                     self._m["history_failures"] += 1
                     logger.warning("rhyme: could not load history into %s (%s: %s)", inst.name, type(exc).__name__, exc)
                     continue
-                have.update(u for u, _, _ in new)
+                for u in stale:
+                    del have[u]
+                have.update((u, self.step) for u, _, _ in new)
                 self._m["served_histories"] += len(new)
 
     # -- dispatch ------------------------------------------------------------------------------
@@ -447,16 +467,58 @@ class RhymeStrategy(Strategy):
 
     async def submit(self, request: GenRequest, pool: InstancePool) -> Completion:
         """One request at a time (veRL's agent loops): the step's first request opens a window of
-        ``plan_window_s`` in which the step's other requests arrive (veRL sends them together);
-        the plan is made from all of them. Later requests of unknown prompts go least-loaded."""
+        ``PLAN_WINDOW_S`` in which the step's other requests arrive (veRL sends them together);
+        the plan is made from all of them. A prompt first seen later is placed by itself
+        (``_place_late``)."""
         if self._plan_step != self.step:
             if self._planning is None:
                 self._batch = []
                 self._planning = asyncio.ensure_future(self._plan_after_window(pool, self.step))
             self._batch.append(request)
             await asyncio.shield(self._planning)
+        if request.group_id not in self._known:  # also one that came while the plan was being made
+            await self._place_late(request.group_id, pool)
         self._count(request)
         return await self._run_observed(request, pool, self._plan)
+
+    async def _place_late(self, uid: str, pool: InstancePool) -> None:
+        """A prompt whose first request came after the step was planned (a later turn, a refill,
+        an async trainer's next request): its history decides its ranking group as in the plan
+        (the plan's boundaries), and that block's drafting engines get its history; without a
+        plan, every drafting engine gets it when the step spreads histories. One lookup per
+        prompt, which its other samples wait for."""
+        task = self._late.get(uid)
+        if task is None:
+            task = self._late[uid] = asyncio.ensure_future(self._lookup_late(uid, pool))
+        await asyncio.shield(task)
+
+    async def _lookup_late(self, uid: str, pool: InstancePool) -> None:
+        self._known.add(uid)
+        self._m["late_prompts"] += 1
+        plan, o = self._plan, self.options
+        if self.history is None:
+            return
+        if self._spread:
+            if o.histospec:
+                await self._serve_histories([(list(pool.instances.values()), [uid])])
+            return
+        if plan is None:
+            return
+        try:
+            found = await self.history.lengths([uid], self.step or None)
+        except Exception as exc:  # costs this prompt its placement and drafts, never a request
+            self._m["history_failures"] += 1
+            logger.warning("rhyme: no history for a late prompt (%s: %s)", type(exc).__name__, exc)
+            return
+        if uid not in found:
+            self._m["unknown_prompts"] += 1
+            return
+        plan.lengths[uid] = found[uid]
+        self._predicted[uid] = found[uid][0]
+        self._m["history_prompts"] += 1
+        g = plan.group_of(uid)
+        if o.histospec and plan.blocks[g]:
+            await self._serve_histories([(plan.blocks[g], [uid])])
 
     async def _plan_after_window(self, pool: InstancePool, step: int) -> None:
         try:
@@ -492,7 +554,8 @@ class RhymeStrategy(Strategy):
             if not self.options.migration or top is None:
                 return await pool.run(inst, r)
             st = Chunked(r)
-            chunk = min(migration_threshold(top, plan.beta) - 1, st.remaining)
+            # the first check comes after the token that passes the length condition
+            chunk = min(migration_threshold(top, plan.beta), st.remaining)
             migrated = False
             while True:
                 c = await pool.run(inst, st.next_request(chunk))

@@ -74,7 +74,7 @@ def drafts_sampled_requests() -> bool:
     return not current_platform.is_cpu() or os.environ.get("VERL_EXT_SPEC_CPU_SAMPLING") == "1"
 
 
-RPC_OPS = ("add_history", "add_histories", "drop_history", "save", "load", "stats", "import_groups", "group_counts",
+RPC_OPS = ("add_history", "set_histories", "drop_history", "save", "load", "stats", "import_groups", "group_counts",
            "group_write", "set_windows", "drop_groups")
 
 
@@ -314,8 +314,11 @@ class SuffixProposer:
             for tokens, w in zip(responses, weights):
                 self.index.add_history(str(key), np.asarray(tokens, dtype=np.int64), float(w))
             return len(responses)
-        if op == "add_histories":  # ([(prompt_key, [responses], [weights]), ...]): one call per step
-            return sum(self.rpc("add_history", *item) for item in args[0])
+        if op == "set_histories":  # ([(prompt_key, [responses], [weights]), ...][, [keys to drop]]): one call per step
+            items, drop = args[0], (args[1] if len(args) > 1 else ())
+            for key in [*drop, *(item[0] for item in items)]:  # each given key's tree is replaced
+                self.index.drop_history(str(key))
+            return sum(self.rpc("add_history", *item) for item in items)
         if op == "drop_history":
             return self.index.drop_history(str(args[0]))
         if op == "save":
