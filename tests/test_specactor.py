@@ -650,3 +650,73 @@ def test_specactor_drafts_model_methods_per_request_in_the_simulator(tmp_path):
     planned = st._with_plan(GenRequest("r", "g", [1], SamplingSpec()), "big", 3)
     assert planned.extra == {"spec_window": 3, "spec_method": "big"}  # no suffix scopes for a model
     assert make_strategy("specactor", {"ladder": str(path)}).engine_spec(cost) is None
+
+
+# -- acceptance estimates ------------------------------------------------------------------------
+def test_ladder_prices_a_batch_between_its_tabulated_neighbours():
+    """17 requests per worker read as 16 (log2-nearest), not as the next tabulated batch, 64."""
+    v = load_cost_model("h100-32b")
+    lad = DraftLadder.build(v, [DraftMethod("m05", "model", 0.6, drafter="h100-0.5b")], verify_gpus=4,
+                            batches=(1, 16, 64), rates=(0.0, 0.4, 0.8))
+    assert lad.best_window("m05", 0.8, 17) == lad.best_window("m05", 0.8, 16)
+    assert lad.best_window("m05", 0.8, 50) == lad.best_window("m05", 0.8, 64)
+    at16, at17, at64 = (lad.lookup("m05", 0.8, b) for b in (16, 17, 64))
+    assert at16 > at64 and at64 < at17 < at16 and at16 - at17 < (at16 - at64) / 10
+    assert lad.lookup("m05", 0.8, 32) == pytest.approx((at16 + at64) / 2)  # halfway in log2
+
+
+class _Progress:
+    """An instance whose request has produced ``tokens`` tokens in ``steps`` engine steps."""
+
+    name = "e0"
+
+    def __init__(self):
+        self.tokens, self.steps = 0, 0
+
+    def advance(self, steps, tokens_per_step):
+        self.steps += steps
+        self.tokens += int(round(steps * tokens_per_step))
+
+    def partial(self, rid):
+        return [1] * self.tokens
+
+    def progress(self, rid):
+        return self.tokens, self.steps
+
+
+def test_a_requests_rate_is_measured_at_its_current_window():
+    """After Algorithm 2 shrinks a run's window from 4 to 1, its rate comes from the tokens per
+    step since then: cumulative tokens per step, read at the new window, would say p = 1."""
+    from verl_ext.engine.instance import GenRequest, SamplingSpec
+    from verl_ext.pipe.specactor import _Live, _Run, acceptance_from_tokens
+
+    st = make_strategy("specactor", {"profile": "h100-7b", "acceptance": "suffix=0.7", "min_tokens": 16})
+    inst = _Progress()
+    live = _Live(GenRequest("r", "g", [1], SamplingSpec(max_tokens=512)))
+    run = _Run(inst, "suffix", [], 0, original=True, window=4)
+    live.runs.append(run)
+    inst.advance(20, 2.0)  # 2 tokens per step at window 4
+    p4, *_ = st._rate(live, None)
+    assert p4 == pytest.approx(acceptance_from_tokens(2.0, 4))
+    run.rate, run.window, run.mark = p4, 1, (inst.tokens, inst.steps)  # what _reconfigure_running sets
+    inst.advance(4, 1.5)
+    assert st._rate(live, None)[0] == p4  # too few tokens at the new window yet: the last measured rate
+    inst.advance(20, 1.5)  # 1.5 tokens per step at window 1: p = 0.5
+    assert st._rate(live, None)[0] == pytest.approx(0.5, abs=0.02)
+    run.window, run.mark, run.rate = 0, (inst.tokens, inst.steps), None  # plain decoding: the method's prior
+    inst.advance(20, 1.0)
+    assert st._rate(live, None)[0] == pytest.approx(0.7)
+
+
+def test_a_rollouts_measured_acceptance_is_the_per_token_rate():
+    """The engines count accepted tokens, drafting steps and drafted tokens; at window 1 the
+    per-token rate is accepted / drafted (A / (A + drafts) would read p / (1 + p))."""
+    from verl_ext.spec.tgs import tau_coupled
+
+    st = make_strategy("specactor", {"acceptance": "suffix=0.7"})
+    st._method = "suffix"
+    st._measured((0, 0, 0), (600, 1000, 1000))  # w = 1, p = 0.6
+    assert st.metrics()["measured_acceptance"] == pytest.approx(0.6, abs=1e-6)
+    accepted = 1000 * (tau_coupled(0.5, 4) - 1)  # w = 4, p = 0.5: 1000 drafting steps
+    st._measured((0, 0, 0), (accepted, 1000, 4000))
+    assert st.metrics()["measured_acceptance"] == pytest.approx(0.5, abs=1e-6)

@@ -59,6 +59,7 @@ from typing import Optional
 
 from verl_ext.engine.instance import FINISH_ABORT, Completion, GenRequest, Instance
 from verl_ext.pipe.bon import assign_best_of_n
+from verl_ext.pipe.chunks import is_whole
 from verl_ext.pipe.pool import InstancePool
 from verl_ext.pipe.strategy import Strategy, StrategyConfigError, register_strategy
 from verl_ext.spec.ladder import ENGINE_LADDER_PREFIX
@@ -178,7 +179,8 @@ def parse_acceptance(text: str) -> dict[str, float]:
 class _Run:
     """One copy of a request on one instance (the original is the first)."""
 
-    __slots__ = ("instance", "method", "task", "prefix", "steps0", "tokens", "original", "window", "rate", "decoupled")
+    __slots__ = ("instance", "method", "task", "prefix", "steps0", "tokens", "original", "window", "rate", "decoupled",
+                 "mark")
 
     def __init__(self, instance: Instance, method: Optional[str], prefix: list, steps0: int, original: bool = False,
                  window: int = 0, decoupled: bool = False):
@@ -192,6 +194,7 @@ class _Run:
         self.prefix = prefix  # tokens of the request before this copy started
         self.steps0 = steps0  # engine steps the request had run before this copy started
         self.tokens: list = []  # streamed tokens of this copy (streaming engines)
+        self.mark = (0, 0)  # the request's (tokens, engine steps) when this run's window was last set
 
 
 class _Live:
@@ -370,8 +373,8 @@ class SpecActorStrategy(Strategy):
 
     def _decoupled(self, method: str, p: float, batch: int) -> tuple[int, float]:
         """(best decoupled window, its speedup over plain decoding) from the method's TGS times
-        against the ladder's verifier (one drafter GPU), cached on a grid of p and batch."""
-        key = (method, round(p, 2), 1 << max(0, int(batch) - 1).bit_length())
+        against the ladder's verifier (one drafter GPU) at ``batch``, cached per p (to 0.01)."""
+        key = (method, round(p, 2), max(1, int(batch)))
         got = self._dec_cache.get(key)
         if got is None:
             from verl_ext.spec.tgs import DECOUPLED
@@ -557,16 +560,25 @@ class SpecActorStrategy(Strategy):
                 self._m["bon_copies"] += 1
 
     def _rate(self, live: _Live, fallback: Optional[str]):
-        """(acceptance per draft token, tokens so far, steps so far) of a request's original run
-        since it started, or None before ``min_tokens``: the rate whose tokens per step at the
-        run's window (``execution``'s model) match the measured ones (an estimate: the engines
-        report no per-request counts, and a window changed on the way blurs it)."""
+        """(acceptance per draft token, tokens so far, steps so far) of a request's original run,
+        or None before ``min_tokens``. The rate is the one whose tokens per step at the run's
+        current window (``execution``'s model) match those since that window was set (the engines
+        report no per-request counts); until ``min_tokens`` have come at it, or while the run
+        decodes plainly (window 0), it is the run's last measured rate, else the method's
+        historical acceptance."""
         tokens, steps = self._progress(live)
         if tokens is None or len(tokens) < self.options.min_tokens or steps <= 0:
             return None
         run = live.runs[0]
-        w = run.window if run.window > 0 else max(1, self._window(run.method or fallback, None, 1))
-        return acceptance_from_tokens(len(tokens) / steps, w, run.decoupled), tokens, steps
+        n, k = len(tokens) - run.mark[0], steps - run.mark[1]
+        if run.window > 0 and n >= self.options.min_tokens and k > 0:
+            return acceptance_from_tokens(n / k, run.window, run.decoupled), tokens, steps
+        if run.rate is not None:
+            return run.rate, tokens, steps
+        method = run.method or fallback
+        if method is None:
+            return None
+        return self._history.get(method, self.ladder().methods[method].acceptance), tokens, steps
 
     async def _reconfigure_running(self, pool: InstancePool) -> None:
         """Algorithm 2 on running requests: a request whose measured acceptance is below the
@@ -620,10 +632,13 @@ class SpecActorStrategy(Strategy):
             except Exception as exc:  # a window is an optimisation: keep the old one
                 logger.warning("specactor: could not reconfigure windows on %s (%s)", name, exc)
                 continue
-            for w, m, run in ws.values():
+            for rid, (w, m, run) in ws.items():
                 self._m["switched_coupled"] += run.decoupled and not m
                 self._m["switched_decoupled"] += m and not run.decoupled
                 run.window, run.decoupled = w, m
+                live = self._live.get(rid)
+                tokens, steps = self._progress(live) if live is not None else (None, 0)
+                run.mark = (len(tokens) if tokens is not None else 0, steps)  # the new window's rate starts here
             self._m["reconfigured_running"] += n
 
     def _step_seconds(self, pool: InstancePool) -> Optional[float]:
@@ -706,7 +721,7 @@ class SpecActorStrategy(Strategy):
 
     def _copy_request(self, request: GenRequest, prefix: list, method: str, window: int) -> Optional[GenRequest]:
         left = request.sampling.max_tokens - len(prefix)
-        if left <= 0:
+        if left <= 0 or (prefix and is_whole(request)):  # a copy continues the request's prefix
             return None
         req = dataclasses.replace(request, prompt_ids=list(request.prompt_ids) + list(prefix),
                                   sampling=request.sampling.with_max_tokens(left))
@@ -730,9 +745,10 @@ class SpecActorStrategy(Strategy):
             self._measured(before, self._drafting(pool))
 
     @staticmethod
-    def _drafting(pool: InstancePool) -> tuple[int, int]:
-        """(accepted draft tokens, verification steps with a draft) over the instances."""
-        acc = drafts = 0
+    def _drafting(pool: InstancePool) -> tuple[int, int, int]:
+        """(accepted draft tokens, verification steps with a draft, drafted tokens) over the
+        instances."""
+        acc = drafts = tokens = 0
         for inst in pool.instances.values():
             try:
                 t = inst.telemetry()
@@ -740,15 +756,17 @@ class SpecActorStrategy(Strategy):
                 continue
             acc += t.accepted_tokens
             drafts += t.drafts
-        return acc, drafts
+            tokens += t.draft_tokens
+        return acc, drafts, tokens
 
     def _measured(self, before, after) -> None:
         """The rollout's acceptance becomes the selected method's history for the next
-        selection: ``A / (A + drafts)``, the per-token rate if every draft ended in a rejection
-        (a lower bound; the engines count no rejections)."""
-        a, d = after[0] - before[0], after[1] - before[1]
-        if self._method is not None and d > 0:
-            self._history[self._method] = a / (a + d)
+        selection: the per-token rate ``p`` whose expected accepted tokens per drafting step,
+        ``p + p^2 + ... + p^w`` at the mean window ``w`` (drafted tokens per drafting step), is
+        the measured ``A / drafts`` (exact for one window; at ``w = 1``, ``A / drafts``)."""
+        a, d, t = (x - y for x, y in zip(after, before))
+        if self._method is not None and d > 0 and t > 0:
+            self._history[self._method] = acceptance_from_tokens(1.0 + a / d, t / d)
             self._m["measured_acceptance"] = self._history[self._method]
 
     def metrics(self) -> dict[str, float]:

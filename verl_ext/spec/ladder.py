@@ -131,14 +131,16 @@ class DraftLadder:
 
     # -- reading ---------------------------------------------------------------------------------
     def lookup(self, method: str, p: float, batch: int, table: Optional[dict] = None) -> float:
-        """Speedup of ``method`` at acceptance ``p`` and per-worker ``batch`` (linear in ``p``,
-        nearest tabulated batch at or above ``batch``)."""
+        """Speedup of ``method`` at acceptance ``p`` and per-worker ``batch``: linear in ``p``,
+        and in log2(batch) between the tabulated batches around ``batch`` (clamped at the ends)."""
         rows = (table or self.speedup)[method]
-        i = min(int(np.searchsorted(self.batches, batch)), len(self.batches) - 1)
-        return float(np.interp(p, self.rates, rows[i]))
+        at = [float(np.interp(p, self.rates, row)) for row in rows]
+        return float(np.interp(np.log2(max(1.0, batch)), np.log2(self.batches), at))
 
     def best_window(self, method: str, p: float, batch: int) -> int:
-        i = min(int(np.searchsorted(self.batches, batch)), len(self.batches) - 1)
+        """The best coupled window at the tabulated batch nearest ``batch`` in log2 (17 reads 16's,
+        not 64's) and the tabulated acceptance nearest ``p``."""
+        i = int(np.argmin(np.abs(np.log2(self.batches) - np.log2(max(1.0, batch)))))
         j = int(np.argmin(np.abs(np.asarray(self.rates) - p)))
         return int(self.window[method][i][j])
 
