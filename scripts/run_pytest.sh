@@ -9,6 +9,9 @@ export PATH
 python=$1
 shift
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+# a crash in the test process, also after pytest's own fault handler is off (at exit), prints
+# every thread's Python stack
+export PYTHONFAULTHANDLER=1
 "$python" -m pytest "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
