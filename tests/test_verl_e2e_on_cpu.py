@@ -34,6 +34,9 @@ STEPS = {"seer": 2, "rhyme": 3}  # rhyme's third step meets its killed history w
 STRATEGIES = tuple(STEPS)
 #: a stuck training run is stopped after this (each takes about 350 s on 2 cores)
 RUN_TIMEOUT_S = 900
+#: an override after ``--`` reaches the training runs and the identity check alike (the value is
+#: the data loader's default: a no-op)
+OVERRIDE = "data.shuffle=true"
 
 
 def _env():
@@ -94,7 +97,7 @@ def e2e(tmp_path_factory):
     out = tmp_path_factory.mktemp("verl_e2e")
     cmd = ["bash", "scripts/verl_e2e.sh", "--strategies", ",".join(f"{s}:{k}" for s, k in STEPS.items()),
            "--out", str(out), "--check-identity", "--prompts", str(PROMPTS), "--n", str(N), "--max-tokens", str(TOKENS),
-           "--timeout", str(RUN_TIMEOUT_S)]
+           "--timeout", str(RUN_TIMEOUT_S), "--", OVERRIDE]
     killed: dict = {}
     proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     injector = threading.Thread(target=_inject_faults, args=(proc, out, killed), daemon=True)
@@ -192,6 +195,7 @@ def test_first_step_responses_are_token_identical_to_verls_own_manager(e2e):
         r = identity[strategy]
         assert r["identical"] is True, r
         assert r["rows"] == PROMPTS * N and r["same_uids_and_order"] and r["same_lengths"] and r["differing_rows"] == []
+        assert r["overrides"] == [OVERRIDE] and OVERRIDE in (out / strategy / "command.txt").read_text()  # one config
         assert _summary(out, strategy)["identical_to_verl_manager"] is True
 
 

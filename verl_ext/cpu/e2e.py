@@ -239,7 +239,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         from verl_ext.cpu.identity import IdentityCheck
 
         check = IdentityCheck(strategies, model=model, data_dir=data_dir, prompts=args.prompts, n=args.n,
-                              max_tokens=args.max_tokens, out=out / "identity")
+                              max_tokens=args.max_tokens, out=out / "identity", extra=args.overrides)
 
     summaries = {}
     for strategy in strategies:

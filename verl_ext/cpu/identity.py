@@ -105,15 +105,17 @@ def compare(reference, candidate) -> dict:
     }
 
 
-def check_strategy(strategy: str, model: str, data_dir: Path, prompts: int, n: int, max_tokens: int, out: Path) -> dict:
-    """Both managers over one set of servers started for ``strategy``; the servers are gone after."""
+def check_strategy(strategy: str, model: str, data_dir: Path, prompts: int, n: int, max_tokens: int, out: Path,
+                   extra: list[str] = ()) -> dict:
+    """Both managers over one set of servers started for ``strategy``; the servers are gone after.
+    ``extra``: more Hydra overrides (the training runs' own)."""
     import ray
     from verl.experimental.agent_loop.agent_loop import AgentLoopManager
     from verl.workers.rollout.llm_server import LLMServerManager
 
     from verl_ext.rollout.manager import VerlExtAgentLoopManager
 
-    config = compose_config(strategy, model, data_dir, prompts, n, max_tokens, out)
+    config = compose_config(strategy, model, data_dir, prompts, n, max_tokens, out, extra)
     batch = first_batch(config)
     t0 = time.monotonic()
     servers = LLMServerManager.create(config=config)
@@ -142,6 +144,7 @@ def check_strategy(strategy: str, model: str, data_dir: Path, prompts: int, n: i
             for pg in replica.resource_pool.pgs or []:
                 ray.util.remove_placement_group(pg)
     result["server_start_s"] = round(started, 1)
+    result["overrides"] = list(extra)
     return result
 
 
@@ -150,12 +153,12 @@ class IdentityCheck:
     whatever the caller does meanwhile (``verl_e2e.sh --check-identity``: the training runs)."""
 
     def __init__(self, strategies: list[str], model: str, data_dir: Path, prompts: int, n: int, max_tokens: int,
-                 out: Path):
+                 out: Path, extra: list[str] = ()):
         self.strategies, self.out = list(strategies), out
         out.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "verl_ext.cpu.identity", "--strategies", ",".join(strategies), "--model", model,
                "--data", str(data_dir), "--prompts", str(prompts), "--n", str(n), "--max-tokens", str(max_tokens),
-               "--out", str(out)]
+               "--out", str(out), *(f"--override={o}" for o in extra)]
         env = dict(os.environ, **CPU_ENV, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
         self._log = open(out / "console.log", "w")
         # its own process group, so that a check that overstays goes with everything it started
@@ -186,6 +189,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--n", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--out", required=True)
+    p.add_argument("--override", action="append", default=[], help="a Hydra override for every strategy (repeatable)")
     args = p.parse_args(argv)
 
     os.environ.update(CPU_ENV)  # before veRL resolves its platform
@@ -205,7 +209,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         for strategy in [s.strip() for s in args.strategies.split(",") if s.strip()]:
             try:
-                results[strategy] = check_strategy(strategy, model, data_dir, args.prompts, args.n, args.max_tokens, out)
+                results[strategy] = check_strategy(strategy, model, data_dir, args.prompts, args.n, args.max_tokens, out,
+                                                   args.override)
             except Exception as exc:
                 results[strategy] = {"identical": None, "error": f"{type(exc).__name__}: {exc}"}
             print(f"[identity] {strategy}: {json.dumps(results[strategy])}", flush=True)
