@@ -125,3 +125,34 @@ class ProposerBatch:
         self.new, self.finished = [], set()
         self.last = dict(zip(ids, drafts))
         return dict(self.last)
+
+
+# ---- veRL's rollout server, stood in for in-process (dispatcher and ReplicaInstance tests) ------
+class VerlServer:
+    """The shape of a ``vLLMHttpServer`` Ray handle: ``generate.remote(...)`` answers
+    ``answer(prompt_ids, sampling_params)`` tokens as veRL 0.9.1 does (``stop_reason="completed"``
+    whether vLLM stopped or hit the length), recording each call's sampling params in
+    ``generate.params``; ``collective_rpc.remote(method, args=...)`` records into ``rpcs``."""
+
+    def __init__(self, answer):
+        self.rpcs = []
+
+        class _Method:
+            def __init__(self, fn):
+                self.remote, self.params = fn, []
+
+        def generate(prompt_ids, sampling_params, request_id, **kwargs):
+            from verl.workers.rollout.replica import TokenOutput
+
+            self.generate.params.append(dict(sampling_params))
+            tokens = list(answer(prompt_ids, sampling_params))
+
+            async def run():
+                return TokenOutput(token_ids=tokens, log_probs=[-0.1] * len(tokens), stop_reason="completed")
+
+            return run()
+
+        async def collective_rpc(method, args=(), **kwargs):
+            self.rpcs.append((method, tuple(args)))
+
+        self.generate, self.collective_rpc = _Method(generate), _Method(collective_rpc)

@@ -1,44 +1,28 @@
 """Chunking never changes what veRL's server samples: a continuation's ``min_tokens`` counts the
 tokens so far, and requests whose penalties a continuation would restart (presence, frequency)
-are generated in one piece. veRL's ``vLLMHttpServer.generate`` is stood in for by a recorder."""
+are generated in one piece. veRL's ``vLLMHttpServer.generate`` is stood in for by a recorder
+(``_util.VerlServer``)."""
 
 import asyncio
 
 import pytest
 
+from _util import VerlServer
 from verl_ext.config.settings import VerlExtSettings
 
 pytest.importorskip("verl")
 
 
-class _Generate:
-    """Answers ``max_tokens`` tokens 10, 11, ... continuing the prompt; records the sampling."""
-
-    def __init__(self):
-        self.params = []
-
-    def remote(self, prompt_ids, sampling_params, request_id, **kwargs):
-        from verl.workers.rollout.replica import TokenOutput
-
-        self.params.append(dict(sampling_params))
-        done = len(prompt_ids) - 3
-        tokens = [10 + done + i for i in range(int(sampling_params["max_tokens"]))]
-
-        async def run():
-            return TokenOutput(token_ids=tokens, log_probs=[-0.1] * len(tokens), stop_reason="completed")
-
-        return run()
-
-
-class _Server:
-    def __init__(self):
-        self.generate = _Generate()
+def _continuing(prompt_ids, sampling_params):
+    """``max_tokens`` tokens 10, 11, ... continuing the response so far (the prompt is 3 tokens)."""
+    done = len(prompt_ids) - 3
+    return [10 + done + i for i in range(int(sampling_params["max_tokens"]))]
 
 
 def _seer(params):
     from verl_ext.rollout.dispatcher import StrategyDispatcher
 
-    server = _Server()
+    server = VerlServer(_continuing)
     dispatcher = StrategyDispatcher(VerlExtSettings(strategy="seer", options={"chunk_size": 4, "speculative": False}),
                                     {"s0": server}, max_tokens_default=14)
     out = asyncio.run(dispatcher.generate("r0", [1, 1, 1], {"max_tokens": 14, "temperature": 1.0, **params}))

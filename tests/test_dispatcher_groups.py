@@ -5,34 +5,14 @@ import asyncio
 
 import pytest
 
+from _util import VerlServer
 from verl_ext.config.settings import VerlExtSettings
 
 pytest.importorskip("verl")
 
 
-class _Generate:
-    def __init__(self):
-        self.params = []
-
-    def remote(self, prompt_ids, sampling_params, request_id, **kwargs):
-        from verl.workers.rollout.replica import TokenOutput
-
-        self.params.append(dict(sampling_params))
-
-        async def run():
-            return TokenOutput(token_ids=[5, 6], log_probs=[-0.1, -0.1], stop_reason="completed")
-
-        return run()
-
-
-class _Server:
-    def __init__(self):
-        self.generate = _Generate()
-
-    class collective_rpc:  # noqa: N801 (a Ray method handle's shape)
-        @staticmethod
-        async def remote(*args, **kwargs):
-            return None
+def _server():
+    return VerlServer(lambda prompt_ids, sampling_params: [5, 6])
 
 
 def test_a_multi_turn_trajectory_keeps_its_first_turns_group_and_sample():
@@ -40,7 +20,7 @@ def test_a_multi_turn_trajectory_keeps_its_first_turns_group_and_sample():
     prompt extending the last: group drafts, history and length estimates follow it."""
     from verl_ext.rollout.dispatcher import StrategyDispatcher, prompt_group_id
 
-    server = _Server()
+    server = _server()
     d = StrategyDispatcher(VerlExtSettings(strategy="baseline"), {"s0": server}, max_tokens_default=8, drafting=True)
 
     async def run():
@@ -64,15 +44,7 @@ def test_a_requests_drafting_keys_and_window_changes_reach_veRLs_server():
     from verl_ext.engine.instance import GenRequest, SamplingSpec
     from verl_ext.rollout.replica_instance import SAMPLING_KEY, ReplicaInstance
 
-    calls = []
-
-    class _Rpc:
-        @staticmethod
-        async def remote(method, args=()):
-            calls.append((method, args))
-
-    server = _Server()
-    server.collective_rpc = _Rpc
+    server = _server()
     r = ReplicaInstance("s0", server, drafting=True)
     req = GenRequest("r1", "g", [1, 2], SamplingSpec(max_tokens=4),
                      extra={SAMPLING_KEY: {"max_tokens": 4}, "spec_window": 3, "spec_scopes": "request", "other": 1})
@@ -80,7 +52,7 @@ def test_a_requests_drafting_keys_and_window_changes_reach_veRLs_server():
     assert server.generate.params[0]["extra_args"]["verl_ext"] == {
         "request_id": "r1", "group_id": "g", "prompt_key": "g", "spec_window": 3, "spec_scopes": "request"}
     assert asyncio.run(r.set_spec_windows({"r1": 1})) == 1
-    assert calls == [("verl_ext_drafter", ("set_windows", {"r1": 1}))]
+    assert server.rpcs == [("verl_ext_drafter", ("set_windows", {"r1": 1}))]
     assert asyncio.run(ReplicaInstance("s1", server).set_spec_windows({"r1": 1})) == 0  # no drafter there
 
 
@@ -88,7 +60,7 @@ def test_a_strategy_named_by_import_path_runs_in_the_dispatcher():
     from verl_ext.pipe.strategy import UnknownStrategyError, get_strategy_class
     from verl_ext.rollout.dispatcher import StrategyDispatcher
 
-    servers = {"s0": _Server(), "s1": _Server()}
+    servers = {"s0": _server(), "s1": _server()}
     settings = VerlExtSettings.from_custom({"verl_ext": {"strategy": "_custom_strategy:LastInstance",
                                                          "options": {"tag": "y"}}})
     d = StrategyDispatcher(settings, servers, max_tokens_default=8)

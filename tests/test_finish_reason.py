@@ -37,30 +37,14 @@ def test_the_models_stop_ids_are_its_tokenizers_and_generation_configs_eos(model
     assert model_stop_ids("/nonexistent/model") == frozenset()
 
 
-class _Generate:
-    """``vLLMHttpServer.generate`` of a model that answers 10, 11, 12, ... and then EOS after
-    ``answer`` tokens; what veRL 0.9.1 reports for it (``stop_reason="completed"`` either way)."""
+def _answering(answer: int):
+    """A model that answers 10, 11, 12, ... and then EOS after ``answer`` tokens."""
 
-    def __init__(self, answer: int):
-        self.answer, self.calls = answer, []
-
-    def remote(self, prompt_ids, sampling_params, request_id, **kwargs):
-        from verl.workers.rollout.replica import TokenOutput
-
-        self.calls.append(int(sampling_params["max_tokens"]))
+    def tokens(prompt_ids, sampling_params):
         done = len(prompt_ids) - 3  # tokens of the response already in the prompt (a continuation)
-        rest = [10 + i for i in range(done, self.answer)] + [EOS]
-        tokens = rest[: sampling_params["max_tokens"]]
+        return ([10 + i for i in range(done, answer)] + [EOS])[: sampling_params["max_tokens"]]
 
-        async def run():
-            return TokenOutput(token_ids=tokens, log_probs=[-0.1] * len(tokens), stop_reason="completed")
-
-        return run()
-
-
-class _Server:
-    def __init__(self, answer: int):
-        self.generate = _Generate(answer)
+    return tokens
 
 
 @pytest.mark.parametrize("answer", [3, 7])  # the EOS is the 4th token: the first chunk's last; the 8th: the second's
@@ -68,11 +52,12 @@ def test_a_chunk_that_ends_on_eos_ends_the_request(answer):
     """seer generates in chunks of 4 tokens; a response whose EOS is a chunk's last token is
     complete: no further chunk is requested, and the response is plain decoding's."""
     pytest.importorskip("verl")
+    from _util import VerlServer
     from verl_ext.rollout.dispatcher import StrategyDispatcher
 
     settings = VerlExtSettings(strategy="seer", options={"chunk_size": 4, "speculative": False})
-    server = _Server(answer)
+    server = VerlServer(_answering(answer))
     dispatcher = StrategyDispatcher(settings, {"s0": server}, max_tokens_default=32, stop_ids=[EOS])
     out = asyncio.run(dispatcher.generate("r0", [1, 1, 1], {"max_tokens": 32, "temperature": 0.0}))
     assert out.token_ids == [10 + i for i in range(answer)] + [EOS]
-    assert server.generate.calls == [4] * ((answer + 1) // 4)
+    assert [p["max_tokens"] for p in server.generate.params] == [4] * ((answer + 1) // 4)
