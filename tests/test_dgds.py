@@ -411,6 +411,24 @@ def test_proposer_local_groups_write_and_no_caps():
     assert p.index.group_counts("g") == (1, 2) and p.capped_tokens == 0 and not p._group_of
 
 
+def test_proposer_counts_drafted_and_accepted_tokens_by_the_scope_that_drafted_them():
+    """The drafter's ``stats``: what each scope's drafts gave (``verl_ext.pipe.mechanisms`` reads
+    the group and history counts as seer's and rhyme's mechanisms)."""
+    p = _proposer(scopes="request+group", k=4, max_depth=DEPTH)
+    b = _Batch(p)
+    b.add("a", [1, 2, 3], "g")
+    b.add("b", [1, 2, 3], "g")
+    b.step()
+    b.step({"a": [10, 11, 12, 13, 14], "b": [10]}, emitted_counts=True)
+    assert b.step({"b": [11]}, emitted_counts=True)["b"] == [12, 13, 14]  # from a, through the group tree
+    before = p.rpc("stats")["scope_tokens"]
+    b.finish("a")
+    b.step({"b": [12, 13, 99]}, emitted_counts=True)  # two of the three accepted, then the target's own
+    after = p.rpc("stats")["scope_tokens"]
+    assert {s: [x - y for x, y in zip(after[s], before[s])] for s in after} == {
+        "request": [0, 0], "group": [3, 2], "history": [0, 0]}
+
+
 def test_proposer_group_write_switches_a_remote_engine_to_local_trees():
     p = _proposer(scopes="request+group", k=4, max_depth=DEPTH, group_source="remote")
     b = _Batch(p)

@@ -1,5 +1,6 @@
 """Which GRPO group and sample a veRL ``generate`` call belongs to (``StrategyDispatcher``): veRL's
-agent loops pass prompt tokens and a request id, not the prompt's uid."""
+agent loops pass prompt tokens and a request id; verl_ext's agent-loop workers add the prompt's
+uid (``verl_ext.rollout.trajectory``)."""
 
 import asyncio
 
@@ -35,7 +36,74 @@ def test_a_multi_turn_trajectory_keeps_its_first_turns_group_and_sample():
     assert groups[3] == prompt_group_id([1, 2, 3, 5, 6, 40, 41])
     counters = asyncio.run(d.metrics())
     assert counters["verl_ext/later_turns"] == 1 and counters["verl_ext/requests"] == 4
-    assert d._identify("t9", [1, 2, 3])[1] == 2  # t1's later turn took no new sample index
+    assert d._identify("t9", [1, 2, 3]).sample_index == 2  # t1's later turn took no new sample index
+
+
+def test_one_prompt_in_two_groups_makes_two_groups_that_share_its_history_key():
+    """A prompt twice in a batch (or in overlapping async steps) comes with two uids: two GRPO
+    groups, each with its own sample indices and group trees, one prompt key for their history.
+    Without a uid (another agent-loop worker) the prompt tokens alone make the group."""
+    from verl_ext.rollout.dispatcher import StrategyDispatcher, prompt_group_id
+
+    server = _server()
+    d = StrategyDispatcher(VerlExtSettings(strategy="baseline"), {"s0": server}, max_tokens_default=8, drafting=True)
+
+    async def run():
+        for uid in ("u1", "u2"):
+            for j in range(2):
+                await d.generate(f"{uid}-{j}", [1, 2, 3], {"max_tokens": 8}, verl_ext_uid=uid)
+        await d.generate("plain", [1, 2, 3], {"max_tokens": 8})
+
+    asyncio.run(run())
+    idents = [p["extra_args"]["verl_ext"] for p in server.generate.params]
+    key = prompt_group_id([1, 2, 3])
+    assert [i["group_id"] for i in idents] == [f"{key}:u1"] * 2 + [f"{key}:u2"] * 2 + [key]
+    assert {i["prompt_key"] for i in idents} == {key}  # the drafter's history tree, rhyme's lengths
+    assert [d._identify(f"x{u}", [1, 2, 3], u).sample_index for u in ("u1", "u2")] == [2, 2]
+    # the uid travels in the agent loop's task context, from verl_ext's workers to the client
+    from verl_ext.rollout.trajectory import TRAJECTORY_UID, trajectory
+
+    async def seen():
+        return TRAJECTORY_UID.get()
+
+    async def in_trajectory():
+        with trajectory(7):
+            return await asyncio.ensure_future(seen())  # a task the agent loop starts sees it
+
+    assert asyncio.run(in_trajectory()) == "7" and TRAJECTORY_UID.get() is None
+
+
+def test_the_dispatching_client_sends_the_trajectorys_uid():
+    from verl_ext.rollout.manager import _DispatchingClient
+    from verl_ext.rollout.trajectory import trajectory
+
+    calls = []
+
+    class Remote:
+        async def _call(self, *args, **kwargs):
+            calls.append(kwargs)
+
+            class Out:
+                extra_fields = {}
+
+            return Out()
+
+        def remote(self, *args, **kwargs):
+            return self._call(*args, **kwargs)
+
+    class Dispatcher:
+        generate = Remote()
+
+    client = _DispatchingClient.__new__(_DispatchingClient)
+    client._dispatcher, client._dispatcher_failed = Dispatcher(), False
+
+    async def run():
+        with trajectory("uid-9"):
+            await client.generate("r", prompt_ids=[1], sampling_params={})
+        await client.generate("r2", prompt_ids=[1], sampling_params={})
+
+    asyncio.run(run())
+    assert [c["verl_ext_uid"] for c in calls] == ["uid-9", None]
 
 
 def test_a_requests_drafting_keys_and_window_changes_reach_veRLs_server():

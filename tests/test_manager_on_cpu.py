@@ -196,10 +196,15 @@ def test_manager_rhyme_feeds_history_and_serves_it_next_epoch(ray_local, model_d
     assert m1["verl_ext/rhyme/histopipe_active"] == 0  # first epoch: no history
     seen = ray.get([s.seen.remote() for s in servers.values()])
     assert all(rpcs == [] for _, rpcs in seen)
-    # every request names its group and history key for the drafter
+    # every request names its group (prompt key and veRL's uid, from verl_ext's agent-loop
+    # worker) and its history key (the prompt key) for the drafter
+    groups = {}
     for prompts, params in (x for sampling, _ in seen for x in sampling):
         ident = dict(params["extra_args"]["verl_ext"])
-        assert ident.pop("request_id") and ident == {"group_id": prompt_group_id(prompts), "prompt_key": prompt_group_id(prompts)}
+        key = prompt_group_id(prompts)
+        assert ident.pop("request_id") and ident["prompt_key"] == key and ident["group_id"].startswith(f"{key}:uid-")
+        groups.setdefault(ident["group_id"], set()).add(key)
+    assert len(groups) == 4 and all(len(keys) == 1 for keys in groups.values())
     responses = {}
     mask = out1.batch["response_mask"].bool()
     for row in range(len(out1)):
@@ -231,8 +236,9 @@ def test_manager_rhyme_feeds_history_and_serves_it_next_epoch(ray_local, model_d
 def test_manager_seer_syncs_group_trees_across_servers(ray_local, model_dir):
     """rollout=seer with verl_ext's drafter on veRL's servers: the grouped draft server gets every
     chunk's tokens when the chunk returns and pushes each server the deltas of the groups it runs,
-    with strict imports (collective_rpc returns nothing); the servers stop writing their own group
-    trees. Outputs are those of the same rollout without the server."""
+    with strict imports (collective_rpc returns nothing); the servers, which do not stream, keep
+    writing their own group trees as well. Outputs are those of the same rollout without the
+    server."""
     from verl_ext.spec._suffix import DraftIndex
     from verl_ext.spec.dgds import import_deltas
 
@@ -257,8 +263,9 @@ def test_manager_seer_syncs_group_trees_across_servers(ray_local, model_dir):
         # the second step's chunks went to the server (less the last appends of each group, which
         # are dropped with the group's tree once all of it is done)
         assert 0 < m["verl_ext/seer/dgds_tokens"] - before <= float(out.batch["response_mask"].sum())
+        assert m["verl_ext/seer/engine_local_trees"] == len(servers)
         for server_ops in ops:
-            assert ("group_write", False) in server_ops
+            assert ("group_write", False) not in server_ops
             imports = [a for a in server_ops if a[0] == "import_groups"]
             assert imports and all(a[2] is True for a in imports)  # strict
             index = DraftIndex(32, 0, 1)  # the deltas are real group trees: replay them

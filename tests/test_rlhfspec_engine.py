@@ -55,6 +55,8 @@ async def test_greedy_identity_with_selected_drafts_and_migrations(fp32_engine, 
     assert [c.finish_reason for c in got.completions] == [c.finish_reason for c in want.completions]
     m = st.metrics()
     assert m["migrations"] > 0 and m.get("migrations_failed", 0) == 0
+    mech = got.metrics["mechanisms"]  # as `verl-ext ab` reports them
+    assert mech["samples_moved"] == m["migrations"] and mech["selection_steps"] > 0
     after = select_engine.telemetry()
     assert after.accepted_tokens > before.accepted_tokens
     stats = await select_engine.drafter_call("stats")

@@ -435,6 +435,54 @@ def test_engines_take_every_core():
         assert not engines_take_every_core(split[:1])
 
 
+def test_with_the_draft_server_up_only_streaming_engines_stop_writing_their_group_trees(monkeypatch):
+    """An engine that streams its tokens to the server (local vLLM) reads the server's group trees
+    only; one that hands them over when a chunk returns (veRL's servers) keeps its own as well, so
+    siblings on it see each other's tokens as they come."""
+    from verl_ext.pipe.pool import InstancePool
+
+    tr = _trace(groups=1, samples=2, seed=1)
+    calls = {}
+    insts = []
+    for name, streams in (("sim-0", True), ("sim-1", False)):
+        inst = SimInstance(name, _cost(), TraceSource(tr))
+
+        async def drafter_call(op, *args, _name=name):
+            calls.setdefault(_name, []).append((op, *args))
+            return True
+
+        async def import_drafts(blobs):
+            return [0] * len(blobs)
+
+        inst.drafting, inst.drafter_call, inst.import_drafts, inst.streams_tokens = True, drafter_call, import_drafts, streams
+        insts.append(inst)
+
+    class Up:  # a draft server that started
+        degraded = False
+
+        def __init__(self, **kw):
+            pass
+
+        async def start(self):
+            pass
+
+        def metrics(self):
+            return {}
+
+    monkeypatch.setattr("verl_ext.spec.dgds.DGDSClient", Up)
+    monkeypatch.setattr("ray.is_initialized", lambda: True)
+    strat = make_strategy("seer", {"dgds": True})
+
+    async def main():
+        pool = InstancePool(insts)
+        await strat.prepare(pool)
+        return strat._state(pool).dgds
+
+    assert isinstance(run_virtual(main()), Up)
+    assert calls == {"sim-0": [("group_write", False)]}
+    assert strat.metrics()["engine_local_trees"] == 1
+
+
 @pytest.mark.parametrize("dgds", ["auto", True])
 def test_dgds_auto_uses_engine_local_trees_where_engines_hold_every_core(dgds, monkeypatch):
     from verl_ext.pipe.pool import InstancePool

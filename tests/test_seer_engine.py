@@ -77,6 +77,10 @@ async def test_greedy_identity_with_chunks_migrations_and_grouped_drafts(fp32_en
     assert m["dgds_degraded"] == 0 and m["dgds_bytes_synced"] > 0
     after = [e.telemetry() for e in (seer_engine, spec_engine)]
     assert sum(a.accepted_tokens - b.accepted_tokens for a, b in zip(after, before)) > 0
+    # the mechanisms `verl-ext ab` reports: continuations, one probe per group, group drafts accepted
+    mech = got.metrics["mechanisms"]
+    assert mech["chunk_continuations"] == m["continuations"] and mech["probe_picks"] == len({r.group_id for r in reqs})
+    assert mech["group_draft_tokens_accepted"] > 0
     # with the server up, the engine started with local group trees stopped writing them; the
     # strategy gave it its setting back when it closed (the op answers the previous one)
     assert await spec_engine.drafter_call("group_write", True) is True

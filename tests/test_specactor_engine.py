@@ -49,6 +49,8 @@ async def test_greedy_identity_with_best_of_n_copies_and_no_leaked_slots(fp32_en
     assert [c.finish_reason for c in got.completions] == [c.finish_reason for c in want.completions]
     m = st.metrics()
     assert m["bon_copies"] > 0 and m.get("bon_divergent", 0) == 0 and m.get("bon_failed", 0) == 0
+    mech = got.metrics["mechanisms"]  # as `verl-ext ab` reports them
+    assert mech["bon_copies"] == m["bon_copies"] and mech["ladder_selections"] > 0
     for inst in (spec_engine, fp32_engine):  # the losing copies were aborted: nothing runs
         t = inst.telemetry()
         assert t.running == 0 and not t.waiting

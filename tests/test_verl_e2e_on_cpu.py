@@ -93,7 +93,7 @@ def _inject_faults(proc: subprocess.Popen, out: Path, killed: dict) -> None:
 def e2e(tmp_path_factory):
     out = tmp_path_factory.mktemp("verl_e2e")
     cmd = ["bash", "scripts/verl_e2e.sh", "--strategies", ",".join(f"{s}:{k}" for s, k in STEPS.items()),
-           "--out", str(out), "--check-identity", "--prompts", str(PROMPTS), "--n", str(N), "--max-tokens", str(TOKENS),
+           "--out", str(out), "--check-identity", "--check-mechanisms", "--prompts", str(PROMPTS), "--n", str(N), "--max-tokens", str(TOKENS),
            "--timeout", str(RUN_TIMEOUT_S), "--", OVERRIDE]
     killed: dict = {}
     proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -209,6 +209,23 @@ def test_rhyme_drafts_in_the_second_step_from_the_first_steps_history(e2e):
     assert second["verl_ext/spec/accepted_tokens"] > 0  # history drafts the server accepted
     # HistoPipe's tier 2 floors t0 at the trainer's time between rollouts, as the dispatcher saw it
     assert "verl_ext/rhyme/t_train_s" not in first and 0 < second["verl_ext/rhyme/t_train_s"] < first["timing_s/step"]
+
+
+def test_every_mechanism_within_reach_acted_inside_verl(e2e):
+    """``--check-mechanisms``: seer trains under tight KV and small chunks; every mechanism of seer
+    and rhyme but rhyme's migrations (out of reach in a one-server greedy run, and said so in the
+    summary) acted; the counts are the tracking's ``verl_ext/mechanisms/*``."""
+    out, *_ = e2e
+    seer, rhyme = _summary(out, "seer")["mechanisms"], _summary(out, "rhyme")["mechanisms"]
+    assert seer["chunk_continuations"] >= PROMPTS * N  # 32 tokens in chunks of 16: each request continued
+    assert seer["probe_picks"] >= PROMPTS and seer["kv_holds"] > 0 and seer["group_draft_tokens_accepted"] > 0
+    assert rhyme["history_draft_tokens_accepted"] > 0 and rhyme["histopipe_placements"] >= PROMPTS * N
+    assert set(_summary(out, "rhyme")["mechanisms_unchecked"]) == {"migrations"}
+    assert _summary(out, "baseline")["mechanisms"] == {}
+    for strategy, got in (("seer", seer), ("rhyme", rhyme)):
+        rows = _tracking(out, strategy)
+        assert got == {k: max(int(r.get(f"verl_ext/mechanisms/{k}", 0)) for r in rows) for k in got}
+    assert "kv_fraction=0.02" in (out / "seer" / "command.txt").read_text()
 
 
 def test_a_killed_dispatcher_falls_back_to_verls_load_balancer_mid_step(e2e):

@@ -21,6 +21,7 @@ from typing import Callable, Optional, Sequence
 
 from verl_ext.ab.metrics import SCHEMA, rollout_metrics
 from verl_ext.engine.instance import GenRequest, Instance, SamplingSpec
+from verl_ext.pipe import mechanisms
 from verl_ext.pipe.defer import require_carrier
 from verl_ext.pipe.pool import InstancePool
 from verl_ext.pipe.strategy import Strategy, make_strategy
@@ -267,6 +268,8 @@ async def run_strategy(
     stop = asyncio.Event()
     await strategy.prepare(pool)  # long-lived helpers start outside the timed rollout
     before = [inst.telemetry() for inst in instances]
+    acted_before = dict(strategy.acted)
+    drafters_before = await mechanisms.read_drafters(instances)
     pool.reset_clock()
     sampler = asyncio.ensure_future(_sample_telemetry(instances, pool, timeline, stop)) if sample_telemetry else None
     try:
@@ -290,6 +293,8 @@ async def run_strategy(
     metrics["accepted_tokens"] = accepted
     metrics["draft_acceptance"] = accepted / drafted if drafted else None
     metrics.update({f"strategy/{k}": v for k, v in strategy.metrics().items()})
+    metrics["mechanisms"] = mechanisms.count(strategy, await mechanisms.read_drafters(instances), drafters_before,
+                                             acted_before)
     return ArmResult(completions, rewards, metrics, pool, timeline)
 
 
@@ -507,6 +512,7 @@ async def _run_one(label, strategy, spec, engine_factory, cfg, epochs, score, to
     metrics = dict(arm.metrics)
     if len(epochs) > 1:
         metrics["epochs"] = per_epoch
+        metrics["mechanisms"] = {k: sum(e["mechanisms"].get(k, 0) for e in per_epoch) for k in arm.metrics["mechanisms"]}
     if drafters:
         metrics["drafters"] = drafters
     return StrategyRun(

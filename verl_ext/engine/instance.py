@@ -5,7 +5,8 @@ simulated engine). Strategies only ever talk to instances through this contract:
 
 * ``generate(request, on_tokens=None)``: submit a request and await its completion
   (``Completion``); ``on_tokens(delta)``, when given, is called with each batch of new tokens
-  as the engine produces them (engines that cannot stream call it once, at the end);
+  as the engine produces them (engines that cannot stream call it once, at the end; they say so
+  with ``streams_tokens = False``);
 * ``stream(request)``: submit a request and iterate over token deltas as they are produced;
 * ``abort(request_id)``: stop a running request; its ``generate``/``stream`` finishes with
   ``finish_reason == "abort"`` and the tokens produced so far;
@@ -18,7 +19,9 @@ simulated engine). Strategies only ever talk to instances through this contract:
 * ``set_spec_windows(windows, modes=None)`` (optional, async): new draft windows ``{request_id:
   tokens}`` for running requests on a drafting engine (SpecActor's Algorithm 2), and where the
   engine models decoupled speculation (the simulator) their modes ``{request_id: "coupled" |
-  "decoupled"}``; returns how many it changed.
+  "decoupled"}``; returns how many it changed;
+* ``drafter_stats()`` (async): the engine drafter's counters (``verl_ext.pipe.mechanisms``);
+  None without a drafter.
 
 The contract is deliberately small so that the same strategy code runs on real engines, on
 veRL's replicas and in a trace-driven simulator. Implementations: ``verl_ext.engine.vllm_local``
@@ -95,9 +98,12 @@ PRIOR_TOKENS_KEY = "prior_tokens"
 
 @dataclass
 class GenRequest:
-    """One sample to generate. ``group_id`` is the GRPO group (veRL's ``uid``). A request that
-    resumes an aborted one (veRL's async trainers) carries in ``extra[PRIOR_TOKENS_KEY]`` how many
-    of its ``prompt_ids`` are response tokens generated before."""
+    """One sample to generate. ``group_id`` is the GRPO group (veRL's ``uid``); ``prompt_key``
+    names the prompt across steps (its history, ``history_key``), where it differs from the group:
+    inside veRL two groups of one prompt (a prompt twice in a batch, or in overlapping async
+    steps) share a prompt key. A request that resumes an aborted one (veRL's async trainers)
+    carries in ``extra[PRIOR_TOKENS_KEY]`` how many of its ``prompt_ids`` are response tokens
+    generated before."""
 
     request_id: str
     group_id: str
@@ -106,6 +112,12 @@ class GenRequest:
     sample_index: int = 0
     # Free-form engine-specific extras (passed to the engine where it supports them).
     extra: dict = field(default_factory=dict)
+    prompt_key: Optional[str] = None
+
+    @property
+    def history_key(self) -> str:
+        """The key of the prompt's history (rhyme's lengths, the drafter's history trees)."""
+        return self.group_id if self.prompt_key is None else self.prompt_key
 
 
 @dataclass
@@ -151,6 +163,8 @@ class Instance(abc.ABC):
 
     #: stable name, e.g. ``"vllm-0"``
     name: str
+    #: whether ``generate`` calls ``on_tokens`` as tokens come (False: once, at the end)
+    streams_tokens: bool = False
 
     @abc.abstractmethod
     async def generate(self, request: GenRequest, on_tokens: Optional[TokenCallback] = None) -> Completion:
@@ -176,6 +190,12 @@ class Instance(abc.ABC):
 
     def partial(self, request_id: str) -> Optional[Sequence[int]]:
         """Tokens running ``request_id`` has generated so far; None if unknown."""
+        return None
+
+    async def drafter_stats(self) -> Optional[dict]:
+        """The engine drafter's cumulative counters (``verl_ext.spec.vllm_proposer``'s ``stats``:
+        ``scope_tokens`` = {scope: [drafted, accepted]}, ``select_steps``, ...); None where no
+        verl_ext drafter answers. Read by ``verl_ext.pipe.mechanisms``."""
         return None
 
     async def start(self) -> None:

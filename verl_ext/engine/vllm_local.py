@@ -173,6 +173,8 @@ def _stat_logger_factory(instance: "VLLMInstance"):
 class VLLMInstance(Instance):
     """One ``AsyncLLM`` engine. ``engine_args`` are ``vllm.AsyncEngineArgs`` keyword arguments."""
 
+    streams_tokens = True
+
     def __init__(self, name: str, engine_args: dict, cpu_cores: Optional[str] = None, gpus: Optional[str] = None):
         """``cpu_cores``: the cores of a CPU build's engine (``VLLM_CPU_OMP_THREADS_BIND``);
         ``gpus``: the GPUs of a CUDA build's engine (``CUDA_VISIBLE_DEVICES``); None: inherited."""
@@ -242,7 +244,8 @@ class VLLMInstance(Instance):
             logprobs=0 if s.logprobs else None,
             output_kind=RequestOutputKind.DELTA,
             # request identity for engine-side plug-ins (e.g. grouped drafters)
-            extra_args={"verl_ext": {"request_id": request.request_id, "group_id": request.group_id, **request.extra}},
+            extra_args={"verl_ext": {"request_id": request.request_id, "group_id": request.group_id,
+                                     "prompt_key": request.history_key, **request.extra}},
         )
 
     async def _run(self, request: GenRequest, sink: Optional[asyncio.Queue], on_tokens=None) -> Completion:
@@ -311,6 +314,11 @@ class VLLMInstance(Instance):
             raise RuntimeError(f"instance {self.name} is not started")
         results = await self.engine.collective_rpc("verl_ext_drafter", args=(op, *args))
         return results[0]
+
+    async def drafter_stats(self) -> Optional[dict]:
+        if not self.drafting or self.engine is None:
+            return None
+        return await self.drafter_call("stats")
 
     async def set_spec_windows(self, windows: dict, modes: Optional[dict] = None) -> int:
         """New draft windows of running requests (the drafter's ``set_windows`` op). vLLM speculates

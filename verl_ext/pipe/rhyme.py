@@ -207,6 +207,11 @@ class _Plan:
 
 @register_strategy("rhyme")
 class RhymeStrategy(Strategy):
+    mechanisms = {
+        "history_draft_tokens_accepted": "drafter:history_accepted_tokens",  # HistoSpec
+        "histopipe_placements": "strategy",  # HistoPipe: a request sent to its ranking group's block
+        "migrations": "strategy",  # intra-step migration of an outlier
+    }
     Options = RhymeOptions
     uses_history = True
 
@@ -298,7 +303,7 @@ class RhymeStrategy(Strategy):
             self._warned_no_history = True
             logger.warning("rhyme: no history provider (set_history was not called); requests are dispatched "
                            "like baseline and HistoSpec has no history to draft from")
-        self._known = {r.group_id for r in requests}
+        self._known = {r.history_key for r in requests}
         self._late = {}
         self._spread = False
         if self.history is None:
@@ -476,8 +481,8 @@ class RhymeStrategy(Strategy):
                 self._planning = asyncio.ensure_future(self._plan_after_window(pool, self.step))
             self._batch.append(request)
             await asyncio.shield(self._planning)
-        if request.group_id not in self._known:  # also one that came while the plan was being made
-            await self._place_late(request.group_id, pool)
+        if request.history_key not in self._known:  # also one that came while the plan was being made
+            await self._place_late(request.history_key, pool)
         self._count(request)
         return await self._run_observed(request, pool, self._plan)
 
@@ -530,26 +535,27 @@ class RhymeStrategy(Strategy):
 
     def _count(self, r: GenRequest) -> None:
         plan = self._plan
-        g = plan.group_of(r.group_id) if plan is not None else None
+        g = plan.group_of(r.history_key) if plan is not None else None
         if g is not None:
             plan.running[g] += 1
             plan.size[g] = max(plan.size[g], plan.running[g])
 
     async def _run_observed(self, r: GenRequest, pool: InstancePool, plan: Optional[_Plan]) -> Completion:
         c = await self._run(r, pool, plan)
-        if r.group_id in self._predicted and not is_deferred(c):  # the rank check's evidence for the next step
-            self._observed.setdefault(r.group_id, []).append(len(c.token_ids))
+        if r.history_key in self._predicted and not is_deferred(c):  # the rank check's evidence for the next step
+            self._observed.setdefault(r.history_key, []).append(len(c.token_ids))
         return c
 
     def _pick(self, block: Sequence[Instance], pool: InstancePool) -> Instance:
         return min(block, key=lambda i: (pool.inflight[i.name], i.name))
 
     async def _run(self, r: GenRequest, pool: InstancePool, plan: Optional[_Plan]) -> Completion:
-        g = plan.group_of(r.group_id) if plan is not None else None
+        g = plan.group_of(r.history_key) if plan is not None else None
         if g is None or not plan.blocks[g]:
             return await pool.run(pool.least_loaded(r.request_id), r)
         try:
             inst = self._pick(plan.blocks[g], pool)
+            self.acted["histopipe_placements"] += 1
             top = plan.max_hist[g]
             if not self.options.migration or top is None:
                 return await pool.run(inst, r)
@@ -574,6 +580,7 @@ class RhymeStrategy(Strategy):
                             inst = self._pick(others, pool)
                         migrated = True
                         self._m["migrations"] += 1
+                        self.acted["migrations"] += 1
                 chunk = st.remaining if migrated else min(self.options.recheck_tokens, st.remaining)
         finally:
             plan.running[g] -= 1
@@ -596,7 +603,7 @@ class RhymeStrategy(Strategy):
 
 
 def _samples_per_prompt(requests: Sequence[GenRequest]) -> float:
-    groups = {r.group_id for r in requests}
+    groups = {r.history_key for r in requests}
     return len(requests) / max(1, len(groups))
 
 

@@ -132,6 +132,10 @@ class _Sample:
 
 @register_strategy("rlhfspec")
 class RlhfSpecStrategy(Strategy):
+    mechanisms = {
+        "selection_steps": "drafter:select_steps",  # workload-aware drafting: engine steps whose drafts were selected
+        "samples_moved": "strategy",  # sample reallocation: a running sample moved to another engine
+    }
     Options = RlhfSpecOptions
 
     def __init__(self, options=None):
@@ -255,6 +259,7 @@ class RlhfSpecStrategy(Strategy):
             self._assigned[source.name] -= 1
             self._assigned[dest.name] += 1
             self._m["migrations"] += 1
+            self.acted["samples_moved"] += 1
             return dest
         self._m["migrations_failed"] += 1
         return source

@@ -264,7 +264,11 @@ class _Rollout:
         slots = self._select(r, need)
         if slots is None:  # Algorithm 1: "no instance available in this cycle"
             self.buffer.unpick(r)
+            if any(s.running < s.max_running for s in self.slots.values()):
+                self.strategy.acted["kv_holds"] += 1  # a free slot, but the chunk's KV would not fit
             return False
+        if r.is_probe and not r.chunks:
+            self.strategy.acted["probe_picks"] += 1
         slots.running += 1  # reserved now: the next pick in this cycle must see it
         slots.reserved += need
         slots.groups[r.request.group_id] += 1
@@ -302,6 +306,7 @@ class _Rollout:
         self.stats["chunks"] += 1
         if r.chunks:
             self.stats["continuations"] += 1
+            self.strategy.acted["chunk_continuations"] += 1
             self.stats["stays" if r.holder == inst.name else "migrations"] += 1
         request = r.gen.next_request(chunk)
         on_tokens = None
@@ -427,11 +432,16 @@ class _Rollout:
             self.strategy._dgds_start_failures += 1
 
     async def _group_trees_from_server(self, targets) -> None:
-        """With the server up, the engines stop writing their own requests into their group trees
-        (the server's copy has those tokens): veRL's servers start with engine-local trees
-        (``group_source: local`` in seer.yaml) so that they keep them where no server runs.
+        """With the server up, engines that stream their tokens to it stop writing their own
+        requests into their group trees (the server's copy has those tokens, step by step).
+        Engines that do not stream (veRL's servers: the server gets a chunk's tokens when the
+        chunk returns) keep writing them as well, so that a request's siblings on the same
+        engine see its tokens as they come, and the server adds what other engines generated.
         Chunks already running when the server came up keep writing theirs."""
         for inst in targets:
+            if not getattr(inst, "streams_tokens", False):
+                self.strategy._engine_local_trees += 1
+                continue
             # drafts only if it fails: that engine's trees then hold its requests twice
             await self._group_write(inst, False, "switch to the draft server's group trees")
 
@@ -486,6 +496,12 @@ class _Rollout:
 @register_strategy("seer")
 class SeerStrategy(Strategy):
     Options = SeerOptions
+    mechanisms = {
+        "chunk_continuations": "strategy",  # divided rollout: a request's next chunk dispatched
+        "probe_picks": "strategy",  # Algorithm 1: a group's probe dispatched ahead of its siblings
+        "kv_holds": "strategy",  # admission: a chunk held back although a slot was free (its KV would not fit)
+        "group_draft_tokens_accepted": "drafter:group_accepted_tokens",  # grouped speculative decoding
+    }
 
     def __init__(self, options=None):
         super().__init__(options)
@@ -497,6 +513,7 @@ class SeerStrategy(Strategy):
         self._dgds_auto_off = 0  # dgds=auto chose engine-local group trees
         self._engine_groups_dropped = 0  # finished groups' trees freed on the engines
         self._engine_drop_failures = 0
+        self._engine_local_trees = 0  # non-streaming engines that keep local group trees beside the server's
 
     def _state(self, pool: InstancePool) -> _Rollout:
         st = self._rollouts.get(id(pool))
@@ -561,4 +578,5 @@ class SeerStrategy(Strategy):
         out["dgds_auto_off"] = float(self._dgds_auto_off)
         out["engine_groups_dropped"] = float(self._engine_groups_dropped)
         out["engine_group_drop_failures"] = float(self._engine_drop_failures)
+        out["engine_local_trees"] = float(self._engine_local_trees)
         return out

@@ -209,6 +209,11 @@ class _Live:
 
 @register_strategy("specactor")
 class SpecActorStrategy(Strategy):
+    mechanisms = {
+        "window_changes": "strategy",  # Algorithm 2: draft windows of running requests reconfigured
+        "ladder_selections": "strategy",  # the draft ladder's method and window chosen for a step's batch
+        "bon_copies": "strategy",  # Algorithm 3: Best-of-N copies started (greedy requests)
+    }
     Options = SpecActorOptions
 
     def __init__(self, options=None):
@@ -285,6 +290,7 @@ class SpecActorStrategy(Strategy):
         # lone request (window 0), so that reconfiguration can turn it on as the batch drains
         self._tail_method = self._method or pick(self._rank(1))
         self._m["selected_speedup"] = ranked[0][1] if ranked else 0.0
+        self.acted["ladder_selections"] += 1
         self._m["selected_method"] = -1 if self._method is None else list(lad.methods).index(self._method)
         return self._method
 
@@ -558,6 +564,7 @@ class SpecActorStrategy(Strategy):
                 copy = _Run(inst, method, prefix, steps0, window=window, decoupled=self.options.execution == "decoupled")
                 self._start(live, copy, req, pool)
                 self._m["bon_copies"] += 1
+                self.acted["bon_copies"] += 1
 
     def _rate(self, live: _Live, fallback: Optional[str]):
         """(acceptance per draft token, tokens so far, steps so far) of a request's original run,
@@ -640,6 +647,7 @@ class SpecActorStrategy(Strategy):
                 tokens, steps = self._progress(live) if live is not None else (None, 0)
                 run.mark = (len(tokens) if tokens is not None else 0, steps)  # the new window's rate starts here
             self._m["reconfigured_running"] += n
+            self.acted["window_changes"] += n
 
     def _step_seconds(self, pool: InstancePool) -> Optional[float]:
         """Seconds per engine step, averaged since the strategy first saw each instance (a

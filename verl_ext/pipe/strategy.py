@@ -17,6 +17,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import dataclasses
+from collections import Counter
 from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence
 
 from verl_ext.engine.instance import Completion, GenRequest
@@ -59,9 +60,14 @@ class Strategy(abc.ABC):
     #: whether the strategy reads per-prompt history (``set_history``); inside veRL the
     #: dispatcher then starts the history workers and feeds them every finished trajectory
     uses_history: ClassVar[bool] = False
+    #: the strategy's mechanisms and where each is counted (``verl_ext.pipe.mechanisms``):
+    #: ``"strategy"`` (``self.acted[name]``, over the strategy's life) or ``"drafter:<counter>"``
+    #: (the engines' drafter counters, ``mechanisms.DRAFTER_COUNTERS``)
+    mechanisms: ClassVar[Mapping[str, str]] = {}
 
     def __init__(self, options: Optional[Mapping[str, Any]] = None):
         self.options = parse_options(self.Options, options, f"strategy '{self.name}'")
+        self.acted: Counter = Counter()  # how many times each mechanism acted (``mechanisms``)
 
     @abc.abstractmethod
     async def submit(self, request: GenRequest, pool: InstancePool) -> Completion:

@@ -15,7 +15,7 @@ import hashlib
 import logging
 import time
 from collections import OrderedDict
-from typing import Any, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -24,6 +24,7 @@ from verl_ext.engine.instance import FINISH_ABORT, PRIOR_TOKENS_KEY, GenRequest,
 from verl_ext.pipe.defer import is_deferred, resume_deferred
 from verl_ext.pipe.pool import InstancePool
 from verl_ext.pipe.strategy import make_strategy
+from verl_ext.pipe import mechanisms
 from verl_ext.rollout import server_metrics
 from verl_ext.pipe.chunks import WHOLE_KEY
 from verl_ext.rollout.replica_instance import BASE_LEN_KEY, KWARGS_KEY, SAMPLING_KEY, TOKEN_OUTPUT_KEY, ReplicaInstance
@@ -68,19 +69,29 @@ DEFER_WAIT_S = 60.0
 
 
 def prompt_group_id(prompt_ids) -> str:
-    """The GRPO group of a request, from its prompt tokens.
-
-    veRL's agent loops do not pass the prompt's ``uid`` to ``generate()``, but the ``n`` samples
-    of one prompt send the same prompt tokens, so the tokens identify the group (two prompts with
-    identical tokens share one group, which for length estimates and drafting is what a group
-    means anyway). Later turns of a multi-turn trajectory keep their first turn's group
-    (``StrategyDispatcher._identify``).
+    """A prompt's key, from its tokens: what names it across steps (its history: veRL's ``uid`` is
+    a fresh uuid every step) and, where veRL's ``uid`` does not reach the dispatcher, its GRPO group
+    (the ``n`` samples of one prompt send the same prompt tokens). With the ``uid``
+    (``verl_ext.rollout.trajectory``) the group is the prompt key and the uid, so that a prompt
+    twice in a batch, or in overlapping async steps, makes two groups. Later turns of a
+    multi-turn trajectory keep their first turn's group (``StrategyDispatcher._identify``).
     """
     h = hashlib.blake2b(digest_size=12)
     h.update(len(prompt_ids).to_bytes(4, "little"))
     for t in prompt_ids:
         h.update(int(t).to_bytes(4, "little", signed=True))
     return "p" + h.hexdigest()
+
+
+class _Ident(NamedTuple):
+    """Who a request is: its group, its prompt key (``prompt_group_id`` of the first ``key_len``
+    prompt tokens), its sample index in the group and the prompt length veRL first sent."""
+
+    group_id: str
+    prompt_key: str
+    sample_index: int
+    prompt_len: int
+    key_len: int
 
 
 class StrategyDispatcher:
@@ -129,13 +140,12 @@ class StrategyDispatcher:
         self._rollout_end: Optional[float] = None  # the last response out (kept across metrics calls)
         self._spec = server_metrics.SpecCounters() if drafting else None
         self._group_sizes: OrderedDict[str, int] = OrderedDict()  # group id -> samples seen
-        # request id -> (group id, sample index, prompt length, length of the prompt prefix the
-        # group id hashes) of requests that ended aborted: veRL's async trainers resume them under
-        # the same id (FullyAsyncLLMServerClient)
-        self._aborted: OrderedDict[str, tuple[str, int, int, int]] = OrderedDict()
-        # request id -> (group id, sample index, key length) of finished turns: veRL's multi-turn
-        # agent loops (tool_agent_loop) send every turn of a trajectory under its first's id
-        self._turns: OrderedDict[str, tuple[str, int, int]] = OrderedDict()
+        # request id -> who it was, for requests that ended aborted: veRL's async trainers resume
+        # them under the same id (FullyAsyncLLMServerClient)
+        self._aborted: OrderedDict[str, _Ident] = OrderedDict()
+        # request id -> who it was, for finished turns: veRL's multi-turn agent loops
+        # (tool_agent_loop) send every turn of a trajectory under its first's id
+        self._turns: OrderedDict[str, _Ident] = OrderedDict()
         self._resumed = self._later_turns = 0
         # inter-step migration: request id -> (Chunked state, future of its whole completion)
         self._parked: dict[str, tuple[Any, asyncio.Future]] = {}
@@ -247,8 +257,10 @@ class StrategyDispatcher:
         if self._ingests:
             await asyncio.wait(list(self._ingests), timeout=self.settings.history.timeout_s)
 
-    async def generate(self, request_id: str, prompt_ids: list[int], sampling_params: dict, **kwargs: Any):
-        """Same arguments as veRL's ``server.generate`` (plus the caller's sticky ``request_id``)."""
+    async def generate(self, request_id: str, prompt_ids: list[int], sampling_params: dict,
+                       verl_ext_uid: Optional[str] = None, **kwargs: Any):
+        """Same arguments as veRL's ``server.generate`` (plus the caller's sticky ``request_id``),
+        and the trajectory's ``uid`` where the agent-loop worker knows it."""
         if self._first_in is None:
             self._first_in = time.monotonic()
         if self._load_watch is None:
@@ -257,12 +269,14 @@ class StrategyDispatcher:
         await asyncio.shield(self._load_watch_ready)  # the first read only
         params = dict(sampling_params)
         max_tokens = params.get("max_tokens", params.get("max_new_tokens", self.max_tokens_default))
-        group_id, sample_index, prompt_len, key_len = self._identify(request_id, prompt_ids)
+        ident = self._identify(request_id, prompt_ids, verl_ext_uid)
+        prompt_len = ident.prompt_len
         request = GenRequest(
             request_id=request_id,
-            group_id=group_id,
+            group_id=ident.group_id,
+            prompt_key=ident.prompt_key,
             prompt_ids=prompt_ids,
-            sample_index=sample_index,
+            sample_index=ident.sample_index,
             sampling=SamplingSpec(
                 temperature=float(params.get("temperature", 1.0)),
                 top_p=float(params.get("top_p", 1.0)),
@@ -294,9 +308,8 @@ class StrategyDispatcher:
         self._requests += 1
         self._output_tokens += len(completion.token_ids)
         self._last_out = self._rollout_end = time.monotonic()
-        table, entry = ((self._aborted, (group_id, sample_index, prompt_len, key_len))
-                        if completion.finish_reason == FINISH_ABORT else (self._turns, (group_id, sample_index, key_len)))
-        table[request_id] = entry
+        table = self._aborted if completion.finish_reason == FINISH_ABORT else self._turns
+        table[request_id] = ident
         table.move_to_end(request_id)
         if len(table) > GROUP_CACHE_SIZE:
             table.popitem(last=False)
@@ -323,41 +336,44 @@ class StrategyDispatcher:
             if any(self.pool.inflight.values()):
                 await asyncio.gather(*(i.refresh() for i in instances))
 
-    def _identify(self, request_id: str, prompt_ids: list[int]) -> tuple[str, int, int, int]:
-        """(group id, sample index, original prompt length, key length) of a request; the group id
-        hashes the first ``key length`` prompt tokens. A request that comes back after an abort
-        (veRL's async trainers resend ``prompt + tokens so far`` under the same ``request_id``)
-        keeps its group and sample index, and so does a later turn of a multi-turn trajectory
-        (same ``request_id``, its prompt extends the first turn's), so that group drafts, length
-        estimates and history follow the trajectory. Any other request is a new sample of the
-        group of its prompt tokens."""
+    def _identify(self, request_id: str, prompt_ids: list[int], uid: Optional[str] = None) -> _Ident:
+        """Who a request is. A request that comes back after an abort (veRL's async trainers
+        resend ``prompt + tokens so far`` under the same ``request_id``) keeps its group and sample
+        index, and so does a later turn of a multi-turn trajectory (same ``request_id``, its prompt
+        extends the first turn's), so that group drafts, length estimates and history follow the
+        trajectory. Any other request is a new sample of its group: its prompt key and ``uid``
+        (veRL's GRPO group), or its prompt key alone where no uid came."""
         known = self._aborted.pop(request_id, None)
         if known is not None:
-            group_id, sample_index, prompt_len, key_len = known
-            if len(prompt_ids) >= prompt_len and prompt_group_id(prompt_ids[:key_len]) == group_id:
+            if len(prompt_ids) >= known.prompt_len and prompt_group_id(prompt_ids[:known.key_len]) == known.prompt_key:
                 self._resumed += 1
                 return known
         turn = self._turns.pop(request_id, None)
         if turn is not None:
-            group_id, sample_index, key_len = turn
-            if len(prompt_ids) > key_len and prompt_group_id(prompt_ids[:key_len]) == group_id:
+            if len(prompt_ids) > turn.key_len and prompt_group_id(prompt_ids[:turn.key_len]) == turn.prompt_key:
                 self._later_turns += 1
-                return group_id, sample_index, len(prompt_ids), key_len
-        group_id = prompt_group_id(prompt_ids)
+                return turn._replace(prompt_len=len(prompt_ids))
+        prompt_key = prompt_group_id(prompt_ids)
+        group_id = prompt_key if uid is None else f"{prompt_key}:{uid}"
         sample_index = self._group_sizes.get(group_id, 0)
         self._group_sizes[group_id] = sample_index + 1
         self._group_sizes.move_to_end(group_id)
         if len(self._group_sizes) > GROUP_CACHE_SIZE:
             self._group_sizes.popitem(last=False)
-        return group_id, sample_index, len(prompt_ids), len(prompt_ids)
+        return _Ident(group_id, prompt_key, sample_index, len(prompt_ids), len(prompt_ids))
 
     async def metrics(self, reset: bool = True) -> dict[str, float]:
         """Dispatcher counters since the last call, prefixed for veRL's tracking; with verl_ext's
-        drafter on the servers, also what they drafted and accepted (their ``/metrics``)."""
+        drafter on the servers, also what they drafted and accepted (their ``/metrics``); and
+        ``verl_ext/mechanisms/<name>``: how many times each of the strategy's mechanisms acted
+        over the run so far (``verl_ext.pipe.mechanisms``)."""
         out = self._counters(reset)
         if self._spec is not None:
             readings = await asyncio.to_thread(server_metrics.read_all, list(self.pool.instances))
             out.update(self._spec.step(readings) if reset else {})
+        if getattr(self.strategy, "mechanisms", None):  # over the run so far (verl_ext.pipe.mechanisms)
+            drafters = await mechanisms.read_drafters(self.pool.instances.values()) if self._spec is not None else None
+            out.update({f"verl_ext/mechanisms/{k}": float(v) for k, v in mechanisms.count(self.strategy, drafters).items()})
         return out
 
     def _counters(self, reset: bool) -> dict[str, float]:

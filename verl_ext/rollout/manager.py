@@ -38,6 +38,7 @@ from verl_ext.config.settings import VerlExtSettings
 from verl_ext.pipe.strategy import StrategyConfigError, get_strategy_class
 from verl_ext.rollout.dispatcher import StrategyDispatcher, prompt_group_id, server_handles_from_load_balancer
 from verl_ext.rollout.finish import model_stop_ids
+from verl_ext.rollout.trajectory import TRAJECTORY_UID
 from verl_ext.trace import verl_hook
 
 logger = logging.getLogger(__name__)
@@ -82,8 +83,10 @@ class _DispatchingClient(LLMServerClient):
         if self._dispatcher is None or self._dispatcher_failed:
             return await super().generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs)
         forwarded = {k: v for k, v in kwargs.items() if v is not None}
+        uid = TRAJECTORY_UID.get()  # set by verl_ext's agent-loop workers
         try:
-            output = await self._dispatcher.generate.remote(request_id, list(prompt_ids), dict(sampling_params), **forwarded)
+            output = await self._dispatcher.generate.remote(request_id, list(prompt_ids), dict(sampling_params),
+                                                            verl_ext_uid=uid, **forwarded)
         except ray.exceptions.RayActorError as exc:
             if not self._dispatcher_failed:  # once per worker, not once per call that was in flight
                 self._dispatcher_failed = True
@@ -186,9 +189,9 @@ class _VerlExtManagerMixin:
             f"; history workers checkpoint to {history_dir}" if history_dir else "",
         )
         super().__init__(config, client, teacher_client, reward_loop_worker_handles)
-        if trace is not None or (self.verl_ext_history and self._verl_ext_flavour == "v1"):
-            # after veRL's __init__, which sets the worker class; V1 workers feed the history
-            self.agent_loop_workers_class = ray.remote(self._verl_ext_worker_cls())
+        # after veRL's __init__, which sets the worker class: verl_ext's workers tell the client
+        # each trajectory's uid (its GRPO group), record traces and, in V1, feed the history
+        self.agent_loop_workers_class = ray.remote(self._verl_ext_worker_cls(trace is not None))
         if self._verl_ext_flavour == "v1":  # V0 returns them in meta_info["timing"]
             from verl_ext.rollout import v1_metrics
 
@@ -252,10 +255,10 @@ class VerlExtAgentLoopManagerV0(_VerlExtManagerMixin, AgentLoopManager):
     """Legacy trainer (``trainer.use_v1=false``): ``generate_sequences`` returns a ``DataProto``."""
 
     @staticmethod
-    def _verl_ext_worker_cls():
-        from verl_ext.trace._verl_v0 import TracingAgentLoopWorker
+    def _verl_ext_worker_cls(tracing: bool):
+        from verl_ext.trace._verl_v0 import TracingAgentLoopWorker, TrajectoryAgentLoopWorker
 
-        return TracingAgentLoopWorker
+        return TracingAgentLoopWorker if tracing else TrajectoryAgentLoopWorker
 
     @auto_await
     async def generate_sequences(self, prompts):
@@ -292,7 +295,7 @@ def _v1_cls():
         _verl_ext_flavour = "v1"
 
         @staticmethod
-        def _verl_ext_worker_cls():
+        def _verl_ext_worker_cls(tracing: bool):
             from verl_ext.trace._verl_v1 import TracingAgentLoopWorkerTQ
 
             return TracingAgentLoopWorkerTQ

@@ -17,7 +17,8 @@ by the drafter), and ``drafter_call`` reaches the drafter through veRL's public
 ``vLLMHttpServer.collective_rpc`` (which returns nothing: calls are fire-and-check, errors raise).
 ``import_drafts`` takes the grouped draft server's deltas that way; veRL's servers do not stream,
 so ``generate`` hands a chunk's tokens to ``on_tokens`` (and so to the draft server) when the
-chunk ends.
+chunk ends. ``drafter_stats`` needs the drafter's answer, which ``collective_rpc`` drops: it runs
+the same RPC through the server's engine client inside the server actor (Ray's ``__ray_call__``).
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ class ReplicaInstance(Instance):
         if self.drafting:
             extra_args = dict(params.get("extra_args") or {})
             extra_args["verl_ext"] = {"request_id": request.request_id, "group_id": request.group_id,
-                                      "prompt_key": request.group_id,
+                                      "prompt_key": request.history_key,
                                       **{k: request.extra[k] for k in REQUEST_DRAFT_KEYS if k in request.extra}}
             params["extra_args"] = extra_args
         return params
@@ -99,6 +100,17 @@ class ReplicaInstance(Instance):
         if not self.drafting:
             raise RuntimeError(f"server {self.name} runs no verl_ext drafter")
         await self.handle.collective_rpc.remote("verl_ext_drafter", args=(op, *args))
+
+    async def drafter_stats(self, timeout_s: float = 10.0) -> Optional[dict]:
+        """The drafter's ``stats`` (its first worker's answer). None without a drafter, or where the
+        server cannot answer (an older Ray without ``__ray_call__``, an engine not started yet)."""
+        if not self.drafting:
+            return None
+        try:
+            answers = await self.handle.__ray_call__.remote(_drafter_rpc, "stats", (), timeout_s)
+        except Exception:
+            return None
+        return answers[0] if answers else None
 
     async def import_drafts(self, blobs: list) -> bool:
         """Import grouped draft server deltas (``verl_ext.spec.dgds``) into the server's drafter.
@@ -182,3 +194,22 @@ class ReplicaInstance(Instance):
             max_running=self.max_running,
             **({"timestamp": self._load_at} if self._load_at is not None else {}),
         )
+
+
+def _drafter_rpc(server, op: str, args: tuple, timeout_s: float):
+    """Runs inside a veRL ``vLLMHttpServer`` actor, on one of Ray's threads (``__ray_call__``): the
+    drafter RPC through the server's vLLM engine client on the actor's event loop (where its
+    output handler runs), returning every worker's answer."""
+    engine = server.engine
+    handler = getattr(engine, "output_handler", None)
+    loop = handler.get_loop() if handler is not None else None
+    if loop is None or loop.is_closed():
+        raise RuntimeError("the server's engine client has no running event loop yet")
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    else:  # on the loop's own thread, waiting below would deadlock it
+        raise RuntimeError("cannot wait for the engine on the server's event loop thread")
+    rpc = engine.collective_rpc("verl_ext_drafter", args=(op, *args))
+    return asyncio.run_coroutine_threadsafe(rpc, loop).result(timeout_s)

@@ -157,7 +157,7 @@ class ReplayDrafter:
     def _start(self, key: str, request: GenRequest, prompt: np.ndarray, mask: Optional[int] = None) -> None:
         mask = self.mask if mask is None else mask
         group = request.group_id if mask & SCOPE_GROUP else ""
-        history = request.group_id if mask & SCOPE_HISTORY else ""
+        history = request.history_key if mask & SCOPE_HISTORY else ""
         self.index.start_request(key, prompt, group=group, history=history, scopes=mask)
 
     def _replay(self, keys, rows, starts, ends, max_steps=-1):
@@ -272,6 +272,7 @@ class ReplayDrafter:
             return self._step_selected(keys, positions, caps, selector, kv_tokens)
         emitted = np.empty(len(keys), dtype=np.int64)
         drafted = np.empty(len(keys), dtype=np.int64)
+        self.last_scopes = scopes = np.zeros(len(keys), dtype=np.int64)
         positions = positions.tolist()
         ks = [s.k] * len(keys) if caps is None else [min(int(c), s.k) for c in caps]
         windows = None
@@ -287,7 +288,7 @@ class ReplayDrafter:
             if ks[j] <= 0:  # no draft this step: plain decoding
                 emitted[j], drafted[j] = 1, 0
                 continue
-            (toks, _, _, _), _ = self.index.propose(self._ik[key], ks[j], context=row[:pos],
+            (toks, _, _, _), scopes[j] = self.index.propose(self._ik[key], ks[j], context=row[:pos],
                                                    scopes=self._masks.get(key, self.mask),
                                                    min_match=s.min_match, max_match=s.max_match,
                                                    min_prob=s.min_prob)
@@ -308,8 +309,9 @@ class ReplayDrafter:
         for key, p in zip(keys, pos.tolist()):
             self._sync(key, p)
         ks = np.full(len(keys), s.k, dtype=np.int64) if caps is None else np.minimum(np.asarray(caps, dtype=np.int64), s.k)
-        toks, n, probs, _ = self.index.batch_propose([self._ik[k] for k in keys], ks, scopes=self.mask, min_match=s.min_match,
-                                                     max_match=s.max_match, min_prob=s.min_prob)
+        toks, n, probs, scope = self.index.batch_propose([self._ik[k] for k in keys], ks, scopes=self.mask,
+                                                         min_match=s.min_match, max_match=s.max_match, min_prob=s.min_prob)
+        self.last_scopes = scope.astype(np.int64)
         scores = cumulative_scores(probs, n)
         lengths, _ = selector.select_lengths(scores, n, kv_tokens)
         lengths = lengths.astype(np.int64)

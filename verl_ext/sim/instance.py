@@ -66,7 +66,7 @@ from verl_ext.engine.instance import FINISH_ABORT, FINISH_LENGTH, Completion, Ge
 from verl_ext.sim.drafting import split_schedules
 from verl_ext.sim.source import Target, TokenView, TraceSource
 from verl_ext.spec.adaptive import draft_caps
-from verl_ext.spec.options import request_drafting
+from verl_ext.spec.options import SCOPE_NAMES, request_drafting
 
 
 class _Req:
@@ -118,6 +118,11 @@ class SimInstance(Instance):
         self.drafts = 0
         self.draft_tokens = 0
         self.accepted_tokens = 0
+        # per scope: [drafted, accepted] tokens (the vLLM drafter's ``stats``), where known: per-step
+        # drafting (``exact``, selection) knows each draft's scope; replayed schedules (``cached``,
+        # ``lockstep``) know it only when the drafter drafts from a single scope
+        self.scope_tokens = {name: [0, 0] for name in SCOPE_NAMES.values()}
+        self._plan_scopes: Optional[np.ndarray] = None  # the current per-step plan's draft scopes
         self.preemptions = 0
         self.kv_peak = 0
         self.busy_s = 0.0
@@ -313,9 +318,36 @@ class SimInstance(Instance):
             self.drafts += per_step_drafts
             self.draft_tokens += dtot
             self.accepted_tokens += total - B * steps
+            self._count_scopes(emitted - steps, drafted)
             if self._cutoff is not None:  # the acceptance rate the engine's cut-off measures
                 self._cutoff.observe(dtot, total - B * steps)
         return done
+
+    def _count_scopes(self, accepted: np.ndarray, drafted: np.ndarray) -> None:
+        """Attribute the applied steps' drafted and accepted tokens to the scopes they came from."""
+        per_step = self.drafter.per_step
+        scopes = self._plan_scopes if per_step else None
+        if scopes is None:
+            single = SCOPE_NAMES.get(getattr(self.drafter, "mask", 0))  # None: several scopes, not attributable
+            if single is None or per_step:
+                return
+            self.scope_tokens[single][0] += int(drafted.sum())
+            self.scope_tokens[single][1] += int(accepted.sum())
+            return
+        for s, d, a in zip(scopes.tolist(), drafted.tolist(), accepted.tolist()):
+            name = SCOPE_NAMES.get(s)
+            if d and name is not None:
+                self.scope_tokens[name][0] += d
+                self.scope_tokens[name][1] += a
+
+    async def drafter_stats(self) -> Optional[dict]:
+        """The counters the vLLM drafter's ``stats`` gives (``scope_tokens``, ``select_steps``)."""
+        if self.drafter is None:
+            return None
+        out = {"scope_tokens": {k: list(v) for k, v in self.scope_tokens.items()}}
+        if self.selector is not None:
+            out.update(self.selector.stats())
+        return out
 
     def _advance_split(self, steps: int, W: int, caps, step, piece, pieces) -> None:
         """Adaptive replay: move each request's schedule position past ``steps`` capped steps;
@@ -489,6 +521,7 @@ class SimInstance(Instance):
                 keys = [self._key(r) for r in self.running]
                 pos = np.fromiter((r.ctx0 + r.pos for r in self.running), dtype=np.int64, count=B)
                 e, d = self.drafter.step(keys, pos, caps, self.selector, float(self._kv))
+                self._plan_scopes = getattr(self.drafter, "last_scopes", None)
                 if self.selector is not None:  # after the decision, as on an engine: P0 was not known to it
                     self.selector.note_prefill(P0)
                 E, D = e[:, None], d[:, None]

@@ -129,7 +129,11 @@ def select_epoch(trace, epoch: Optional[int] = None):
 
 
 def build_requests(trace, rows: np.ndarray, max_tokens: int) -> list[GenRequest]:
+    """The requests of ``rows``, sampled at the temperature the trace was recorded at (its
+    ``meta["temperature"]``; 1.0 where it does not say, as for synthetic traces): strategies that
+    treat greedy requests differently (``specactor``'s Best-of-N) see what the engines saw."""
     lengths = trace.response_lengths()
+    temperature = float((trace.meta or {}).get("temperature", 1.0))
     out = []
     for i in rows.tolist():
         uid, j = str(trace.prompt_uid[i]), int(trace.sample_index[i])
@@ -138,7 +142,7 @@ def build_requests(trace, rows: np.ndarray, max_tokens: int) -> list[GenRequest]
                 request_id=f"{uid}-s{j}",
                 group_id=uid,
                 prompt_ids=trace.prompt(i).tolist(),
-                sampling=SamplingSpec(temperature=1.0, max_tokens=max_tokens),
+                sampling=SamplingSpec(temperature=temperature, max_tokens=max_tokens),
                 sample_index=j,
                 extra={TRUE_LEN: int(lengths[i])},
             )

@@ -10,6 +10,8 @@ from typing import Optional
 from verl_ext.spec._suffix import SCOPE_GROUP, SCOPE_HISTORY, SCOPE_REQUEST
 
 SCOPES = {"request": SCOPE_REQUEST, "group": SCOPE_GROUP, "history": SCOPE_HISTORY}
+#: a scope bit -> its name (the drafter's per-scope counts)
+SCOPE_NAMES = {bit: name for name, bit in SCOPES.items()}
 # vLLM's rejection sampler asserts max_spec_len <= 128 (MAX_SPEC_LEN)
 MAX_K = 128
 

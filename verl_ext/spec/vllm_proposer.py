@@ -52,7 +52,7 @@ import numpy as np
 from verl_ext.spec._suffix import SCOPE_GROUP, SCOPE_HISTORY, DraftIndex
 from verl_ext.spec.adaptive import draft_caps
 from verl_ext.spec.dgds import IMPORT_REFUSED, import_deltas
-from verl_ext.spec.options import MAX_K, SpecOptions, request_drafting
+from verl_ext.spec.options import MAX_K, SCOPE_NAMES, SpecOptions, request_drafting
 from verl_ext.spec.reference import ReferenceDraft
 from verl_ext.spec.select import cumulative_scores
 from verl_ext.spec.steplog import StepLog
@@ -99,6 +99,9 @@ class SuffixProposer:
         self._group_of: dict[str, str] = {}  # request id -> group (adaptive: finished fraction)
         self.aimd = self.options.aimd_windows()  # per-request AIMD windows (RhymeRL), or None
         self._last_draft: dict[str, int] = {}  # request id -> tokens drafted for it last step
+        self._last_scope: dict[str, int] = {}  # request id -> the scope its last draft came from
+        # drafted and accepted tokens by the scope that proposed them (request, group, history)
+        self.scope_tokens = {name: [0, 0] for name in SCOPE_NAMES.values()}
         self._window: dict[str, int] = {}  # request id -> its own draft window (SpecActor), when set
         self._reference: dict[str, ReferenceDraft] = {}  # request id -> drafts at a set acceptance (profiling)
         self._engine_ids: dict[str, set] = {}  # verl_ext request id -> this engine's request ids of it
@@ -168,8 +171,9 @@ class SuffixProposer:
         if self._window and b:
             get = self._window.get
             np.minimum(ks, np.fromiter((get(r, self.k) for r in req_ids), dtype=np.int64, count=b), out=ks)
-        if self._track and b:
+        if self._last_draft and b:
             self._observe(req_ids, emitted)
+        if self._track and b:
             if self.aimd is not None:
                 np.minimum(ks, self.aimd.get_many(req_ids), out=ks)
             if self.cutoff is not None and not self.cutoff.allows(b, float(lens.mean())):
@@ -181,9 +185,9 @@ class SuffixProposer:
         if self.selector is not None:
             self.selector.note_prefill(step_prefill_tokens(sched))
         if self.selector is not None and b:
-            drafts = self._select(req_ids, ks, token_ids_cpu, lens)
-        else:
-            drafts = index.batch_propose_lists(
+            drafts, scope = self._select(req_ids, ks, token_ids_cpu, lens)
+        elif b:
+            toks, n, _, scope = index.batch_propose(
                 req_ids,
                 ks,
                 token_ids_cpu,
@@ -193,13 +197,16 @@ class SuffixProposer:
                 max_match=self.options.max_match,
                 min_prob=self.options.min_prob,
             )
+            drafts = [row[:c].tolist() for row, c in zip(toks, n.tolist())]
+        else:
+            drafts, scope = [], []
         if self._reference and b:
             for i, req_id in enumerate(req_ids):
                 ref = self._reference.get(req_id)
                 if ref is not None:
                     drafts[i] = ref.draft(int(lens[i]), int(ks[i]))
-        if self._track:
-            self._last_draft = {r: len(d) for r, d in zip(req_ids, drafts) if d}
+        self._last_draft = {r: len(d) for r, d in zip(req_ids, drafts) if d}
+        self._last_scope = {r: int(scope[i]) for i, (r, d) in enumerate(zip(req_ids, drafts)) if d}
         self.steps += 1
         self.proposed_tokens += sum(map(len, drafts))
         self.propose_s += time.perf_counter() - t0
@@ -211,20 +218,18 @@ class SuffixProposer:
         """RLHFSpec: candidate drafts of up to ``ks`` tokens, cut to the lengths that maximise
         the step's predicted tokens per second (``verl_ext.spec.select``)."""
         o = self.options
-        toks, n, probs, _ = self.index.batch_propose(req_ids, ks, token_ids_cpu, lens, scopes=self.scopes,
+        toks, n, probs, scope = self.index.batch_propose(req_ids, ks, token_ids_cpu, lens, scopes=self.scopes,
                                                      min_match=o.min_match, max_match=o.max_match,
                                                      min_prob=o.min_prob)
         scores = cumulative_scores(probs, n)
         caps, _ = self.selector.select_lengths(scores, n, float(lens.sum()))
         self._last_scores = {r: scores[i, :c] for i, (r, c) in enumerate(zip(req_ids, caps.tolist())) if c}
-        return [toks[i, :c].tolist() for i, c in enumerate(caps.tolist())]
+        return [toks[i, :c].tolist() for i, c in enumerate(caps.tolist())], scope
 
     def _observe(self, req_ids, emitted: np.ndarray) -> None:
         """Feed last step's drafts and what came of them (a row emits its accepted drafts plus one
-        token) to the AIMD windows and the batch cut-off's acceptance rate."""
-        last = self._last_draft
-        if not last:
-            return
+        token) to the per-scope counts, the AIMD windows and the batch cut-off's acceptance rate."""
+        last, scope_of = self._last_draft, self._last_scope
         drafted = accepted = 0
         seen = []
         for i, req_id in enumerate(req_ids):
@@ -233,6 +238,10 @@ class SuffixProposer:
                 a = int(emitted[i]) - 1
                 drafted += d
                 accepted += a
+                counts = self.scope_tokens.get(SCOPE_NAMES.get(scope_of.get(req_id, 0), ""))
+                if counts is not None:  # reference drafts (profiling) count under no scope
+                    counts[0] += d
+                    counts[1] += a
                 if self.aimd is not None:
                     self.aimd.observe(req_id, d, a)
                 if self.selector is not None:
@@ -366,6 +375,8 @@ class SuffixProposer:
                 "import_calls": self.import_calls,
                 "imported_tokens": self.imported_tokens,
                 "import_refused": self.import_refused,
+                # per scope: [drafted, accepted] tokens of the drafts it proposed
+                "scope_tokens": {k: list(v) for k, v in self.scope_tokens.items()},
                 "options": self.options.to_dict(),
                 "greedy_only": self.greedy_only,
                 **(self.selector.stats() if self.selector is not None else {}),

@@ -1,8 +1,8 @@
-"""V1 (TransferQueue) agent-loop worker that reports finished trajectories: trace rows (see
-``verl_ext.trace.verl_hook``) and the history workers' feed (``StrategyDispatcher.ingest``).
+"""V1 (TransferQueue) agent-loop worker: runs each trajectory with its ``uid`` known to the
+dispatching client (``verl_ext.rollout.trajectory``), and reports finished trajectories: trace rows
+(see ``verl_ext.trace.verl_hook``) and the history workers' feed (``StrategyDispatcher.ingest``).
 
-Imported only when the V1 manager records traces or feeds history (it needs veRL's V1 module and
-TransferQueue). The collector handle, trace settings and dispatcher handle travel on the worker's
+Imported only by the V1 manager (it needs veRL's V1 module and TransferQueue). The collector handle, trace settings and dispatcher handle travel on the worker's
 LLM client (``StrategyLLMClient.verl_ext_trace`` / ``verl_ext_history``), which veRL passes to
 every worker.
 """
@@ -13,6 +13,7 @@ import logging
 
 from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopWorkerTQ
 
+from verl_ext.rollout.trajectory import trajectory as trajectory_of
 from verl_ext.trace.verl_hook import TRACE_KEY, history_items, v1_rows
 
 logger = logging.getLogger(__name__)
@@ -59,7 +60,8 @@ class TracingAgentLoopWorkerTQ(_Base):
         uid = prompt.get("uid")
         step = prompt.get("global_steps", trajectory.get("step", -1))
         try:
-            await super()._run_prompt(prompt, sampling_params, trajectory, trace=trace)
+            with trajectory_of(uid):
+                await super()._run_prompt(prompt, sampling_params, trajectory, trace=trace)
         finally:
             tracing = self._verl_ext_trace()
             if tracing is not None and not trajectory.get("validate", False):

@@ -1,0 +1,129 @@
+"""Each strategy's mechanisms are counted the same way on every driver (``verl_ext.pipe.mechanisms``).
+
+Here: the counting itself, and the simulator (``verl-ext ab --sim``), under conditions that make
+each mechanism act. Real engines: test_seer_engine, test_rlhfspec_engine, test_specactor_engine
+(``verl-ext ab``'s ``run_strategy``); real veRL: test_verl_e2e_on_cpu (``--check-mechanisms``).
+"""
+
+import asyncio
+
+import pytest
+
+from verl_ext.pipe import mechanisms
+from verl_ext.pipe.strategy import Strategy, get_strategy_class, make_strategy
+
+
+class _Mixed(Strategy):
+    mechanisms = {"moved": "strategy", "drafted": "drafter:group_accepted_tokens"}
+
+    async def submit(self, request, pool):  # pragma: no cover - never run
+        raise NotImplementedError
+
+
+class _Stats:
+    def __init__(self, answer):
+        self.answer = answer
+
+    async def drafter_stats(self):
+        if isinstance(self.answer, Exception):
+            raise self.answer
+        return self.answer
+
+
+def test_counts_take_differences_of_strategy_and_drafter_readings():
+    st = _Mixed()
+    st.acted["moved"] += 5
+    before = dict(st.acted)
+    st.acted["moved"] += 2
+    now = {"group_accepted_tokens": 30.0}
+    assert mechanisms.count(st, now) == {"moved": 7, "drafted": 30}
+    assert mechanisms.count(st, now, {"group_accepted_tokens": 12.0}, before) == {"moved": 2, "drafted": 18}
+    assert mechanisms.inert({"moved": 2, "drafted": 0}) == ["drafted"]
+    assert mechanisms.inert({"moved": 2, "drafted": 0}, ["moved"]) == []
+
+
+def test_an_unknown_source_is_an_error():
+    class Bad(_Mixed):
+        mechanisms = {"x": "engine:whatever"}
+
+    with pytest.raises(ValueError, match="unknown source 'engine:whatever'"):
+        mechanisms.count(Bad())
+
+
+def test_drafter_readings_sum_engines_and_skip_those_that_cannot_answer():
+    stats = {"scope_tokens": {"request": [4, 1], "group": [10, 7], "history": [0, 0]}, "select_steps": 3, "steps": 99}
+    engines = [_Stats(stats), _Stats(stats), _Stats(None), _Stats(RuntimeError("gone"))]
+    total = asyncio.run(mechanisms.read_drafters(engines))
+    assert total["group_draft_tokens"] == 20 and total["group_accepted_tokens"] == 14
+    assert total["request_accepted_tokens"] == 2 and total["select_steps"] == 6
+    assert set(total) == set(mechanisms.DRAFTER_COUNTERS)
+
+
+def test_every_built_in_strategy_declares_its_mechanisms_with_known_sources():
+    for name in ("seer", "rhyme", "rlhfspec", "specactor"):
+        cls = get_strategy_class(name)
+        assert cls.mechanisms, name
+        for source in cls.mechanisms.values():
+            assert source == "strategy" or source.split(":", 1)[1] in mechanisms.DRAFTER_COUNTERS, (name, source)
+
+
+SIM_ARMS = {  # each under the conditions that make its mechanisms act
+    "seer[kv_fraction=0.002,chunk_size=64]": ["chunk_continuations", "probe_picks", "kv_holds",
+                                              "group_draft_tokens_accepted"],  # tight KV, chunks
+    "rhyme": ["history_draft_tokens_accepted", "histopipe_placements", "migrations"],
+    # groups placed together, and a turning point of 6 samples per engine: some engines above it
+    "rlhfspec[allocation=grouped,threshold=6,cooldown=1]": ["selection_steps", "samples_moved"],
+    "specactor": ["window_changes", "ladder_selections", "bon_copies"],  # greedy requests
+}
+
+
+@pytest.fixture(scope="module")
+def sim_run(tmp_path_factory):
+    """``verl-ext ab --sim`` (its ``run_sim_ab``) on a small synthetic workload taken as recorded
+    greedy (``meta["temperature"] = 0``: Best-of-N copies only greedy requests), ``exact`` replay
+    (so that drafts from several scopes are attributed)."""
+    from verl_ext.sim.runner import SimConfig, load_workload, run_sim_ab
+
+    cfg = SimConfig(strategies=["baseline", *SIM_ARMS], synth=dict(prompts=16, samples=4, mean_len=256, max_len=1024),
+                    instances=4, replay="exact", out=str(tmp_path_factory.mktemp("ab_sim")))
+    trace = load_workload(cfg)
+    trace.meta["temperature"] = 0.0
+    return run_sim_ab(cfg, progress=False, trace=trace)["strategies"]
+
+
+@pytest.mark.parametrize("arm", list(SIM_ARMS))
+def test_mechanisms_act_in_the_simulator(sim_run, arm):
+    got, names = sim_run[arm]["mechanisms"], SIM_ARMS[arm]
+    assert set(got) == set(make_strategy(arm.split("[")[0]).mechanisms)
+    assert not mechanisms.inert(got, names), got
+    assert sim_run["baseline"]["mechanisms"] == {}
+
+
+def test_group_drafts_are_not_attributed_where_replayed_schedules_mix_scopes(tmp_path):
+    """``lockstep`` replays request+group drafts without telling them apart: the group count stays
+    0 there (a limit of the instrument, not of seer), while single-scope history drafts count."""
+    from verl_ext.sim.runner import SimConfig, run_sim_ab
+
+    cfg = SimConfig(strategies=["seer", "rhyme"], synth=dict(prompts=8, samples=4, mean_len=128, max_len=512),
+                    instances=2, replay="lockstep", out=str(tmp_path))
+    got = run_sim_ab(cfg, progress=False)["strategies"]
+    assert got["seer"]["mechanisms"]["group_draft_tokens_accepted"] == 0
+    assert got["seer"]["accepted_tokens"] > 0
+    assert got["rhyme"]["mechanisms"]["history_draft_tokens_accepted"] == got["rhyme"]["accepted_tokens"] > 0
+
+
+def test_verl_e2e_check_fails_on_a_mechanism_that_never_acted_but_not_on_one_out_of_reach():
+    from verl_ext.cpu.e2e import MECHANISMS_OUT_OF_REACH, inert_mechanisms, out_of_reach
+
+    acted = {"history_draft_tokens_accepted": 9, "histopipe_placements": 4, "migrations": 0}
+    assert "migrations" in MECHANISMS_OUT_OF_REACH["rhyme"] and "migrations" in out_of_reach("rhyme", servers=4)
+    rhyme = {"mechanisms_unchecked": out_of_reach("rhyme")}
+    assert inert_mechanisms("rhyme", {**rhyme, "mechanisms": acted}) == []
+    assert inert_mechanisms("rhyme", {**rhyme, "mechanisms": {**acted, "histopipe_placements": 0}}) == ["histopipe_placements"]
+    assert inert_mechanisms("seer", {"mechanisms": {}}) == list(get_strategy_class("seer").mechanisms)
+    assert inert_mechanisms("baseline", {"mechanisms": {}}) == []
+    # moving work between servers is out of reach on one server only
+    moved = {"selection_steps": 5, "samples_moved": 0}
+    assert inert_mechanisms("rlhfspec", {"mechanisms": moved, "mechanisms_unchecked": out_of_reach("rlhfspec", 1)}) == []
+    assert inert_mechanisms("rlhfspec", {"mechanisms": moved, "mechanisms_unchecked": out_of_reach("rlhfspec", 2)}) == [
+        "samples_moved"]
