@@ -107,6 +107,11 @@ def test_history_drafts_are_loaded_per_step():
                          rows, history, batches, 2000, "stream", T_TRAIN)
     assert r.metrics["output_tokens"] == 16 * 300
     assert r.metrics["tokens_per_step"] > 3.0 and r.metrics["draft_acceptance"] > 0.9
+    # the pipeline reports rhyme's mechanisms as the single-rollout drivers do: every accepted
+    # draft came from the history trees (HistoPipe is off here: no placements)
+    mech = r.metrics["mechanisms"]
+    assert set(mech) == {"history_draft_tokens_accepted", "histopipe_placements", "migrations"}
+    assert mech["history_draft_tokens_accepted"] > 0 and mech["histopipe_placements"] == 0
 
 
 def test_arm_modes():

@@ -49,6 +49,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from verl_ext.engine.instance import Completion, GenRequest, Instance, Telemetry
+from verl_ext.pipe import mechanisms
 from verl_ext.pipe.chunks import Chunked
 from verl_ext.pipe.defer import is_deferred, resume_deferred
 from verl_ext.pipe.pool import InstancePool
@@ -403,8 +404,12 @@ def run_pipeline_arm(label: str, cfg, cost, trace, rows, history, batches, max_t
 
         bar = tqdm(total=len(batches), desc=f"{label[:24]:>24} {mode}", unit="step", leave=True)
 
+    acted: dict = {}  # mechanism -> count, over the steps' strategies
+
     def on_step(step, strategy, pool):
         per_step.append({"step": step, **strategy.metrics()})
+        for name, n in mechanisms.count(strategy).items():
+            acted[name] = acted.get(name, 0) + n
         pools[step] = pool  # its records once the pipeline is done (a resumed request ends later)
         if bar is not None:
             bar.update()
@@ -434,6 +439,10 @@ def run_pipeline_arm(label: str, cfg, cost, trace, rows, history, batches, max_t
     for key in ("migrations", "deferrals", "histopipe_active", "histopipe_fallbacks"):
         if any(key in d for d in per_step):
             m[f"strategy/{key}"] = float(sum(d.get(key, 0.0) for d in per_step))
+    # the steps' own counts, and the drafters' (the instances outlive the steps: their counters
+    # cover the whole pipeline)
+    totals = mechanisms.count(first, run_virtual(mechanisms.read_drafters(sims)), acted_before=first.acted)
+    m["mechanisms"] = {k: acted.get(k, 0) if src == "strategy" else totals[k] for k, src in type(first).mechanisms.items()}
     if spec is not None:
         m["spec"] = {**spec.to_dict(), "replay": drafter.mode}
     return PipelineResult(f"{label}@{mode}", mode, m, dict(pipe.spans), records,
