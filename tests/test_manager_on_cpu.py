@@ -445,18 +445,15 @@ def test_async_trainers_carry_deferred_requests_into_the_next_step(ray_local, mo
         d = StrategyDispatcher(VerlExtSettings.from_custom(rhyme, async_trainer=True), servers, 16, carries=carries)
         assert (d.strategy._carry == d._carry) is carries
 
-    class DeferAll:
+    from verl_ext.pipe.lifecycle import Lifecycle
+    from verl_ext.pipe.strategy import Strategy
+
+    class DeferAll(Strategy):
         """Defers every request after its first 2 tokens (what rhyme does to an outlier)."""
         defers_samples, carry = True, None
 
         def set_deferral(self, carry):
             self.carry = carry
-
-        def begin_step(self, step):
-            pass
-
-        def metrics(self):
-            return {}
 
         async def submit(self, request, pool):
             st = Chunked(request)
@@ -474,7 +471,7 @@ def test_async_trainers_carry_deferred_requests_into_the_next_step(ray_local, mo
         monkeypatch.setattr(dispatcher_mod, "DEFER_WAIT_S", wait_s)
         d = StrategyDispatcher(VerlExtSettings.from_custom({"verl_ext": {"strategy": "baseline"}}), servers, 16)
         d.strategy = DeferAll()
-        d.strategy.set_deferral(d._carry)
+        d.life = Lifecycle(d.strategy, carrier=d._carry)  # what the dispatcher gives a strategy that defers
         await d.begin_step(1)
         calls = [asyncio.ensure_future(d.generate(f"r{i}", p, {"max_tokens": 16})) for i, p in enumerate(long)]
         while len(d._parked) < len(long):
@@ -496,7 +493,7 @@ def test_async_trainers_carry_deferred_requests_into_the_next_step(ray_local, mo
     async def cancelled():  # a caller that gives up on a deferred request: it is never resumed
         d = StrategyDispatcher(VerlExtSettings.from_custom({"verl_ext": {"strategy": "baseline"}}), servers, 16)
         d.strategy = DeferAll()
-        d.strategy.set_deferral(d._carry)
+        d.life = Lifecycle(d.strategy, carrier=d._carry)
         call = asyncio.ensure_future(d.generate("r0", long[0], {"max_tokens": 16}))
         while not d._parked:
             await asyncio.sleep(0.01)

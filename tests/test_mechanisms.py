@@ -127,3 +127,43 @@ def test_verl_e2e_check_fails_on_a_mechanism_that_never_acted_but_not_on_one_out
     assert inert_mechanisms("rlhfspec", {"mechanisms": moved, "mechanisms_unchecked": out_of_reach("rlhfspec", 1)}) == []
     assert inert_mechanisms("rlhfspec", {"mechanisms": moved, "mechanisms_unchecked": out_of_reach("rlhfspec", 2)}) == [
         "samples_moved"]
+
+
+def test_the_lifecycle_wires_only_what_the_driver_gives_and_steps_after_the_trainers_time():
+    from verl_ext.pipe.lifecycle import Lifecycle
+
+    calls = []
+
+    class Recording(_Mixed):
+        uses_history = True
+        defers_samples = True
+
+        def set_history(self, h):
+            calls.append(("history", h))
+
+        def set_deferral(self, c):
+            calls.append(("carrier", c))
+
+        def observe_train_time(self, s):
+            calls.append(("train_s", s))
+
+        def begin_step(self, step):
+            calls.append(("step", step))
+
+    st = Recording()
+    Lifecycle(st)  # a bare lifecycle (a driver with neither): the strategy keeps what it has
+    assert calls == []
+    life = Lifecycle(st, history="H", carrier=None)  # None: there is no next step to carry into
+    life.begin_step(3, train_s=1.5)
+    life.begin_step(4)
+    assert calls == [("history", "H"), ("carrier", None), ("train_s", 1.5), ("step", 3), ("step", 4)]
+
+    async def span():
+        engines = [_Stats({"scope_tokens": {"group": [10, 4]}})]
+        await life.mark(engines)
+        st.acted["moved"] += 3
+        engines[0].answer = {"scope_tokens": {"group": [16, 9]}}
+        return await life.mechanisms(engines)
+
+    st.acted["moved"] = 7  # before the mark: not counted
+    assert asyncio.run(span()) == {"moved": 3, "drafted": 5}

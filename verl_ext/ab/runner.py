@@ -21,8 +21,8 @@ from typing import Callable, Optional, Sequence
 
 from verl_ext.ab.metrics import SCHEMA, rollout_metrics
 from verl_ext.engine.instance import GenRequest, Instance, SamplingSpec
-from verl_ext.pipe import mechanisms
 from verl_ext.pipe.defer import require_carrier
+from verl_ext.pipe.lifecycle import UNSET, Lifecycle
 from verl_ext.pipe.pool import InstancePool
 from verl_ext.pipe.strategy import Strategy, make_strategy
 from verl_ext.spec._suffix import SCOPE_HISTORY
@@ -257,10 +257,13 @@ async def run_strategy(
     on_finish: Optional[Callable[[], None]] = None,
     clock: Optional[Callable[[], float]] = None,
     sample_telemetry: bool = True,
+    lifecycle: Optional[Lifecycle] = None,
 ) -> ArmResult:
     """Run ``requests`` through ``strategy`` on ``instances`` and measure it. ``clock``: the
     pool's clock (the simulator passes its virtual one); ``sample_telemetry=False`` skips the
-    running-requests sampler (simulated instances log every change themselves)."""
+    running-requests sampler (simulated instances log every change themselves); ``lifecycle``:
+    the driver's ``Lifecycle`` of ``strategy`` (its history and step; default: a bare one)."""
+    life = lifecycle if lifecycle is not None else Lifecycle(strategy)
     pool = InstancePool(instances, seed=seed, **({"clock": clock} if clock is not None else {}))
     if on_finish is not None:
         pool.on_finish = lambda record: on_finish()
@@ -268,8 +271,7 @@ async def run_strategy(
     stop = asyncio.Event()
     await strategy.prepare(pool)  # long-lived helpers start outside the timed rollout
     before = [inst.telemetry() for inst in instances]
-    acted_before = dict(strategy.acted)
-    drafters_before = await mechanisms.read_drafters(instances)
+    await life.mark(instances)
     pool.reset_clock()
     sampler = asyncio.ensure_future(_sample_telemetry(instances, pool, timeline, stop)) if sample_telemetry else None
     try:
@@ -293,8 +295,7 @@ async def run_strategy(
     metrics["accepted_tokens"] = accepted
     metrics["draft_acceptance"] = accepted / drafted if drafted else None
     metrics.update({f"strategy/{k}": v for k, v in strategy.metrics().items()})
-    metrics["mechanisms"] = mechanisms.count(strategy, await mechanisms.read_drafters(instances), drafters_before,
-                                             acted_before)
+    metrics["mechanisms"] = await life.mechanisms(instances)
     return ArmResult(completions, rewards, metrics, pool, timeline)
 
 
@@ -467,13 +468,14 @@ async def _run_one(label, strategy, spec, engine_factory, cfg, epochs, score, to
     last epoch's, plus ``epochs``: every epoch's metrics."""
     instances = await (engine_factory.create(cfg.instances, spec=spec) if spec else engine_factory.create(cfg.instances))
     store = None
+    history = UNSET
     if len(epochs) > 1:
         from verl_ext.history import HistoryStore
         from verl_ext.pipe.rhyme import LocalHistory
 
         store = HistoryStore(keep=1, max_bytes=1 << 62)  # an A/B run's few prompts: no cap
-        if strategy.uses_history:
-            strategy.set_history(LocalHistory(store))
+        history = LocalHistory(store)
+    life = Lifecycle(strategy, history=history)
     per_epoch = []
     try:
         # one short request per instance first, so one-off start-up costs stay out of the timings
@@ -482,10 +484,10 @@ async def _run_one(label, strategy, spec, engine_factory, cfg, epochs, score, to
         await asyncio.gather(*(inst.generate(GenRequest(f"warmup-{inst.name}", "warmup", first, warm)) for inst in instances))
         for e, requests in enumerate(epochs):
             step = e + 1
-            strategy.begin_step(step)
+            life.begin_step(step)
             if store is not None and spec is not None and spec.mask & SCOPE_HISTORY and not strategy.uses_history:
                 await _load_histories(instances, store, requests, step)
-            arm = await _timed_epoch(label if len(epochs) == 1 else f"{label} e{e}", strategy, instances, requests,
+            arm = await _timed_epoch(label if len(epochs) == 1 else f"{label} e{e}", life, instances, requests,
                                      score, cfg, progress)
             if store is not None:
                 from verl_ext.history import Trajectory
@@ -571,15 +573,15 @@ async def _drafter_stats(instances) -> list[dict]:
     return out
 
 
-async def _timed_epoch(desc, strategy, instances, requests, score, cfg, progress) -> ArmResult:
+async def _timed_epoch(desc, life: Lifecycle, instances, requests, score, cfg, progress) -> ArmResult:
     bar = None
     if progress:
         from tqdm import tqdm
 
         bar = tqdm(total=len(requests), desc=f"{desc:>10}", unit="req", leave=True)
     try:
-        return await run_strategy(strategy, instances, requests, score, seed=cfg.seed,
-                                  on_finish=(bar.update if bar else None))
+        return await run_strategy(life.strategy, instances, requests, score, seed=cfg.seed,
+                                  on_finish=(bar.update if bar else None), lifecycle=life)
     finally:
         if bar is not None:
             bar.close()

@@ -24,7 +24,7 @@ from verl_ext.engine.instance import FINISH_ABORT, PRIOR_TOKENS_KEY, GenRequest,
 from verl_ext.pipe.defer import is_deferred, resume_deferred
 from verl_ext.pipe.pool import InstancePool
 from verl_ext.pipe.strategy import make_strategy
-from verl_ext.pipe import mechanisms
+from verl_ext.pipe.lifecycle import UNSET, Lifecycle
 from verl_ext.rollout import server_metrics
 from verl_ext.pipe.chunks import WHOLE_KEY
 from verl_ext.rollout.replica_instance import BASE_LEN_KEY, KWARGS_KEY, SAMPLING_KEY, TOKEN_OUTPUT_KEY, ReplicaInstance
@@ -152,15 +152,14 @@ class StrategyDispatcher:
         self._waiting: dict[str, asyncio.Future] = {}  # request id -> its future, for ``generate``
         self._carried: set = set()  # resumed deferred requests still running
         self._deferred = self._late = 0
-        if carries and self.strategy.defers_samples:
-            self.strategy.set_deferral(self._carry)
         self.history = None
         self._step: Optional[int] = None
         self._ingests: set = set()  # ingest calls still running
         self._checkpoint: Optional[asyncio.Task] = None
         if self.strategy.uses_history:
             self.history = self._start_history(history_dir)
-            self.strategy.set_history(self.history)
+        self.life = Lifecycle(self.strategy, history=self.history if self.strategy.uses_history else UNSET,
+                              carrier=self._carry if carries else UNSET)
 
     def _start_history(self, history_dir: Optional[str]):
         import uuid
@@ -195,11 +194,10 @@ class StrategyDispatcher:
             if self.history.worker_args.get("checkpoint_dir") and prev % every == 0:
                 if self._checkpoint is None or self._checkpoint.done():
                     self._checkpoint = asyncio.ensure_future(self.history.checkpoint())
-        if prev is not None and self._rollout_end is not None:
-            # from the last response of the previous rollout to this step's start: what veRL's
-            # trainer spent between the two (reward, log-probs, update, weight sync)
-            self.strategy.observe_train_time(time.monotonic() - self._rollout_end)
-        self.strategy.begin_step(step)
+        # from the last response of the previous rollout to this step's start: what veRL's
+        # trainer spent between the two (reward, log-probs, update, weight sync)
+        train_s = time.monotonic() - self._rollout_end if prev is not None and self._rollout_end is not None else None
+        self.life.begin_step(step, train_s)
         for rid in list(self._parked):  # deferred in an earlier step: resume in this one
             self._resume(rid)
 
@@ -371,9 +369,9 @@ class StrategyDispatcher:
         if self._spec is not None:
             readings = await asyncio.to_thread(server_metrics.read_all, list(self.pool.instances))
             out.update(self._spec.step(readings) if reset else {})
-        if getattr(self.strategy, "mechanisms", None):  # over the run so far (verl_ext.pipe.mechanisms)
-            drafters = await mechanisms.read_drafters(self.pool.instances.values()) if self._spec is not None else None
-            out.update({f"verl_ext/mechanisms/{k}": float(v) for k, v in mechanisms.count(self.strategy, drafters).items()})
+        # over the run so far (verl_ext.pipe.mechanisms); the drafters' counters with verl_ext's drafter
+        got = await self.life.mechanisms(self.pool.instances.values() if self._spec is not None else ())
+        out.update({f"verl_ext/mechanisms/{k}": float(v) for k, v in got.items()})
         return out
 
     def _counters(self, reset: bool) -> dict[str, float]:

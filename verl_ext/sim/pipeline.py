@@ -51,6 +51,7 @@ import numpy as np
 from verl_ext.engine.instance import Completion, GenRequest, Instance, Telemetry
 from verl_ext.pipe import mechanisms
 from verl_ext.pipe.chunks import Chunked
+from verl_ext.pipe.lifecycle import Lifecycle
 from verl_ext.pipe.defer import is_deferred, resume_deferred
 from verl_ext.pipe.pool import InstancePool
 
@@ -338,10 +339,6 @@ def step_rollout(pipe: Pipeline, new_strategy: Callable, history=None, history_s
 
     async def rollout(step: int, reqs, pool):
         strategy = new_strategy(step)
-        if strategy.uses_history:
-            strategy.set_history(history)
-        strategy.begin_step(history_steps + step)
-        strategy.observe_train_time(t_train)
         uids = sorted({r.group_id for r in reqs})
         deferred: set = set()
 
@@ -350,8 +347,8 @@ def step_rollout(pipe: Pipeline, new_strategy: Callable, history=None, history_s
             deferred.add(uid)
             pipe.carry(step + 1, st, (lambda: drafter.drop_histories([uid])) if drafter is not None else None)
 
-        if strategy.defers_samples:
-            strategy.set_deferral(carry if step < pipe.steps else None)
+        life = Lifecycle(strategy, history=history, carrier=carry if step < pipe.steps else None)
+        life.begin_step(history_steps + step, train_s=t_train)
         if drafter is not None:
             drafter.load_histories(uids)
         try:

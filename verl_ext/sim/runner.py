@@ -23,6 +23,7 @@ import numpy as np
 from verl_ext.ab.metrics import SCHEMA
 from verl_ext.ab.runner import _check_out_dir, make_arm, run_strategy, validate_strategies, write_staged
 from verl_ext.engine.instance import GenRequest, SamplingSpec
+from verl_ext.pipe.lifecycle import UNSET, Lifecycle
 from verl_ext.pipe.oracle import TRUE_LEN
 from verl_ext.sim.defaults import DEFAULT_INSTANCES, DEFAULT_PRESET, DEFAULT_SYNTH
 from verl_ext.sim.kv_pool import DEFAULT_POOL_BW
@@ -233,12 +234,14 @@ def run_arm(label, strategy, spec, trace, rows, history, cost, instances: int, r
         spec = None  # a history-driven strategy's first epoch: nothing to draft from yet
     # one index stands for every instance's drafter: their memory together
     drafter = make_drafter(spec, source, replay, history, max_bytes=spec.max_bytes * instances if spec else None)
+    epoch = int(trace.epoch[rows[0]]) if len(rows) else 0
+    history_store = UNSET
     if strategy.uses_history:  # history-driven strategies (rhyme): earlier epochs' rollouts
         from verl_ext.pipe.rhyme import LocalHistory
 
-        epoch = int(trace.epoch[rows[0]]) if len(rows) else 0
-        strategy.set_history(LocalHistory(trace_history(trace, epoch)))
-        strategy.begin_step(epoch + 1)
+        history_store = LocalHistory(trace_history(trace, epoch))
+    life = Lifecycle(strategy, history=history_store)
+    life.begin_step(epoch + 1)
     sims = [SimInstance(f"sim-{i}", cost, source, drafter, record_timeline, kv_pool=kv_pool) for i in range(instances)]
     rewards = {i: float(trace.reward[i]) for i in rows.tolist()}
     lengths = trace.response_lengths()
@@ -258,8 +261,8 @@ def run_arm(label, strategy, spec, trace, rows, history, cost, instances: int, r
         import asyncio
 
         loop = asyncio.get_running_loop()
-        return await run_strategy(strategy, sims, requests, score, seed=seed,
-                                  on_finish=bar.update if bar else None, clock=loop.time, sample_telemetry=False)
+        return await run_strategy(strategy, sims, requests, score, seed=seed, on_finish=bar.update if bar else None,
+                                  clock=loop.time, sample_telemetry=False, lifecycle=life)
 
     try:
         arm = run_virtual(main())
