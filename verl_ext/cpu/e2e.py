@@ -263,7 +263,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         steps = parse_strategies(args.strategies, args.steps)
     except ValueError as exc:
         p.error(str(exc))
-
     strategies = list(steps)
 
     from verl_ext.model import default_model_dir
