@@ -562,11 +562,11 @@ async def _drafter_stats(instances) -> list[dict]:
     after the arm, numbers only; an engine that cannot answer is skipped."""
     out = []
     for inst in instances:
-        if not getattr(inst, "drafting", False):
-            continue
         try:
-            st = await inst.drafter_call("stats")
+            st = await inst.drafter_stats()
         except Exception:  # diagnostics only
+            continue
+        if not st:
             continue
         out.append({"instance": inst.name, **{k: v for k, v in st.items()
                                                if isinstance(v, (int, float)) and not isinstance(v, bool)}})

@@ -161,11 +161,11 @@ def summarize(strategy: str, tracking: list[dict], returncode: int, wall_s: floa
 def inert_mechanisms(strategy: str, summary: dict) -> list[str]:
     """The strategy's mechanisms, but those out of reach in its run (``mechanisms_unchecked``),
     that never acted (all of them when the run reported none)."""
+    from verl_ext.pipe.mechanisms import inert
     from verl_ext.pipe.strategy import get_strategy_class
 
     unchecked = summary.get("mechanisms_unchecked") or {}
-    names = [n for n in get_strategy_class(strategy).mechanisms if n not in unchecked]
-    return [n for n in names if not summary.get("mechanisms", {}).get(n)]
+    return inert(summary.get("mechanisms", {}), [n for n in get_strategy_class(strategy).mechanisms if n not in unchecked])
 
 
 def stop_group(proc: subprocess.Popen, grace_s: float = 30) -> None:

@@ -38,7 +38,6 @@ class Lifecycle:
             strategy.set_history(history)
         if carrier is not UNSET and strategy.defers_samples:
             strategy.set_deferral(carrier)
-        self.step: Optional[int] = None
         self._acted: dict = {}
         self._drafters: Optional[dict] = None
 
@@ -46,7 +45,6 @@ class Lifecycle:
         if train_s is not None:
             self.strategy.observe_train_time(train_s)
         self.strategy.begin_step(step)
-        self.step = step
 
     async def mark(self, instances: Iterable) -> None:
         """Start a measured span (``mechanisms`` counts from here)."""

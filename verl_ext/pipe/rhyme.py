@@ -234,7 +234,7 @@ class RhymeStrategy(Strategy):
         self._predicted: dict = {}  # uid -> historical median length, for the step being rolled out
         self._observed: dict = {}  # uid -> [response lengths] of that step
         self._carry = NO_CARRIER  # inter-step migration: the driver's carrier (set_deferral)
-        self._m = {"migrations": 0, "migration_checks": 0, "deferrals": 0, "histopipe_active": 0, "histopipe_fallbacks": 0,
+        self._m = {"migration_checks": 0, "deferrals": 0, "histopipe_active": 0, "histopipe_fallbacks": 0,
                    "history_prompts": 0, "unknown_prompts": 0, "late_prompts": 0, "served_histories": 0,
                    "history_failures": 0}
 
@@ -579,7 +579,6 @@ class RhymeStrategy(Strategy):
                         if others:
                             inst = self._pick(others, pool)
                         migrated = True
-                        self._m["migrations"] += 1
                         self.acted["migrations"] += 1
                 chunk = st.remaining if migrated else min(self.options.recheck_tokens, st.remaining)
         finally:
@@ -599,7 +598,7 @@ class RhymeStrategy(Strategy):
         return g >= n - max(1, round(o.inter_step_groups * n))
 
     def metrics(self) -> dict[str, float]:
-        return {k: float(v) for k, v in self._m.items()}
+        return {**{k: float(v) for k, v in self._m.items()}, "migrations": float(self.acted["migrations"])}
 
 
 def _samples_per_prompt(requests: Sequence[GenRequest]) -> float:

@@ -325,16 +325,15 @@ class SimInstance(Instance):
 
     def _count_scopes(self, accepted: np.ndarray, drafted: np.ndarray) -> None:
         """Attribute the applied steps' drafted and accepted tokens to the scopes they came from."""
-        per_step = self.drafter.per_step
-        scopes = self._plan_scopes if per_step else None
-        if scopes is None:
-            single = SCOPE_NAMES.get(getattr(self.drafter, "mask", 0))  # None: several scopes, not attributable
-            if single is None or per_step:
-                return
-            self.scope_tokens[single][0] += int(drafted.sum())
-            self.scope_tokens[single][1] += int(accepted.sum())
+        if not self.drafter.per_step:  # replayed schedules: attributable when there is one scope
+            single = SCOPE_NAMES.get(getattr(self.drafter, "mask", 0))
+            if single is not None:
+                self.scope_tokens[single][0] += int(drafted.sum())
+                self.scope_tokens[single][1] += int(accepted.sum())
             return
-        for s, d, a in zip(scopes.tolist(), drafted.tolist(), accepted.tolist()):
+        if self._plan_scopes is None:  # a drafter that does not say (synthetic draft models)
+            return
+        for s, d, a in zip(self._plan_scopes.tolist(), drafted.tolist(), accepted.tolist()):
             name = SCOPE_NAMES.get(s)
             if d and name is not None:
                 self.scope_tokens[name][0] += d

@@ -98,8 +98,8 @@ class SuffixProposer:
         self.adaptive = self.options.adaptive and self.options.knee_tokens > 0
         self._group_of: dict[str, str] = {}  # request id -> group (adaptive: finished fraction)
         self.aimd = self.options.aimd_windows()  # per-request AIMD windows (RhymeRL), or None
-        self._last_draft: dict[str, int] = {}  # request id -> tokens drafted for it last step
-        self._last_scope: dict[str, int] = {}  # request id -> the scope its last draft came from
+        # request id -> (tokens drafted for it last step, the scope that draft came from)
+        self._last_draft: dict[str, tuple[int, int]] = {}
         # drafted and accepted tokens by the scope that proposed them (request, group, history)
         self.scope_tokens = {name: [0, 0] for name in SCOPE_NAMES.values()}
         self._window: dict[str, int] = {}  # request id -> its own draft window (SpecActor), when set
@@ -205,8 +205,7 @@ class SuffixProposer:
                 ref = self._reference.get(req_id)
                 if ref is not None:
                     drafts[i] = ref.draft(int(lens[i]), int(ks[i]))
-        self._last_draft = {r: len(d) for r, d in zip(req_ids, drafts) if d}
-        self._last_scope = {r: int(scope[i]) for i, (r, d) in enumerate(zip(req_ids, drafts)) if d}
+        self._last_draft = {r: (len(d), int(sc)) for r, d, sc in zip(req_ids, drafts, scope) if d}
         self.steps += 1
         self.proposed_tokens += sum(map(len, drafts))
         self.propose_s += time.perf_counter() - t0
@@ -229,16 +228,16 @@ class SuffixProposer:
     def _observe(self, req_ids, emitted: np.ndarray) -> None:
         """Feed last step's drafts and what came of them (a row emits its accepted drafts plus one
         token) to the per-scope counts, the AIMD windows and the batch cut-off's acceptance rate."""
-        last, scope_of = self._last_draft, self._last_scope
+        last = self._last_draft
         drafted = accepted = 0
         seen = []
         for i, req_id in enumerate(req_ids):
-            d = last.get(req_id)
+            d, scope = last.get(req_id, (0, 0))
             if d and emitted[i]:
                 a = int(emitted[i]) - 1
                 drafted += d
                 accepted += a
-                counts = self.scope_tokens.get(SCOPE_NAMES.get(scope_of.get(req_id, 0), ""))
+                counts = self.scope_tokens.get(SCOPE_NAMES.get(scope, ""))
                 if counts is not None:  # reference drafts (profiling) count under no scope
                     counts[0] += d
                     counts[1] += a
