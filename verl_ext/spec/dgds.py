@@ -25,8 +25,9 @@ to shard ``shard_of(group, num_shards)`` (a stable hash: blake2b of the group id
 every process, unlike Python's ``hash``).
 
 The servers are Ray actors (``num_cpus=0``). DGDS affects drafts only, never outputs: when a
-shard dies or a call takes longer than ``timeout_s``, the client logs one warning, reports
-``degraded=1`` and stops syncing; the engines keep drafting from their request trees and the
+shard dies, or ``SLOW_CALLS_BEFORE_DEGRADE`` calls in a row take longer than ``timeout_s`` (one
+slow answer on a loaded host only skips that tick: Ray still runs the call, in order), the
+client logs one warning, reports ``degraded=1`` and stops syncing; the engines keep drafting from their request trees and the
 group trees they already imported. No client method raises into the rollout (``start`` raises
 only when Ray is not initialised and no actor handles were given) and every Ray wait is bounded.
 
@@ -197,6 +198,9 @@ class _Seq:
 #: pause in seconds (doubling while the failures go on; a success resets it).
 PAUSE_AFTER_FAILS = 3
 PAUSE_S = (1.0, 30.0)
+#: Server calls in a row that answer later than ``timeout_s`` before the client degrades (a dead
+#: shard degrades it at once).
+SLOW_CALLS_BEFORE_DEGRADE = 3
 
 
 @dataclass
@@ -274,6 +278,7 @@ class DGDSClient:
         self._stopping = False
         self._started = False
         self._degraded = False
+        self._slow_in_row = 0
         self._append_lat, self._fetch_lat, self._import_lat = _Lat(), _Lat(), _Lat()
         # import_failures: group deltas an engine refused (resent in full next time);
         # import_errors: import calls that failed or timed out (the same deltas are retried);
@@ -281,7 +286,7 @@ class DGDSClient:
         self._m = dict(
             failures=0, syncs=0, append_calls=0, updates=0, tokens=0, append_bytes=0, fetch_calls=0,
             bytes_synced=0, blobs=0, imports=0, import_failures=0, import_errors=0, import_pauses=0, gaps=0,
-            server_errors=0, dropped_tokens=0,
+            server_errors=0, dropped_tokens=0, slow_calls=0,
         )
         self._sync_bytes = deque(maxlen=20000)
 
@@ -461,8 +466,9 @@ class DGDSClient:
             t0 = time.perf_counter()
             results = await self._call("append", [self._shards[i].append.remote(per_shard[i]) for i in shards])
             if results is None:
-                self._m["dropped_tokens"] += tokens
-                return
+                if self._degraded:
+                    self._m["dropped_tokens"] += tokens
+                return  # slow: Ray still delivers these appends, before any later one
             self._append_lat.add(time.perf_counter() - t0)
             self._m["append_calls"] += len(shards)
             self._m["updates"] += sum(len(per_shard[i]) for i in shards)
@@ -579,14 +585,27 @@ class DGDSClient:
             self._degrade("sync loop", exc)
 
     async def _call(self, what: str, refs: list, timeout: Optional[float] = None):
-        """Await Ray calls, all bounded by ``timeout``; on any failure degrade and return None."""
+        """Await Ray calls, all bounded by ``timeout``. A failure degrades the client; an answer
+        later than the bound degrades it after ``SLOW_CALLS_BEFORE_DEGRADE`` in a row (at once
+        while starting). Returns None unless every call answered in time."""
         try:
-            return await asyncio.wait_for(asyncio.gather(*refs), timeout or self.timeout_s)
+            out = await asyncio.wait_for(asyncio.gather(*refs), timeout or self.timeout_s)
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # RayActorError, GetTimeoutError, TimeoutError, ...
+        except asyncio.TimeoutError as exc:
+            self._m["slow_calls"] += 1
+            self._slow_in_row += 1
+            if what == "start" or self._slow_in_row >= SLOW_CALLS_BEFORE_DEGRADE:
+                self._degrade(what, exc)
+            else:
+                logger.debug("DGDS %s answered later than %.1f s (%d in a row)", what, self.timeout_s,
+                             self._slow_in_row)
+            return None
+        except Exception as exc:  # RayActorError, ...
             self._degrade(what, exc)
             return None
+        self._slow_in_row = 0
+        return out
 
     def _degrade(self, what: str, exc: BaseException) -> None:
         self._m["failures"] += 1
@@ -600,7 +619,8 @@ class DGDSClient:
         logger.warning(
             "DGDS %s failed (%s: %s); grouped drafts stop syncing for the rest of this client's life "
             "(engines keep request-scope drafting and the group trees they already hold)",
-            what, type(exc).__name__, str(exc) or "no answer within %.1f s" % self.timeout_s,
+            what, type(exc).__name__,
+            str(exc) or "no answer within %.1f s, %d calls in a row" % (self.timeout_s, self._slow_in_row),
         )
 
     # -- metrics -------------------------------------------------------------------------------
