@@ -138,6 +138,38 @@ def test_request_id_isolation():
     assert sep.index.priority(SCOPE_GROUP, "g", [3, 4]) == 0 and sep.index.priority(SCOPE_GROUP, "g", [3, 1]) == 1
 
 
+def test_an_engine_keeps_one_group_sequence_per_chunked_response_beside_the_server_copy():
+    """veRL's servers do not stream, so with the draft server up they keep writing their own group
+    trees. A response's chunks (engine requests of their own, ``SEQ_OFFSET_KEY``) continue one
+    sequence named by the response, and the server's copy of it merges into that sequence:
+    siblings draft from one copy of each response. Before, each chunk was a sequence of its own
+    and the import added the response once more (measured in veRL: 12% more draft tokens for the
+    same accepted ones)."""
+    from verl_ext.spec.options import SEQ_OFFSET_KEY
+
+    p = _proposer(scopes="group", k=4, min_match=2, min_prob=0.0)
+    b = _Batch(p)
+    resp = list(range(100, 124))
+    b.add("e0", [1, 2], "g", request_id="r0", **{SEQ_OFFSET_KEY: 0})
+    b.step({"e0": resp[:8]})
+    b.finish("e0")
+    b.add("e1", [1, 2, *resp[:8]], "g", request_id="r0", **{SEQ_OFFSET_KEY: 8})
+    b.step({"e1": resp[8:12]})
+    assert p.index.group_counts("g") == (0, 1) and p.index.group_sequence("g", "r0") == (12, False)
+    server = DraftIndex(p.index.max_depth, 0, 8)
+    server.group_append("g", "r0", resp[:16])
+    server.group_close("g", "r0")
+    p.rpc("import_groups", [server.export_group("g", 0)[0]])
+    assert p.index.group_counts("g") == (1, 1) and p.index.group_sequence("g", "r0") == (16, True)
+    # a sibling drafts the response's continuation from that one sequence
+    b.add("s", [1, 2, *resp[10:13]], "g", request_id="r1", **{SEQ_OFFSET_KEY: 0})
+    assert b.step()["s"] == resp[13:16]
+    # a request generated in one piece (no offset) writes a sequence of its own, as before
+    b.add("w", [1, 2], "g", request_id="r2")
+    b.step({"w": [7, 7]})
+    assert p.index.group_counts("g") == (1, 3)
+
+
 def test_sharding_is_stable_across_processes():
     groups = [f"group-{i}" for i in range(200)] + ["", "ü-ñ", "uid:42"]
     mine = [shard_of(g, 4) for g in groups]

@@ -280,6 +280,60 @@ def test_group_write_false_reads_but_never_writes_the_group_tree():
     assert idx.group_sequence("g", "w") == (2, True) and idx.group_counts("g") == (1, 2)
 
 
+def test_chunks_of_a_response_write_one_named_sequence_that_merges_with_its_import():
+    """group_seq/group_offset: a response's chunks (engine requests of their own) continue one
+    group sequence named by the response, and a draft server's copy of the same response merges
+    into it: one sequence, not the chunks' fragments plus a second copy."""
+    idx = DraftIndex(8, 0, 8)
+    resp = list(range(10, 30))
+    idx.start_request("c0", [1, 2], group="g", scopes=SCOPE_GROUP, group_seq="resp", group_offset=0)
+    idx.append("c0", resp[:8])
+    idx.finish("c0")  # the response may go on: left open for its import to close
+    assert idx.group_counts("g") == (0, 1) and idx.group_sequence("g", "resp") == (8, False)
+    idx.start_request("c1", [1, 2, *resp[:8]], group="g", scopes=SCOPE_GROUP, group_seq="resp", group_offset=8)
+    idx.append("c1", resp[8:12])
+    assert idx.group_sequence("g", "resp") == (12, False)
+    # the server's copy, ahead of the engine and closed: merged, not added
+    server = DraftIndex(8, 0, 8)
+    server.group_append("g", "resp", resp[:16])
+    server.group_close("g", "resp")
+    assert idx.import_group(server.export_group("g", 0)[0]) == 4
+    assert idx.group_counts("g") == (1, 1) and idx.group_sequence("g", "resp") == (16, True)
+    idx.append("c1", resp[12:18])  # already there, or past the close: nothing written
+    assert idx.group_sequence("g", "resp") == (16, True)
+    idx.finish("c1")
+    # an import ahead of an open sequence: the chunk appends only what it lacks
+    idx.start_request("d0", [1], group="g", scopes=SCOPE_GROUP, group_seq="other", group_offset=0)
+    idx.append("d0", [1, 2, 3])
+    src = DraftIndex(8, 0, 8)
+    src.group_append("g", "other", [1, 2, 3, 4, 5])
+    idx.import_group(src.export_group("g", 0)[0])
+    idx.append("d0", [4, 5, 6, 7])
+    assert idx.dump(SCOPE_GROUP, "g") == _dump_of({"resp": (resp[:16], True), "other": ([1, 2, 3, 4, 5, 6, 7], False)})
+    # a continuation on an engine that lacks the response's start writes a sequence of its own
+    idx.start_request("e1", [1], group="g", scopes=SCOPE_GROUP, group_seq="gap", group_offset=5)
+    idx.append("e1", [9, 9])
+    assert idx.group_sequence("g", "gap") == (0, False) and idx.group_sequence("g", "e1") == (2, False)
+    # a second live writer of a named sequence (a copy of the response) writes its own
+    idx.start_request("d1", [1], group="g", scopes=SCOPE_GROUP, group_seq="other", group_offset=7)
+    idx.append("d1", [8])
+    assert idx.group_sequence("g", "other") == (7, False) and idx.group_sequence("g", "d1") == (1, False)
+    idx.finish("d0")
+    idx.start_request("d2", [1], group="g", scopes=SCOPE_GROUP, group_seq="other", group_offset=7)
+    idx.append("d2", [8])
+    assert idx.group_sequence("g", "other") == (8, False)
+
+
+def _dump_of(seqs):
+    """The group dump of an index built from ``{name: (tokens, closed)}``."""
+    ref = DraftIndex(8, 0, 8)
+    for name, (toks, closed) in seqs.items():
+        ref.group_append("g", name, toks)
+        if closed:
+            ref.group_close("g", name)
+    return ref.dump(SCOPE_GROUP, "g")
+
+
 def test_group_counts_and_versions():
     idx = DraftIndex(8, 0, 8)
     assert idx.group_counts("nope") == (0, 0) and idx.group_version("nope") == 0

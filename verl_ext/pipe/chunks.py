@@ -15,6 +15,7 @@ import dataclasses
 from typing import Optional
 
 from verl_ext.engine.instance import FINISH_LENGTH, Completion, GenRequest
+from verl_ext.spec.options import SEQ_OFFSET_KEY
 
 #: ``GenRequest.extra`` key carrying the chunk index of a continuation
 CHUNK_KEY = "chunk"
@@ -61,7 +62,7 @@ class Chunked:
             req,
             prompt_ids=list(req.prompt_ids) + list(self.tokens),
             sampling=req.sampling.for_chunk(max_tokens, self.chunks),
-            extra={**req.extra, CHUNK_KEY: self.chunks},
+            extra={**req.extra, CHUNK_KEY: self.chunks, SEQ_OFFSET_KEY: len(self.tokens)},
         )
 
     def add(self, c: Completion) -> None:

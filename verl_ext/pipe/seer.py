@@ -436,8 +436,10 @@ class _Rollout:
         requests into their group trees (the server's copy has those tokens, step by step).
         Engines that do not stream (veRL's servers: the server gets a chunk's tokens when the
         chunk returns) keep writing them as well, so that a request's siblings on the same
-        engine see its tokens as they come, and the server adds what other engines generated.
-        Chunks already running when the server came up keep writing theirs."""
+        engine see its tokens as they come, and the server adds what other engines generated:
+        each response is one sequence there, written by its chunks and merged with the server's
+        copy (``SEQ_OFFSET_KEY``). Chunks already running when the server came up keep writing
+        theirs."""
         for inst in targets:
             if not getattr(inst, "streams_tokens", False):
                 self.strategy._engine_local_trees += 1

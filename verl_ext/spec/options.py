@@ -18,7 +18,13 @@ MAX_K = 128
 
 #: ``GenRequest.extra`` keys the engine's drafter reads per request (``request_drafting``, and
 #: ``verl_ext.spec.reference`` for reference drafts); drivers forward them to the engine
-REQUEST_DRAFT_KEYS = ("spec_scopes", "spec_window", "spec_reference", "spec_accept", "spec_seed")
+REQUEST_DRAFT_KEYS = ("spec_scopes", "spec_window", "spec_reference", "spec_accept", "spec_seed",
+                      "spec_seq_offset")
+#: ``GenRequest.extra`` key of a chunk of a response (``verl_ext.pipe.chunks``): the response's
+#: tokens before it. The engine writes the chunk's tokens into one group sequence per response,
+#: named by the request id, from there on, so that a grouped draft server's copy of the response
+#: merges into it rather than doubling it
+SEQ_OFFSET_KEY = "spec_seq_offset"
 
 
 def request_drafting(ident, mask: int) -> tuple[int, Optional[int]]:

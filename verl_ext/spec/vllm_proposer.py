@@ -52,7 +52,7 @@ import numpy as np
 from verl_ext.spec._suffix import SCOPE_GROUP, SCOPE_HISTORY, DraftIndex
 from verl_ext.spec.adaptive import draft_caps
 from verl_ext.spec.dgds import IMPORT_REFUSED, import_deltas
-from verl_ext.spec.options import MAX_K, SCOPE_NAMES, SpecOptions, request_drafting
+from verl_ext.spec.options import MAX_K, SCOPE_NAMES, SEQ_OFFSET_KEY, SpecOptions, request_drafting
 from verl_ext.spec.reference import ReferenceDraft
 from verl_ext.spec.select import cumulative_scores
 from verl_ext.spec.steplog import StepLog
@@ -302,6 +302,9 @@ class SuffixProposer:
             self._engine_ids.setdefault(str(ident["request_id"]), set()).add(req_id)
             self._rid_of[req_id] = str(ident["request_id"])
         group = str(group) if group is not None and scopes & SCOPE_GROUP else ""
+        # a chunk of a response continues the response's group sequence (SEQ_OFFSET_KEY)
+        offset = ident.get(SEQ_OFFSET_KEY)
+        named = ident.get("request_id") is not None and isinstance(offset, int) and offset >= 0
         self.index.start_request(
             req_id,
             np.asarray(prompt if prompt is not None else [], dtype=np.int64),
@@ -309,6 +312,8 @@ class SuffixProposer:
             history=str(history) if history is not None and scopes & SCOPE_HISTORY else "",
             scopes=scopes,
             group_write=self.group_write,
+            group_seq=str(ident["request_id"]) if named else "",
+            group_offset=offset if named else 0,
         )
         if group and self.adaptive:
             self._group_of[req_id] = group

@@ -198,14 +198,19 @@ PYBIND11_MODULE(_suffix, m) {
       .def_property("max_bytes", &DraftIndex::max_bytes, &DraftIndex::set_max_bytes)
       .def("start_request",
            [](DraftIndex& s, const std::string& req, py::handle prompt, const std::string& group,
-              const std::string& history, int scopes, bool group_write) {
+              const std::string& history, int scopes, bool group_write, const std::string& group_seq,
+              size_t group_offset) {
              Tokens t = tokens_of(prompt, "prompt");
-             s.start_request(req, t.ptr, t.n, group, history, scopes, group_write);
+             s.start_request(req, t.ptr, t.n, group, history, scopes, group_write, group_seq,
+                             group_offset);
            },
            py::arg("req"), py::arg("prompt"), py::arg("group") = "", py::arg("history") = "",
            py::arg("scopes") = static_cast<int>(kScopeAll), py::arg("group_write") = true,
+           py::arg("group_seq") = "", py::arg("group_offset") = 0,
            "Start a request. group_write=False: it drafts from its group tree but adds no "
-           "sequence to it (the tree is imported from a grouped draft server).")
+           "sequence to it (the tree is imported from a grouped draft server). group_seq: write "
+           "into that named sequence of the group tree from token group_offset on, merging with "
+           "imports of the same response (see DraftIndex::start_request).")
       .def("has_request", &DraftIndex::has_request)
       .def("append",
            [](DraftIndex& s, const std::string& req, py::handle toks) {

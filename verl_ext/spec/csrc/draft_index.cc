@@ -177,9 +177,23 @@ TreeEntry& DraftIndex::group_entry(const std::string& group, bool create) {
   return e;
 }
 
+namespace {
+std::string writer_key(const std::string& group, const std::string& seq) {
+  return group + '\x1f' + seq;
+}
+}  // namespace
+
+size_t DraftIndex::named_length(const std::string& group, const std::string& seq) const {
+  auto it = groups_.find(group);
+  if (it == groups_.end() || !it->second.tree) return 0;
+  const int id = it->second.tree->find_sequence(seq);
+  return id < 0 ? 0 : it->second.tree->sequence(id).tokens.size();
+}
+
 void DraftIndex::start_request(const std::string& req, const int32_t* prompt, size_t n,
                                const std::string& group, const std::string& history,
-                               int scopes, bool group_write) {
+                               int scopes, bool group_write, const std::string& group_seq,
+                               size_t group_offset) {
   if (requests_.count(req)) throw std::invalid_argument("request '" + req + "' is already active");
   RequestEntry r;
   r.ctx.tree = std::make_unique<SuffixTree>(depth_);
@@ -194,7 +208,20 @@ void DraftIndex::start_request(const std::string& req, const int32_t* prompt, si
   r.history = history;
   r.scopes = scopes;
   r.group_write = group_write;
-  if (!group.empty() && group_write) {
+  if (!group.empty() && group_write && !group_seq.empty() &&
+      !named_writers_.count(writer_key(group, group_seq)) &&
+      named_length(group, group_seq) >= group_offset) {
+    TreeEntry& g = group_entry(group, true);
+    int id = g.tree->find_sequence(group_seq);
+    if (id < 0) id = static_cast<int>(g.tree->add_sequence(group_seq, 1.0f));
+    r.group_seq = static_cast<uint32_t>(id);
+    r.group_pos = static_cast<uint32_t>(group_offset);
+    r.group_named = true;
+    r.group_seq_name = group_seq;
+    r.group_uid = g.uid;
+    named_writers_[writer_key(group, group_seq)] = req;
+    account(g);
+  } else if (!group.empty() && group_write) {
     TreeEntry& g = group_entry(group, true);
     if (g.tree->find_sequence(req) >= 0)
       throw std::invalid_argument("request '" + req + "' already has a sequence in group '" +
@@ -222,7 +249,15 @@ void DraftIndex::append(const std::string& req, const int32_t* toks, size_t n) {
   if (!r.group.empty() && r.group_write) {
     auto g = groups_.find(r.group);
     if (g != groups_.end() && g->second.uid == r.group_uid) {
-      g->second.tree->append(r.group_seq, toks, n);
+      SuffixTree& t = *g->second.tree;
+      if (!r.group_named) {
+        t.append(r.group_seq, toks, n);
+      } else {  // append what the named sequence lacks from here (an import may be ahead)
+        const Sequence& s = t.sequence(r.group_seq);
+        const size_t have = s.tokens.size(), pos = r.group_pos;
+        if (!s.closed && have >= pos && pos + n > have) t.append(r.group_seq, toks + (have - pos), pos + n - have);
+        r.group_pos += static_cast<uint32_t>(n);
+      }
       account(g->second);
     }
   }
@@ -240,9 +275,13 @@ bool DraftIndex::finish(const std::string& req) {
   auto it = requests_.find(req);
   if (it == requests_.end()) return false;
   RequestEntry& r = it->second;
+  if (r.group_named) {  // the response may go on in another chunk: its import closes it
+    auto w = named_writers_.find(writer_key(r.group, r.group_seq_name));
+    if (w != named_writers_.end() && w->second == req) named_writers_.erase(w);
+  }
   if (!r.group.empty() && r.group_write) {
     auto g = groups_.find(r.group);
-    if (g != groups_.end() && g->second.uid == r.group_uid) {
+    if (g != groups_.end() && g->second.uid == r.group_uid && !r.group_named) {
       g->second.tree->close(r.group_seq);
       account(g->second);
     }
@@ -558,6 +597,7 @@ IndexStats DraftIndex::stats() const {
 
 void DraftIndex::clear() {
   requests_.clear();
+  named_writers_.clear();
   groups_.clear();
   histories_.clear();
   bytes_ = 0;

@@ -50,6 +50,9 @@ struct RequestEntry {
   std::string history;     // "" = none
   uint64_t group_uid = 0;  // the group tree this request's sequence lives in
   uint32_t group_seq = 0;
+  uint32_t group_pos = 0;  // named sequence: where this request's next token goes in it
+  bool group_named = false;  // writes a response's named sequence (shared with its imports)
+  std::string group_seq_name;  // that sequence's name
   uint32_t prompt_len = 0;
   uint32_t ctx_len = 0;    // prompt + generated tokens seen so far
   int scopes = kScopeAll;  // scopes this request may draft from
@@ -79,9 +82,16 @@ class DraftIndex {
   // the request drafts from its group tree (looked up by name at each proposal) but adds no
   // sequence to it, and append/finish leave it alone: the group tree is fed from elsewhere
   // (import_group from a grouped draft server that already has this request's tokens).
+  // With `group_seq` the request writes its tokens into that named sequence of its group tree,
+  // from token `group_offset` of it on (a chunk of a response continues the response's
+  // sequence), skipping tokens already there: a grouped draft server's import of the same
+  // response then merges into it instead of adding a second copy. It leaves closing it to the
+  // import, and writes a sequence of its own instead where the named one is shorter than
+  // `group_offset` (a continuation on another engine) or another live request writes it.
   void start_request(const std::string& req, const int32_t* prompt, size_t n,
                      const std::string& group, const std::string& history,
-                     int scopes = kScopeAll, bool group_write = true);
+                     int scopes = kScopeAll, bool group_write = true,
+                     const std::string& group_seq = "", size_t group_offset = 0);
   bool has_request(const std::string& req) const { return requests_.count(req) != 0; }
   void append(const std::string& req, const int32_t* toks, size_t n);
   // Brings the request up to date with its full context row: appends row[ctx_len:n].
@@ -142,6 +152,7 @@ class DraftIndex {
 
  private:
   TreeEntry& group_entry(const std::string& group, bool create);
+  size_t named_length(const std::string& group, const std::string& seq) const;
   TreeEntry new_entry();
   bool drop(std::unordered_map<std::string, TreeEntry>& trees, const std::string& key);
   void account(TreeEntry& e);
@@ -151,6 +162,7 @@ class DraftIndex {
   int64_t max_bytes_;
   int max_draft_;
   std::unordered_map<std::string, RequestEntry> requests_;
+  std::unordered_map<std::string, std::string> named_writers_;  // group \x1f seq -> request
   std::unordered_map<std::string, TreeEntry> groups_, histories_;
   int64_t bytes_ = 0;
   uint64_t tick_ = 0, uid_ = 0, evictions_ = 0;
