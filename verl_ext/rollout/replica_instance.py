@@ -18,12 +18,14 @@ by the drafter), and ``drafter_call`` reaches the drafter through veRL's public
 ``import_drafts`` takes the grouped draft server's deltas that way; veRL's servers do not stream,
 so ``generate`` hands a chunk's tokens to ``on_tokens`` (and so to the draft server) when the
 chunk ends. ``drafter_stats`` needs the drafter's answer, which ``collective_rpc`` drops: it runs
-the same RPC through the server's engine client inside the server actor (Ray's ``__ray_call__``).
+the same RPC through the server's engine client inside the server actor (Ray's ``__ray_call__``),
+and so does ``abort`` (veRL's ``abort_request`` misses vLLM 0.32's internal request ids).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from typing import Any, Iterable, Optional
@@ -38,6 +40,8 @@ SAMPLING_KEY = "verl_sampling_params"
 BASE_LEN_KEY = "verl_prompt_len"
 KWARGS_KEY = "verl_generate_kwargs"
 TOKEN_OUTPUT_KEY = "token_output"
+
+logger = logging.getLogger(__name__)
 
 
 class ReplicaInstance(Instance):
@@ -153,9 +157,21 @@ class ReplicaInstance(Instance):
                                request.sampling.max_tokens, self.stop_ids)
         return Completion(request.request_id, tokens, reason, logprobs=output.log_probs, extra={TOKEN_OUTPUT_KEY: output})
 
-    async def abort(self, request_id: str) -> None:
+    async def abort(self, request_id: str, timeout_s: float = 10.0) -> None:
+        """Abort a running request: its ``generate`` returns the tokens so far, stop reason
+        "aborted". veRL 0.9.1's ``abort_request`` looks the id up among vLLM's internal request
+        ids, which vLLM 0.32 derives from the id it was given, so it finds nothing; the abort
+        goes to the server's engine client instead (``engine.abort`` maps the given id), and to
+        ``abort_request`` where that cannot run."""
         engine_id = self._engine_ids.get(request_id)
-        if engine_id is not None and hasattr(self.handle, "abort_request"):
+        if engine_id is None:
+            return
+        try:
+            await self.handle.__ray_call__.remote(_engine_abort, engine_id, timeout_s)
+            return
+        except Exception as exc:
+            logger.debug("verl_ext: abort through %s's engine client failed (%s); using abort_request", self.name, exc)
+        if hasattr(self.handle, "abort_request"):
             await self.handle.abort_request.remote(engine_id)
 
     async def refresh(self, timeout_s: float = 1.0) -> bool:
@@ -200,7 +216,18 @@ def _drafter_rpc(server, op: str, args: tuple, timeout_s: float):
     """Runs inside a veRL ``vLLMHttpServer`` actor, on one of Ray's threads (``__ray_call__``): the
     drafter RPC through the server's vLLM engine client on the actor's event loop (where its
     output handler runs), returning every worker's answer."""
-    engine = server.engine
+    return _on_engine_loop(server.engine, lambda e: e.collective_rpc("verl_ext_drafter", args=(op, *args)), timeout_s)
+
+
+def _engine_abort(server, request_id: str, timeout_s: float):
+    """Runs inside a veRL ``vLLMHttpServer`` actor, like ``_drafter_rpc``: aborts the request the
+    server's ``generate`` started with id ``request_id`` (vLLM maps it to its internal ids)."""
+    return _on_engine_loop(server.engine, lambda e: e.abort(request_id), timeout_s)
+
+
+def _on_engine_loop(engine, call, timeout_s: float):
+    """``call(engine)``'s coroutine run on the loop of the vLLM engine client's output handler,
+    from another thread; its result."""
     handler = getattr(engine, "output_handler", None)
     loop = handler.get_loop() if handler is not None else None
     if loop is None or loop.is_closed():
@@ -211,5 +238,4 @@ def _drafter_rpc(server, op: str, args: tuple, timeout_s: float):
         pass
     else:  # on the loop's own thread, waiting below would deadlock it
         raise RuntimeError("cannot wait for the engine on the server's event loop thread")
-    rpc = engine.collective_rpc("verl_ext_drafter", args=(op, *args))
-    return asyncio.run_coroutine_threadsafe(rpc, loop).result(timeout_s)
+    return asyncio.run_coroutine_threadsafe(call(engine), loop).result(timeout_s)
