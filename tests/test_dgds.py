@@ -138,38 +138,6 @@ def test_request_id_isolation():
     assert sep.index.priority(SCOPE_GROUP, "g", [3, 4]) == 0 and sep.index.priority(SCOPE_GROUP, "g", [3, 1]) == 1
 
 
-def test_an_engine_keeps_one_group_sequence_per_chunked_response_beside_the_server_copy():
-    """veRL's servers do not stream, so with the draft server up they keep writing their own group
-    trees. A response's chunks (engine requests of their own, ``SEQ_OFFSET_KEY``) continue one
-    sequence named by the response, and the server's copy of it merges into that sequence:
-    siblings draft from one copy of each response. Before, each chunk was a sequence of its own
-    and the import added the response once more (measured in veRL: 9% more draft tokens for the
-    same accepted ones)."""
-    from verl_ext.spec.options import SEQ_OFFSET_KEY
-
-    p = _proposer(scopes="group", k=4, min_match=2, min_prob=0.0)
-    b = _Batch(p)
-    resp = list(range(100, 124))
-    b.add("e0", [1, 2], "g", request_id="r0", **{SEQ_OFFSET_KEY: 0})
-    b.step({"e0": resp[:8]})
-    b.finish("e0")
-    b.add("e1", [1, 2, *resp[:8]], "g", request_id="r0", **{SEQ_OFFSET_KEY: 8})
-    b.step({"e1": resp[8:12]})
-    assert p.index.group_counts("g") == (0, 1) and p.index.group_sequence("g", "r0") == (12, False)
-    server = DraftIndex(p.index.max_depth, 0, 8)
-    server.group_append("g", "r0", resp[:16])
-    server.group_close("g", "r0")
-    p.rpc("import_groups", [server.export_group("g", 0)[0]])
-    assert p.index.group_counts("g") == (1, 1) and p.index.group_sequence("g", "r0") == (16, True)
-    # a sibling drafts the response's continuation from that one sequence
-    b.add("s", [1, 2, *resp[10:13]], "g", request_id="r1", **{SEQ_OFFSET_KEY: 0})
-    assert b.step()["s"] == resp[13:16]
-    # a request generated in one piece (no offset) writes a sequence of its own, as before
-    b.add("w", [1, 2], "g", request_id="r2")
-    b.step({"w": [7, 7]})
-    assert p.index.group_counts("g") == (1, 3)
-
-
 def test_sharding_is_stable_across_processes():
     groups = [f"group-{i}" for i in range(200)] + ["", "ü-ñ", "uid:42"]
     mine = [shard_of(g, 4) for g in groups]
@@ -439,3 +407,149 @@ async def test_one_slow_answer_skips_a_tick_and_loses_nothing(ray_session, caplo
     finally:
         await client.stop()
         ray.kill(handle)
+
+
+# ---- the engine-side proposer, with a fake runner (tests/_util.py) ------------------------
+def test_proposer_remote_groups_and_adaptive_caps():
+    p = _proposer(scopes="request+group", k=8, max_depth=DEPTH, group_source="remote", adaptive=True,
+                  knee_tokens=12, sibling_boost=3.0)
+    sibling = list(range(100, 140))
+    server = GroupDraftServer(max_depth=DEPTH)
+    server.append([("ga", "done", 0, sibling, True), ("ga", "other", 0, [7, 7], False)])
+    blob, _ = server.fetch({"ga": 0})["ga"]
+    assert p.rpc("import_groups", [blob, b"junk"]) == [42, -1]
+    with pytest.raises(ValueError, match=IMPORT_REFUSED):  # strict: for RPCs that return nothing
+        p.rpc("import_groups", [blob, b"junk"], True)
+    assert p.rpc("import_groups", [blob], True) == [0]  # idempotent
+    assert p.rpc("group_counts", "ga") == (1, 2) and p.rpc("group_counts", ["ga", "x"]) == {"ga": (1, 2), "x": (0, 0)}
+    before = p.index.dump(SCOPE_GROUP, "ga")
+    b = _Batch(p)
+    b.add("a", [1, 2, 100, 101], "ga")  # half its group finished
+    b.add("z", [9, 9, 9, 1], "gz")  # group unknown here: fraction 0
+    d = b.step()
+    # budget 12 - 2 = 10 split 1 + 3 * 0.5 : 1 -> 7 : 3; "a" drafts the sibling's continuation
+    assert d["a"] == sibling[2:9] and len(d["a"]) == 7
+    d = b.step({"a": sibling[2:5], "z": [2]})
+    assert d["a"] == sibling[5:12]
+    # the request's own tokens never reach the (remote) group tree
+    assert p.index.dump(SCOPE_GROUP, "ga") == before and p.rpc("group_counts", "ga") == (1, 2)
+    assert p.capped_tokens > 0
+    b.finish("a")
+    b.finish("z")
+    b.add("c", [5, 100, 101, 102], "ga")
+    assert b.step()["c"] == sibling[3:11]  # alone: budget 11, capped at k=8
+    assert p.index.group_counts("ga") == (1, 2) and "a" not in p._group_of
+    st = p.rpc("stats")
+    assert st["imported_tokens"] == 42 and st["import_refused"] == 2 and st["import_calls"] == 3
+
+
+def test_proposer_local_groups_write_and_no_caps():
+    p = _proposer(scopes="request+group", k=4, max_depth=DEPTH)
+    b = _Batch(p)
+    b.add("a", [1, 2, 3], "g")
+    b.add("b", [1, 2, 3], "g")
+    b.step()
+    b.step({"a": [10, 11, 12, 13, 14], "b": [10]})
+    assert p.index.group_counts("g") == (0, 2)
+    assert b.step({"b": [11]})["b"] == [12, 13, 14]  # from its sibling, through the local tree
+    b.finish("a")
+    b.step({"b": [12]})
+    assert p.index.group_counts("g") == (1, 2) and p.capped_tokens == 0 and not p._group_of
+
+
+def test_proposer_counts_drafted_and_accepted_tokens_by_the_scope_that_drafted_them():
+    """The drafter's ``stats``: what each scope's drafts gave (``verl_ext.pipe.mechanisms`` reads
+    the group and history counts as seer's and rhyme's mechanisms)."""
+    p = _proposer(scopes="request+group", k=4, max_depth=DEPTH)
+    b = _Batch(p)
+    b.add("a", [1, 2, 3], "g")
+    b.add("b", [1, 2, 3], "g")
+    b.step()
+    b.step({"a": [10, 11, 12, 13, 14], "b": [10]}, emitted_counts=True)
+    assert b.step({"b": [11]}, emitted_counts=True)["b"] == [12, 13, 14]  # from a, through the group tree
+    before = p.rpc("stats")["scope_tokens"]
+    b.finish("a")
+    b.step({"b": [12, 13, 99]}, emitted_counts=True)  # two of the three accepted, then the target's own
+    after = p.rpc("stats")["scope_tokens"]
+    assert {s: [x - y for x, y in zip(after[s], before[s])] for s in after} == {
+        "request": [0, 0], "group": [3, 2], "history": [0, 0]}
+
+
+def test_proposer_group_write_switches_a_remote_engine_to_local_trees():
+    p = _proposer(scopes="request+group", k=4, max_depth=DEPTH, group_source="remote")
+    b = _Batch(p)
+    b.add("early", [1, 2, 3], "g")  # started before the switch: reads, never writes
+    b.step()
+    assert p.rpc("group_write", True) is False  # answers the previous setting
+    b.add("a", [1, 2, 3], "g")
+    b.add("b", [1, 2, 3], "g")
+    b.step()
+    b.step({"a": [10, 11, 12, 13, 14], "b": [10], "early": [10, 11]})
+    assert p.index.group_counts("g") == (0, 2)  # a and b, not early
+    assert b.step({"b": [11]})["b"] == [12, 13, 14]  # b drafts from a through the engine's own tree
+    with pytest.raises(ValueError, match="true or false"):
+        p.rpc("group_write", "yes")
+
+
+def test_verl_server_imports_are_strict():
+    """``ReplicaInstance.import_drafts`` over veRL's ``collective_rpc`` (which returns nothing): True
+    when taken, False when the drafter refused a delta (the client resends in full), other errors
+    raise."""
+    from verl_ext.rollout.replica_instance import ReplicaInstance
+
+    class _Rpc:
+        def __init__(self, error=None):
+            self.error, self.calls = error, []
+
+        def remote(self, method, args=()):
+            self.calls.append((method, args))
+
+            async def run():
+                if self.error is not None:
+                    raise self.error
+
+            return run()
+
+    class _Handle:
+        def __init__(self, error=None):
+            self.collective_rpc = _Rpc(error)
+
+    ok = _Handle()
+    assert asyncio.run(ReplicaInstance("s0", ok, drafting=True).import_drafts([b"x"])) is True
+    assert ok.collective_rpc.calls == [("verl_ext_drafter", ("import_groups", [b"x"], True))]
+    refused = _Handle(RuntimeError(f"worker 0: ValueError: {IMPORT_REFUSED}: 1 of 1 group deltas"))
+    assert asyncio.run(ReplicaInstance("s0", refused, drafting=True).import_drafts([b"x"])) is False
+    with pytest.raises(RuntimeError, match="gone"):
+        asyncio.run(ReplicaInstance("s0", _Handle(RuntimeError("gone")), drafting=True).import_drafts([b"x"]))
+
+
+def test_an_engine_keeps_one_group_sequence_per_chunked_response_beside_the_server_copy():
+    """veRL's servers do not stream, so with the draft server up they keep writing their own group
+    trees. A response's chunks (engine requests of their own, ``SEQ_OFFSET_KEY``) continue one
+    sequence named by the response, and the server's copy of it merges into that sequence:
+    siblings draft from one copy of each response. Before, each chunk was a sequence of its own
+    and the import added the response once more (measured in veRL: 9% more draft tokens for the
+    same accepted ones)."""
+    from verl_ext.spec.options import SEQ_OFFSET_KEY
+
+    p = _proposer(scopes="group", k=4, min_match=2, min_prob=0.0)
+    b = _Batch(p)
+    resp = list(range(100, 124))
+    b.add("e0", [1, 2], "g", request_id="r0", **{SEQ_OFFSET_KEY: 0})
+    b.step({"e0": resp[:8]})
+    b.finish("e0")
+    b.add("e1", [1, 2, *resp[:8]], "g", request_id="r0", **{SEQ_OFFSET_KEY: 8})
+    b.step({"e1": resp[8:12]})
+    assert p.index.group_counts("g") == (0, 1) and p.index.group_sequence("g", "r0") == (12, False)
+    server = DraftIndex(p.index.max_depth, 0, 8)
+    server.group_append("g", "r0", resp[:16])
+    server.group_close("g", "r0")
+    p.rpc("import_groups", [server.export_group("g", 0)[0]])
+    assert p.index.group_counts("g") == (1, 1) and p.index.group_sequence("g", "r0") == (16, True)
+    # a sibling drafts the response's continuation from that one sequence
+    b.add("s", [1, 2, *resp[10:13]], "g", request_id="r1", **{SEQ_OFFSET_KEY: 0})
+    assert b.step()["s"] == resp[13:16]
+    # a request generated in one piece (no offset) writes a sequence of its own, as before
+    b.add("w", [1, 2], "g", request_id="r2")
+    b.step({"w": [7, 7]})
+    assert p.index.group_counts("g") == (1, 3)
