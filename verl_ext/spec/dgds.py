@@ -27,8 +27,8 @@ every process, unlike Python's ``hash``).
 The servers are Ray actors (``num_cpus=0``). DGDS affects drafts only, never outputs: when a
 shard dies, or ``SLOW_CALLS_BEFORE_DEGRADE`` calls in a row take longer than ``timeout_s`` (one
 slow answer on a loaded host only skips that tick: Ray still runs the call, in order), the
-client logs one warning, reports ``degraded=1`` and stops syncing; the engines keep drafting from their request trees and the
-group trees they already imported. No client method raises into the rollout (``start`` raises
+client logs one warning, reports ``degraded=1`` and stops syncing; the engines keep drafting
+from their request trees and the group trees they already imported. No client method raises into the rollout (``start`` raises
 only when Ray is not initialised and no actor handles were given) and every Ray wait is bounded.
 
 Sequence keys: the client's ``seq`` names a response in the server's tree and, after import, in
