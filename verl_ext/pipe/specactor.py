@@ -36,7 +36,9 @@ speculation planning, request-level reconfiguration, and lossless Best-of-N draf
   request left, the requests with the lowest acceptance get copies on the freed instances with
   other methods, within ``b_max`` requests per instance. A copy resumes from the request's tokens
   so far (a continuation, as in ``verl_ext.pipe.chunks``); the request finishes with its first
-  copy to finish, and the others are aborted (their engine slots are freed by the abort).
+  copy to finish, and the others are aborted (their engine slots are freed by the abort). Engines
+  that do not stream (veRL's servers) tell the tokens so far through ``refresh_progress`` (the
+  drafter's ``progress`` op), read before each round.
 
   **Lossless.** Taking the first of independently sampled copies would favour short responses.
   Every copy must produce the same tokens, which needs sampling keyed by (seed, request,
@@ -543,6 +545,7 @@ class SpecActorStrategy(Strategy):
             step_s = self._step_seconds(pool)
             if step_s:
                 poll = max(1e-4, self.options.cooldown * step_s)
+            await pool.refresh_progress()  # engines that do not stream: the rates need tokens so far
             if self.options.reconfigure:
                 await self._reconfigure_running(pool)
             if not self._bon_on(pool):

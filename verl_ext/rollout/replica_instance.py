@@ -17,9 +17,11 @@ by the drafter), and ``drafter_call`` reaches the drafter through veRL's public
 ``vLLMHttpServer.collective_rpc`` (which returns nothing: calls are fire-and-check, errors raise).
 ``import_drafts`` takes the grouped draft server's deltas that way; veRL's servers do not stream,
 so ``generate`` hands a chunk's tokens to ``on_tokens`` (and so to the draft server) when the
-chunk ends. ``drafter_stats`` needs the drafter's answer, which ``collective_rpc`` drops: it runs
-the same RPC through the server's engine client inside the server actor (Ray's ``__ray_call__``),
-and so does ``abort`` (veRL's ``abort_request`` misses vLLM 0.32's internal request ids).
+chunk ends. ``drafter_stats`` and ``refresh_progress`` (running requests' tokens so far, for
+``progress`` and ``partial``: the drafter's ``progress`` op) need the drafter's answer, which
+``collective_rpc`` drops: they run the same RPC through the server's engine client inside the
+server actor (Ray's ``__ray_call__``), and so does ``abort`` (veRL's ``abort_request`` misses vLLM
+0.32's internal request ids).
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ class ReplicaInstance(Instance):
         self._load: dict[str, float] = {}  # the server's last /metrics reading (parse_load)
         self._load_at: Optional[float] = None  # when it was read (time.monotonic)
         self._load_failures = 0
+        self._progress: dict[str, tuple[list, int]] = {}  # request id -> (tokens so far, steps): refresh_progress
 
     def _sampling(self, request: GenRequest) -> dict:
         params = dict(request.extra.get(SAMPLING_KEY) or {})
@@ -116,6 +119,36 @@ class ReplicaInstance(Instance):
             return None
         return answers[0] if answers else None
 
+    async def refresh_progress(self, request_ids=None, timeout_s: float = 2.0) -> bool:
+        """Read running requests' tokens so far and engine steps from the drafter (its ``progress``
+        op); ``partial`` and ``progress`` answer from the last reading. False without a drafter or
+        an answer (the last reading stays)."""
+        ids = list(self._engine_ids) if request_ids is None else [str(r) for r in request_ids]
+        if not self.drafting or not ids:
+            return False
+        asked = {rid: self._engine_ids.get(rid) for rid in ids}  # a reading is of the run it asked about
+        try:
+            answers = await self.handle.__ray_call__.remote(_drafter_rpc, "progress", (ids,), timeout_s)
+        except Exception as exc:
+            logger.debug("verl_ext: no progress from %s (%s)", self.name, exc)
+            return False
+        got: dict[str, tuple[list, int]] = {}
+        for answer in answers or ():  # every worker runs every request (tensor parallel): the longest reading
+            for rid, (tokens, steps) in (answer or {}).items():
+                if rid in asked and (rid not in got or len(tokens) > len(got[rid][0])):
+                    got[rid] = (list(tokens), int(steps))
+        got = {rid: v for rid, v in got.items() if self._engine_ids.get(rid) == asked[rid]}
+        self._progress.update(got)
+        return bool(got)
+
+    def progress(self, request_id: str) -> Optional[tuple[int, int]]:
+        got = self._progress.get(request_id)
+        return None if got is None else (len(got[0]), got[1])
+
+    def partial(self, request_id: str) -> Optional[list]:
+        got = self._progress.get(request_id)
+        return None if got is None else list(got[0])
+
     async def import_drafts(self, blobs: list) -> bool:
         """Import grouped draft server deltas (``verl_ext.spec.dgds``) into the server's drafter.
         ``collective_rpc`` returns nothing, so the import is strict: True when every worker took
@@ -145,6 +178,7 @@ class ReplicaInstance(Instance):
         finally:
             self._inflight -= 1
             self._engine_ids.pop(request.request_id, None)
+            self._progress.pop(request.request_id, None)
         tokens = list(output.token_ids)
         self._generated += len(tokens)
         version = output.extra_fields.get("global_steps")

@@ -12,7 +12,8 @@ Per engine step (CPU drafters run synchronously after the step's bookkeeping):
      (``["prompt_key"]``, default: the group id) trees; ``["spec_scopes"]`` (e.g. ``"group"``)
      narrows the engine's scopes for one request and ``["spec_window"]`` caps its drafts (0: none;
      SpecActor's per-request window; the ``set_windows`` RPC changes the windows of running
-     requests, addressed by ``["request_id"]``: Algorithm 2's reconfiguration);
+     requests, addressed by ``["request_id"]``: Algorithm 2's reconfiguration; the ``progress`` RPC
+     reports their tokens so far, for front ends whose engines do not stream);
      ``["spec_reference"]`` with ``["spec_accept"]`` drafts a request's known continuation at a
      chosen acceptance rate instead (``verl_ext.spec.reference``; profiling the draft ladder);
   3. one native call appends every row's new tokens and proposes a draft per row, at most
@@ -75,7 +76,7 @@ def drafts_sampled_requests() -> bool:
 
 
 RPC_OPS = ("add_history", "set_histories", "drop_history", "save", "load", "stats", "import_groups", "group_counts",
-           "group_write", "set_windows", "drop_groups")
+           "group_write", "set_windows", "drop_groups", "progress")
 
 
 class SuffixProposer:
@@ -106,6 +107,7 @@ class SuffixProposer:
         self._reference: dict[str, ReferenceDraft] = {}  # request id -> drafts at a set acceptance (profiling)
         self._engine_ids: dict[str, set] = {}  # verl_ext request id -> this engine's request ids of it
         self._rid_of: dict[str, str] = {}  # this engine's request id -> verl_ext's
+        self._step0: dict[str, int] = {}  # this engine's request id -> ``steps`` when it started
         self.cutoff = self.options.batch_cutoff()  # HistoSpec's batch-size cut-off, or None
         # RLHFSpec's workload-aware selection (verl_ext.spec.select), or None
         self.selector = self.options.draft_selector()
@@ -153,6 +155,7 @@ class SuffixProposer:
             self._window.pop(req_id, None)
             self._reference.pop(req_id, None)
             self._forget(req_id)
+            self._step0.pop(req_id, None)
             if self.aimd is not None:
                 self.aimd.drop(req_id)
             self._last_draft.pop(req_id, None)
@@ -298,9 +301,10 @@ class SuffixProposer:
             if ref is not None:
                 self._reference[req_id] = ref
             scopes = 0  # its drafts come from the reference, not the trees
-        if ident.get("request_id") is not None:  # set_windows addresses requests by verl_ext's id
+        if ident.get("request_id") is not None:  # set_windows and progress address requests by verl_ext's id
             self._engine_ids.setdefault(str(ident["request_id"]), set()).add(req_id)
             self._rid_of[req_id] = str(ident["request_id"])
+            self._step0[req_id] = self.steps
         group = str(group) if group is not None and scopes & SCOPE_GROUP else ""
         # a chunk of a response continues the response's group sequence (SEQ_OFFSET_KEY)
         offset = ident.get(SEQ_OFFSET_KEY)
@@ -317,6 +321,25 @@ class SuffixProposer:
         )
         if group and self.adaptive:
             self._group_of[req_id] = group
+
+    def _progress(self, request_ids) -> dict:
+        """What running requests (verl_ext's ids) have generated so far, as the model runner holds
+        it (``CachedRequestState.output_token_ids``, up to async scheduling's placeholders), and
+        the engine steps since each started (a running request is in every step's batch). For
+        front ends whose engines do not stream (veRL's servers): SpecActor ranks requests by it
+        and resumes Best-of-N copies from it. Requests this engine does not run are left out."""
+        states = getattr(self._runner, "requests", None) or {}
+        out = {}
+        for rid in request_ids:
+            for eid in self._engine_ids.get(str(rid), ()):
+                state = states.get(eid)
+                if state is None:
+                    continue
+                tokens = list(state.output_token_ids)
+                if -1 in tokens:  # the tokens of steps still in flight are not known yet
+                    tokens = tokens[: tokens.index(-1)]
+                out[str(rid)] = [tokens, self.steps - self._step0.get(eid, self.steps)]
+        return out
 
     # -- collective_rpc("verl_ext_drafter", args=(op, ...)) ------------------------------------
     def rpc(self, op: str, *args):
@@ -362,6 +385,8 @@ class SuffixProposer:
                     self._window[eid] = max(0, int(w))
                     n += 1
             return n
+        if op == "progress":  # ([request ids]) -> {request id: [tokens generated so far, engine steps so far]}
+            return self._progress(args[0])
         if op == "drop_groups":  # ([groups]) -> trees dropped: groups whose rollout is over
             return sum(bool(self.index.drop_group(str(g))) for g in args[0])
         if op == "group_write":  # (bool): whether requests started from now on write their group trees
