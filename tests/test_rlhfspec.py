@@ -284,26 +284,30 @@ def _on_request_cls():
 
     class OnRequest(SimInstance):
         """A simulated engine that answers ``progress`` and ``partial`` from its last
-        ``refresh_progress`` reading only, as veRL's servers do (through the drafter)."""
+        ``refresh_progress`` reading only (``partial`` from one with ``tokens``), as veRL's
+        servers do (through the drafter)."""
 
         def __init__(self, *args):
             super().__init__(*args)
             self.read: dict = {}
-            self.readings = 0
+            self.readings = self.token_readings = 0
 
         def progress(self, rid):
             got = self.read.get(rid)
-            return None if got is None else (len(got[0]), got[1])
+            return None if got is None else got[:2]
 
         def partial(self, rid):
             got = self.read.get(rid)
-            return None if got is None else list(got[0])
+            return None if got is None or got[2] is None else list(got[2])
 
-        async def refresh_progress(self, request_ids=None):
+        async def refresh_progress(self, request_ids=None, tokens=False):
             self.readings += 1
-            self.read = {rid: (list(SimInstance.partial(self, rid)), SimInstance.progress(self, rid)[1])
-                         for rid in self._by_id if SimInstance.partial(self, rid) is not None}
-            return bool(self.read)
+            self.token_readings += tokens
+            ids = self._by_id if request_ids is None else [r for r in request_ids if r in self._by_id]
+            for rid in ids:
+                n, steps = SimInstance.progress(self, rid)
+                self.read[rid] = (n, steps, list(SimInstance.partial(self, rid)) if tokens else None)
+            return bool(ids)
 
     return OnRequest
 

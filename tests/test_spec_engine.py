@@ -155,9 +155,14 @@ async def test_a_non_streaming_front_end_reads_a_running_requests_tokens_from_th
     while len(seen) < 12:
         await asyncio.sleep(0.02)
     streamed = len(seen)
-    assert await replica.refresh_progress(["progress-probe", "not-running"])
+    # the answer waits for the engine's current step: generous on a loaded CI machine
+    assert await replica.refresh_progress(["progress-probe", "not-running"], timeout_s=60.0)
+    counted = replica.progress("progress-probe")
+    assert replica.partial("progress-probe") is None  # a reading without the tokens
+    assert await replica.refresh_progress(["progress-probe", "not-running"], tokens=True, timeout_s=60.0)
     tokens, (n, steps) = replica.partial("progress-probe"), replica.progress("progress-probe")
-    assert replica.partial("not-running") is None
+    assert replica.progress("not-running") is None and replica.partial("not-running") is None
+    assert streamed <= counted[0] <= n and counted[1] <= steps
     done = await asyncio.wait_for(task, 120)
     assert streamed <= n == len(tokens) < len(done.token_ids)
     assert tokens == list(done.token_ids[:n])

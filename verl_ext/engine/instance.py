@@ -16,9 +16,10 @@ simulated engine). Strategies only ever talk to instances through this contract:
   when unknown;
 * ``partial(request_id)`` (optional): the tokens a running request has generated so far, for
   engines that do not stream (``SimInstance``); None when unknown.
-* ``refresh_progress(request_ids=None)`` (optional, async): where ``progress`` and ``partial``
-  answer from a reading of the engine (veRL's servers, through the drafter), take a new one;
-  False where nothing was read.
+* ``refresh_progress(request_ids=None, tokens=False)`` (optional, async): where ``progress``
+  and ``partial`` answer from a reading of the engine (veRL's servers, through the drafter),
+  take a new one (``partial`` only from a reading with ``tokens``); False where nothing was
+  read.
 * ``set_spec_windows(windows, modes=None)`` (optional, async): new draft windows ``{request_id:
   tokens}`` for running requests on a drafting engine (SpecActor's Algorithm 2), and where the
   engine models decoupled speculation (the simulator) their modes ``{request_id: "coupled" |
@@ -195,9 +196,10 @@ class Instance(abc.ABC):
         """Tokens running ``request_id`` has generated so far; None if unknown."""
         return None
 
-    async def refresh_progress(self, request_ids: Optional[Sequence[str]] = None) -> bool:
-        """Read what running requests (default: all this instance runs) have generated so far,
-        for ``progress`` and ``partial`` to answer from; False where nothing was read."""
+    async def refresh_progress(self, request_ids: Optional[Sequence[str]] = None, tokens: bool = False) -> bool:
+        """Read how much running requests (default: all this instance runs) have generated so far,
+        for ``progress`` to answer from, and with ``tokens`` what, for ``partial``; False where
+        nothing was read."""
         return False
 
     async def drafter_stats(self) -> Optional[dict]:

@@ -545,7 +545,7 @@ class SpecActorStrategy(Strategy):
             step_s = self._step_seconds(pool)
             if step_s:
                 poll = max(1e-4, self.options.cooldown * step_s)
-            await pool.refresh_progress()  # engines that do not stream: the rates need tokens so far
+            await pool.refresh_progress()  # engines that do not stream: the rates need token counts so far
             if self.options.reconfigure:
                 await self._reconfigure_running(pool)
             if not self._bon_on(pool):
@@ -561,6 +561,10 @@ class SpecActorStrategy(Strategy):
             for live, method, inst, prefix, steps0, window in copies:
                 if live.request.request_id not in self._live or any(r.instance is inst for r in live.runs):
                     continue
+                if prefix is None:  # known by count only (a reading without tokens): read them now
+                    prefix, steps0 = await self._read_prefix(live)
+                    if prefix is None or live.request.request_id not in self._live:
+                        continue
                 req = self._copy_request(live.request, prefix, method, window)
                 if req is None:
                     continue
@@ -569,6 +573,20 @@ class SpecActorStrategy(Strategy):
                 self._m["bon_copies"] += 1
                 self.acted["bon_copies"] += 1
 
+    async def _read_prefix(self, live: _Live) -> tuple[Optional[list], int]:
+        """The tokens so far and engine steps of a request's original run, read from its instance
+        with the tokens (``refresh_progress(tokens=True)``): a copy resumes from them."""
+        run = next((r for r in live.runs if r.original), None)
+        fn = getattr(run.instance, "refresh_progress", None) if run is not None else None
+        if fn is None:
+            return None, 0
+        try:
+            await fn([live.request.request_id], tokens=True)
+        except Exception:
+            return None, 0
+        _, tokens, steps = self._progress(live)
+        return tokens, steps
+
     def _rate(self, live: _Live, fallback: Optional[str]):
         """(acceptance per draft token, tokens so far, steps so far) of a request's original run,
         or None before ``min_tokens``. The rate is the one whose tokens per step at the run's
@@ -576,19 +594,19 @@ class SpecActorStrategy(Strategy):
         report no per-request counts); until ``min_tokens`` have come at it, or while the run
         decodes plainly (window 0), it is the run's last measured rate, else the method's
         historical acceptance."""
-        tokens, steps = self._progress(live)
-        if tokens is None or len(tokens) < self.options.min_tokens or steps <= 0:
+        count, _, steps = self._progress(live)
+        if count is None or count < self.options.min_tokens or steps <= 0:
             return None
         run = live.runs[0]
-        n, k = len(tokens) - run.mark[0], steps - run.mark[1]
+        n, k = count - run.mark[0], steps - run.mark[1]
         if run.window > 0 and n >= self.options.min_tokens and k > 0:
-            return acceptance_from_tokens(n / k, run.window, run.decoupled), tokens, steps
+            return acceptance_from_tokens(n / k, run.window, run.decoupled), count, steps
         if run.rate is not None:
-            return run.rate, tokens, steps
+            return run.rate, count, steps
         method = run.method or fallback
         if method is None:
             return None
-        return self._history.get(method, self.ladder().methods[method].acceptance), tokens, steps
+        return self._history.get(method, self.ladder().methods[method].acceptance), count, steps
 
     async def _reconfigure_running(self, pool: InstancePool) -> None:
         """Algorithm 2 on running requests: a request whose measured acceptance is below the
@@ -647,8 +665,8 @@ class SpecActorStrategy(Strategy):
                 self._m["switched_decoupled"] += m and not run.decoupled
                 run.window, run.decoupled = w, m
                 live = self._live.get(rid)
-                tokens, steps = self._progress(live) if live is not None else (None, 0)
-                run.mark = (len(tokens) if tokens is not None else 0, steps)  # the new window's rate starts here
+                count, _, steps = self._progress(live) if live is not None else (None, None, 0)
+                run.mark = (count or 0, steps)  # the new window's rate starts here
             self._m["reconfigured_running"] += n
             self.acted["window_changes"] += n
 
@@ -667,18 +685,22 @@ class SpecActorStrategy(Strategy):
                 per.append((t.timestamp - first[1]) / (t.steps - first[0]))
         return sorted(per)[len(per) // 2] if per else None
 
-    def _progress(self, live: _Live) -> tuple[Optional[list], int]:
-        """(the request's tokens so far, its engine steps so far) from its original run."""
+    def _progress(self, live: _Live) -> tuple[Optional[int], Optional[list], int]:
+        """(how many tokens the request has so far, those tokens, its engine steps so far) from its
+        original run; the count or the tokens are None where unknown (an instance that does not
+        stream tells the count from its last reading, the tokens only from a reading with them)."""
         run = next((r for r in live.runs if r.original), None)
         if run is None:
-            return None, 0
+            return None, None, 0
         rid = live.request.request_id
         if run.tokens or live.deltas:
-            return list(run.tokens), live.deltas
+            return len(run.tokens), list(run.tokens), live.deltas
         partial = getattr(run.instance, "partial", None)
         tokens = partial(rid) if partial is not None else None
         got = run.instance.progress(rid)
-        return (None if tokens is None else list(tokens)), (got[1] if got else 0)
+        if got is None:
+            return None, None, 0
+        return got[0], (None if tokens is None or len(tokens) != got[0] else list(tokens)), got[1]
 
     def _decide(self, pool: InstancePool):
         """Algorithm 3 over the requests in flight; returns the copies to start."""
@@ -704,9 +726,9 @@ class SpecActorStrategy(Strategy):
             got = self._rate(live, methods[0])
             if got is None:
                 continue
-            rates[rid], tokens, steps = got
+            rates[rid], _, steps = got
             running[rid] = {(r.method, r.instance.name) for r in live.runs}
-            snap[rid] = (tokens, steps)
+            snap[rid] = (self._progress(live)[1], steps)  # the tokens, where known without a reading
         if not rates:
             return []
         busy = [n for n in pool.instances if n not in freed]

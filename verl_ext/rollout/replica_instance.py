@@ -70,7 +70,8 @@ class ReplicaInstance(Instance):
         self._load: dict[str, float] = {}  # the server's last /metrics reading (parse_load)
         self._load_at: Optional[float] = None  # when it was read (time.monotonic)
         self._load_failures = 0
-        self._progress: dict[str, tuple[list, int]] = {}  # request id -> (tokens so far, steps): refresh_progress
+        # request id -> (tokens so far, engine steps, the tokens or None): refresh_progress
+        self._progress: dict[str, tuple[int, int, Optional[list]]] = {}
 
     def _sampling(self, request: GenRequest) -> dict:
         params = dict(request.extra.get(SAMPLING_KEY) or {})
@@ -119,35 +120,36 @@ class ReplicaInstance(Instance):
             return None
         return answers[0] if answers else None
 
-    async def refresh_progress(self, request_ids=None, timeout_s: float = 2.0) -> bool:
-        """Read running requests' tokens so far and engine steps from the drafter (its ``progress``
-        op); ``partial`` and ``progress`` answer from the last reading. False without a drafter or
-        an answer (the last reading stays)."""
+    async def refresh_progress(self, request_ids=None, tokens: bool = False, timeout_s: float = 2.0) -> bool:
+        """Read how many tokens running requests have so far and their engine steps from the
+        drafter (its ``progress`` op), with ``tokens`` the tokens too (a reading without them is
+        a few numbers per request); ``progress`` and ``partial`` answer from the last reading.
+        False without a drafter or an answer (the last reading stays)."""
         ids = list(self._engine_ids) if request_ids is None else [str(r) for r in request_ids]
         if not self.drafting or not ids:
             return False
         asked = {rid: self._engine_ids.get(rid) for rid in ids}  # a reading is of the run it asked about
         try:
-            answers = await self.handle.__ray_call__.remote(_drafter_rpc, "progress", (ids,), timeout_s)
+            answers = await self.handle.__ray_call__.remote(_drafter_rpc, "progress", (ids, tokens), timeout_s)
         except Exception as exc:
             logger.debug("verl_ext: no progress from %s (%s)", self.name, exc)
             return False
-        got: dict[str, tuple[list, int]] = {}
+        got: dict[str, tuple[int, int, Optional[list]]] = {}
         for answer in answers or ():  # every worker runs every request (tensor parallel): the longest reading
-            for rid, (tokens, steps) in (answer or {}).items():
-                if rid in asked and (rid not in got or len(tokens) > len(got[rid][0])):
-                    got[rid] = (list(tokens), int(steps))
+            for rid, reading in (answer or {}).items():
+                if rid in asked and (rid not in got or int(reading[0]) > got[rid][0]):
+                    got[rid] = (int(reading[0]), int(reading[1]), list(reading[2]) if len(reading) > 2 else None)
         got = {rid: v for rid, v in got.items() if self._engine_ids.get(rid) == asked[rid]}
         self._progress.update(got)
         return bool(got)
 
     def progress(self, request_id: str) -> Optional[tuple[int, int]]:
         got = self._progress.get(request_id)
-        return None if got is None else (len(got[0]), got[1])
+        return None if got is None else (got[0], got[1])
 
     def partial(self, request_id: str) -> Optional[list]:
         got = self._progress.get(request_id)
-        return None if got is None else list(got[0])
+        return None if got is None or got[2] is None else list(got[2])
 
     async def import_drafts(self, blobs: list) -> bool:
         """Import grouped draft server deltas (``verl_ext.spec.dgds``) into the server's drafter.

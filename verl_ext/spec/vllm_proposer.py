@@ -322,12 +322,15 @@ class SuffixProposer:
         if group and self.adaptive:
             self._group_of[req_id] = group
 
-    def _progress(self, request_ids) -> dict:
-        """What running requests (verl_ext's ids) have generated so far, as the model runner holds
-        it (``CachedRequestState.output_token_ids``, up to async scheduling's placeholders), and
-        the engine steps since each started (a running request is in every step's batch). For
-        front ends whose engines do not stream (veRL's servers): SpecActor ranks requests by it
-        and resumes Best-of-N copies from it. Requests this engine does not run are left out."""
+    def _progress(self, request_ids, with_tokens: bool = False) -> dict:
+        """How many tokens running requests (verl_ext's ids) have generated so far and the engine
+        steps since each started (a running request is in every step's batch), and with
+        ``with_tokens`` the tokens themselves, as the model runner holds them
+        (``CachedRequestState.output_token_ids``: every token, since vLLM turns async scheduling
+        off for ``custom_class`` speculation; a placeholder, -1, would end the reading). For front
+        ends whose engines do not stream (veRL's servers): SpecActor ranks requests by the counts
+        and resumes Best-of-N copies from the tokens. Requests this engine does not run are left
+        out."""
         states = getattr(self._runner, "requests", None) or {}
         out = {}
         for rid in request_ids:
@@ -335,10 +338,12 @@ class SuffixProposer:
                 state = states.get(eid)
                 if state is None:
                     continue
-                tokens = list(state.output_token_ids)
-                if -1 in tokens:  # the tokens of steps still in flight are not known yet
-                    tokens = tokens[: tokens.index(-1)]
-                out[str(rid)] = [tokens, self.steps - self._step0.get(eid, self.steps)]
+                tokens = state.output_token_ids
+                n = len(tokens)
+                if n and tokens[-1] == -1:  # the tokens of steps still in flight are not known yet
+                    n = list(tokens).index(-1)
+                got = [n, self.steps - self._step0.get(eid, self.steps)]
+                out[str(rid)] = got + [list(tokens[:n])] if with_tokens else got
         return out
 
     # -- collective_rpc("verl_ext_drafter", args=(op, ...)) ------------------------------------
@@ -385,8 +390,8 @@ class SuffixProposer:
                     self._window[eid] = max(0, int(w))
                     n += 1
             return n
-        if op == "progress":  # ([request ids]) -> {request id: [tokens generated so far, engine steps so far]}
-            return self._progress(args[0])
+        if op == "progress":  # ([request ids][, with tokens]) -> {request id: [tokens so far, engine steps[, tokens]]}
+            return self._progress(args[0], bool(args[1]) if len(args) > 1 else False)
         if op == "drop_groups":  # ([groups]) -> trees dropped: groups whose rollout is over
             return sum(bool(self.index.drop_group(str(g))) for g in args[0])
         if op == "group_write":  # (bool): whether requests started from now on write their group trees
