@@ -258,6 +258,31 @@ def test_best_of_n_reads_the_progress_of_engines_that_answer_it_only_on_request(
     assert all(s.telemetry().running == 0 and not s._by_id for s in sims)
 
 
+def test_a_plain_steps_requests_get_copies_with_another_method_than_the_one_they_carry():
+    """Where the step decodes plainly (no method pays at its batch: inside veRL, ``batch``'s
+    default of 64), requests carry the method that pays for a lone request, and their instances
+    draft with it once windows open. A freed instance must get another method (Algorithm 3 line
+    2 counts the busy ones as that method's workers); given the same one, no request could get
+    a copy, as none gets a second copy with a method it runs with."""
+    from verl_ext.engine.instance import GenRequest, SamplingSpec
+    from verl_ext.pipe.specactor import _Live, _Run
+
+    st = make_strategy("specactor", {"profile": "cpu-smollm2-avx2", "min_tokens": 4})
+    st.engine_spec()
+    assert st.select(64) is None and st._tail_method is not None
+    busy = types.SimpleNamespace(name="a", progress=lambda rid: (20, 10), partial=lambda rid: list(range(20)))
+    freed = types.SimpleNamespace(name="b")
+    pool = types.SimpleNamespace(inflight={"a": 2, "b": 0}, instances={"a": busy, "b": freed})
+    for i in range(2):
+        live = _Live(GenRequest(f"r{i}", "g", [1, 2], SamplingSpec(temperature=0.0, max_tokens=64)))
+        live.runs.append(_Run(busy, st._tail_method, [], 0, original=True, window=4))
+        st._live[f"r{i}"] = live
+    copies = st._decide(pool)
+    assert len(copies) == 2
+    assert all(inst is freed and method != st._tail_method and prefix == list(range(20))
+               for _, method, inst, prefix, _, _ in copies)
+
+
 def test_a_burst_of_requests_is_spread_evenly_over_the_instances():
     """veRL's least-loaded rule over a burst: each dispatched request counts in flight at once
     (``InstancePool.start``), not when its task first runs (then every request of the burst saw

@@ -56,15 +56,17 @@ class InstancePool:
     def now(self) -> float:
         return self._clock() - self.t0
 
-    async def refresh_progress(self) -> None:
+    async def refresh_progress(self) -> int:
         """Instances that do not stream (veRL's servers) tell running requests' tokens so far from
         a reading of the engine (``Instance.refresh_progress``): take one on each, at once. For
-        strategies about to rank running requests by their progress."""
+        strategies about to rank running requests by their progress. Returns how many readings
+        failed (raised; an instance with nothing running reads nothing and has not failed)."""
         reads = [fn() for inst in self.instances.values()
                  if not getattr(inst, "streams_tokens", False)
                  and (fn := getattr(inst, "refresh_progress", None)) is not None]
-        if reads:
-            await asyncio.gather(*reads, return_exceptions=True)
+        if not reads:
+            return 0
+        return sum(isinstance(r, BaseException) for r in await asyncio.gather(*reads, return_exceptions=True))
 
     def reset_clock(self) -> None:
         self.t0 = self._clock()

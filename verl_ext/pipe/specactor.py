@@ -545,7 +545,8 @@ class SpecActorStrategy(Strategy):
             step_s = self._step_seconds(pool)
             if step_s:
                 poll = max(1e-4, self.options.cooldown * step_s)
-            await pool.refresh_progress()  # engines that do not stream: the rates need token counts so far
+            # engines that do not stream: the rates need token counts so far
+            self._m["progress_failed"] += await pool.refresh_progress()
             if self.options.reconfigure:
                 await self._reconfigure_running(pool)
             if not self._bon_on(pool):
@@ -733,8 +734,11 @@ class SpecActorStrategy(Strategy):
             return []
         busy = [n for n in pool.instances if n not in freed]
         workers_of = {m: [] for m in methods}
+        # a busy instance drafts with the step's method, or where the step decodes plainly with the
+        # method its requests carry for the tail (their windows open as the batch drains)
+        running_method = self._method or self._tail_method
         for n in busy:
-            m = self._worker_method.get(n, self._method)
+            m = self._worker_method.get(n, running_method)
             if m in workers_of:
                 workers_of[m].append(n)
         b_max = o.b_max or 8

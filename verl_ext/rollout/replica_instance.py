@@ -72,6 +72,7 @@ class ReplicaInstance(Instance):
         self._load_failures = 0
         # request id -> (tokens so far, engine steps, the tokens or None): refresh_progress
         self._progress: dict[str, tuple[int, int, Optional[list]]] = {}
+        self._progress_failures = 0
 
     def _sampling(self, request: GenRequest) -> dict:
         params = dict(request.extra.get(SAMPLING_KEY) or {})
@@ -120,7 +121,7 @@ class ReplicaInstance(Instance):
             return None
         return answers[0] if answers else None
 
-    async def refresh_progress(self, request_ids=None, tokens: bool = False, timeout_s: float = 2.0) -> bool:
+    async def refresh_progress(self, request_ids=None, tokens: bool = False, timeout_s: float = 10.0) -> bool:
         """Read how many tokens running requests have so far and their engine steps from the
         drafter (its ``progress`` op), with ``tokens`` the tokens too (a reading without them is
         a few numbers per request); ``progress`` and ``partial`` answer from the last reading.
@@ -132,7 +133,10 @@ class ReplicaInstance(Instance):
         try:
             answers = await self.handle.__ray_call__.remote(_drafter_rpc, "progress", (ids, tokens), timeout_s)
         except Exception as exc:
-            logger.debug("verl_ext: no progress from %s (%s)", self.name, exc)
+            self._progress_failures += 1
+            if self._progress_failures == 1:
+                logger.warning("verl_ext: no progress reading from %s (%s: %s); strategies that rank running "
+                               "requests by it see none this round", self.name, type(exc).__name__, exc)
             return False
         got: dict[str, tuple[int, int, Optional[list]]] = {}
         for answer in answers or ():  # every worker runs every request (tensor parallel): the longest reading
