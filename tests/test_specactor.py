@@ -283,6 +283,21 @@ def test_a_plain_steps_requests_get_copies_with_another_method_than_the_one_they
                for _, method, inst, prefix, _, _ in copies)
 
 
+def test_a_server_that_does_not_answer_a_progress_reading_is_counted_and_keeps_nothing_stale():
+    from verl_ext.rollout.replica_instance import ReplicaInstance
+
+    class Down:  # Ray's __ray_call__ on a dead actor
+        def remote(self, *args):
+            raise ConnectionError("the actor died")
+
+    server = ReplicaInstance("10.0.0.1:8000", types.SimpleNamespace(__ray_call__=Down()), drafting=True)
+    pool = InstancePool([server])
+    assert asyncio.run(pool.refresh_progress()) == 0  # nothing running: nothing to read
+    server._engine_ids["r0"] = "engine-r0"  # as generate records a running request
+    assert asyncio.run(pool.refresh_progress()) == 1
+    assert server.progress("r0") is None and server.partial("r0") is None
+
+
 def test_a_burst_of_requests_is_spread_evenly_over_the_instances():
     """veRL's least-loaded rule over a burst: each dispatched request counts in flight at once
     (``InstancePool.start``), not when its task first runs (then every request of the burst saw

@@ -18,8 +18,8 @@ simulated engine). Strategies only ever talk to instances through this contract:
   engines that do not stream (``SimInstance``); None when unknown.
 * ``refresh_progress(request_ids=None, tokens=False)`` (optional, async): where ``progress``
   and ``partial`` answer from a reading of the engine (veRL's servers, through the drafter),
-  take a new one (``partial`` only from a reading with ``tokens``); False where nothing was
-  read.
+  take a new one (``partial`` only from a reading with ``tokens``); False where there was
+  nothing to read, an exception where the engine did not answer.
 * ``set_spec_windows(windows, modes=None)`` (optional, async): new draft windows ``{request_id:
   tokens}`` for running requests on a drafting engine (SpecActor's Algorithm 2), and where the
   engine models decoupled speculation (the simulator) their modes ``{request_id: "coupled" |

@@ -37,8 +37,9 @@ speculation planning, request-level reconfiguration, and lossless Best-of-N draf
   other methods, within ``b_max`` requests per instance. A copy resumes from the request's tokens
   so far (a continuation, as in ``verl_ext.pipe.chunks``); the request finishes with its first
   copy to finish, and the others are aborted (their engine slots are freed by the abort). Engines
-  that do not stream (veRL's servers) tell the tokens so far through ``refresh_progress`` (the
-  drafter's ``progress`` op), read before each round.
+  that do not stream (veRL's servers) tell how far requests are through ``refresh_progress`` (the
+  drafter's ``progress`` op): token counts and engine steps before each round, a request's
+  tokens when it gets a copy.
 
   **Lossless.** Taking the first of independently sampled copies would favour short responses.
   Every copy must produce the same tokens, which needs sampling keyed by (seed, request,
@@ -589,7 +590,7 @@ class SpecActorStrategy(Strategy):
         return tokens, steps
 
     def _rate(self, live: _Live, fallback: Optional[str]):
-        """(acceptance per draft token, tokens so far, steps so far) of a request's original run,
+        """(acceptance per draft token, token count so far, steps so far) of a request's original run,
         or None before ``min_tokens``. The rate is the one whose tokens per step at the run's
         current window (``execution``'s model) match those since that window was set (the engines
         report no per-request counts); until ``min_tokens`` have come at it, or while the run

@@ -125,7 +125,8 @@ class ReplicaInstance(Instance):
         """Read how many tokens running requests have so far and their engine steps from the
         drafter (its ``progress`` op), with ``tokens`` the tokens too (a reading without them is
         a few numbers per request); ``progress`` and ``partial`` answer from the last reading.
-        False without a drafter or an answer (the last reading stays)."""
+        False without a drafter or a running request; raises where the server does not answer
+        (the last reading stays; the first failure is logged)."""
         ids = list(self._engine_ids) if request_ids is None else [str(r) for r in request_ids]
         if not self.drafting or not ids:
             return False
@@ -137,7 +138,7 @@ class ReplicaInstance(Instance):
             if self._progress_failures == 1:
                 logger.warning("verl_ext: no progress reading from %s (%s: %s); strategies that rank running "
                                "requests by it see none this round", self.name, type(exc).__name__, exc)
-            return False
+            raise
         got: dict[str, tuple[int, int, Optional[list]]] = {}
         for answer in answers or ():  # every worker runs every request (tensor parallel): the longest reading
             for rid, reading in (answer or {}).items():
