@@ -589,14 +589,14 @@ class SpecActorStrategy(Strategy):
         _, tokens, steps = self._progress(live)
         return tokens, steps
 
-    def _rate(self, live: _Live, fallback: Optional[str]):
+    def _rate(self, live: _Live, fallback: Optional[str], progress: Optional[tuple] = None):
         """(acceptance per draft token, token count so far, steps so far) of a request's original run,
         or None before ``min_tokens``. The rate is the one whose tokens per step at the run's
         current window (``execution``'s model) match those since that window was set (the engines
         report no per-request counts); until ``min_tokens`` have come at it, or while the run
         decodes plainly (window 0), it is the run's last measured rate, else the method's
-        historical acceptance."""
-        count, _, steps = self._progress(live)
+        historical acceptance. ``progress``: ``_progress(live)`` where the caller has it."""
+        count, _, steps = progress if progress is not None else self._progress(live)
         if count is None or count < self.options.min_tokens or steps <= 0:
             return None
         run = live.runs[0]
@@ -725,12 +725,13 @@ class SpecActorStrategy(Strategy):
                                    "need position-keyed sampling, which this engine does not offer; they decode once")
                 self._m["bon_refused_sampled"] += 1
                 continue
-            got = self._rate(live, methods[0])
+            progress = self._progress(live)
+            got = self._rate(live, methods[0], progress)
             if got is None:
                 continue
             rates[rid], _, steps = got
             running[rid] = {(r.method, r.instance.name) for r in live.runs}
-            snap[rid] = (self._progress(live)[1], steps)  # the tokens, where known without a reading
+            snap[rid] = (progress[1], steps)  # the tokens, where known without a reading
         if not rates:
             return []
         busy = [n for n in pool.instances if n not in freed]
