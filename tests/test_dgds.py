@@ -348,7 +348,7 @@ async def test_stalled_shard_times_out_and_degrades(ray_session, caplog):
     # tests/ is not importable in Ray's workers: ship this module's classes by value
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     handle = ray.remote(_Stalled).options(num_cpus=0).remote(max_depth=DEPTH)
-    client = DGDSClient(handles=[handle], append_every=4, sync_interval_s=0.02, timeout_s=0.5)
+    client = DGDSClient(handles=[handle], append_every=4, sync_interval_s=0.02, timeout_s=0.5, stall_s=1.0)
     try:
         await client.start()
         with caplog.at_level(logging.WARNING, logger="verl_ext.spec.dgds"):
@@ -359,7 +359,7 @@ async def test_stalled_shard_times_out_and_degrades(ray_session, caplog):
                 if client.degraded:
                     break
             await _wait_for(lambda: client.degraded, timeout=5.0)
-            # SLOW_CALLS_BEFORE_DEGRADE answers later than timeout_s, then the warning
+            # SLOW_CALLS_BEFORE_DEGRADE answers later than timeout_s, over stall_s, then the warning
             assert time.monotonic() - t0 < SLOW_CALLS_BEFORE_DEGRADE * 0.5 + 1.5
             client.append("g", "r", 1000, [1])
             await client.stop()
@@ -553,3 +553,45 @@ def test_an_engine_keeps_one_group_sequence_per_chunked_response_beside_the_serv
     b.add("w", [1, 2], "g", request_id="r2")
     b.step({"w": [7, 7]})
     assert p.index.group_counts("g") == (1, 3)
+
+
+class _SlowAtStart(GroupDraftServer):
+    """Answers its first calls late, as a shard does while the host's other processes start."""
+
+    def __init__(self, late: int, **kw):
+        super().__init__(**kw)
+        self.late = late
+
+    def append(self, updates):
+        if self.late > 0:
+            self.late -= 1
+            time.sleep(0.4)
+        return super().append(updates)
+
+
+async def test_a_run_of_late_answers_shorter_than_stall_s_does_not_degrade(ray_session, caplog):
+    """More late answers in a row than SLOW_CALLS_BEFORE_DEGRADE, for less than ``stall_s``: the
+    shard is slow, not hung, and grouped drafting goes on with every token. Before, three late
+    answers in a row (6 s at the default timeout) ended it for the run: CI's veRL seer test
+    degraded while the test's servers and workers were starting on two cores."""
+    ray = ray_session
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    late = SLOW_CALLS_BEFORE_DEGRADE + 2
+    handle = ray.remote(_SlowAtStart).options(num_cpus=0).remote(late, max_depth=DEPTH)
+    client = DGDSClient(handles=[handle], append_every=4, sync_interval_s=0.02, timeout_s=0.2, stall_s=20.0)
+    inst = FakeInstance("i")
+    try:
+        await client.start()
+        client.serve(inst, "g")
+        with caplog.at_level(logging.WARNING, logger="verl_ext.spec.dgds"):
+            for i in range(0, 40, 4):
+                client.append("g", "r", i, list(range(i, i + 4)))
+                await asyncio.sleep(0.3)
+            client.close("g", "r")
+            await _wait_for(lambda: inst.index.group_sequence("g", "r") == (40, True), timeout=10.0)
+        m = client.metrics()
+        assert m["degraded"] == 0 and m["slow_calls"] >= late and m["dropped_tokens"] == 0
+        assert not [r for r in caplog.records if "DGDS" in r.getMessage()]
+    finally:
+        await client.stop()
+        ray.kill(handle)

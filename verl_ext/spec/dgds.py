@@ -25,8 +25,9 @@ to shard ``shard_of(group, num_shards)`` (a stable hash: blake2b of the group id
 every process, unlike Python's ``hash``).
 
 The servers are Ray actors (``num_cpus=0``). DGDS affects drafts only, never outputs: when a
-shard dies, or ``SLOW_CALLS_BEFORE_DEGRADE`` calls in a row take longer than ``timeout_s`` (one
-slow answer on a loaded host only skips that tick: Ray still runs the call, in order), the
+shard dies, or its calls have answered later than ``timeout_s`` for ``stall_s`` in a row (at
+least ``SLOW_CALLS_BEFORE_DEGRADE`` calls; a late answer on a loaded host only skips that tick:
+Ray still runs the call, in order), the
 client logs one warning, reports ``degraded=1`` and stops syncing; the engines keep drafting
 from their request trees and the group trees they already imported. No client method raises into the rollout (``start`` raises
 only when Ray is not initialised and no actor handles were given) and every Ray wait is bounded.
@@ -198,9 +199,12 @@ class _Seq:
 #: pause in seconds (doubling while the failures go on; a success resets it).
 PAUSE_AFTER_FAILS = 3
 PAUSE_S = (1.0, 30.0)
-#: Server calls in a row that answer later than ``timeout_s`` before the client degrades (a dead
-#: shard degrades it at once).
+#: Server calls in a row that answer later than ``timeout_s``, and for how long (seconds from
+#: the first of them), before the client degrades (a dead shard degrades it at once). Process
+#: start-up on a loaded host (engines and workers importing torch on two cores) keeps a live
+#: shard late for several seconds; a hung one stays late.
 SLOW_CALLS_BEFORE_DEGRADE = 3
+STALL_S = 30.0
 
 
 @dataclass
@@ -246,6 +250,7 @@ class DGDSClient:
         handles: Optional[Sequence[Any]] = None,
         max_depth: int = 32,
         start_timeout_s: float = 60.0,
+        stall_s: float = STALL_S,
     ):
         if handles is not None:
             handles = list(handles)
@@ -258,11 +263,14 @@ class DGDSClient:
             raise ValueError(f"DGDSClient: append_every must be >= 1, got {append_every}")
         if sync_interval_s <= 0 or timeout_s <= 0:
             raise ValueError("DGDSClient: sync_interval_s and timeout_s must be > 0")
+        if stall_s < 0:
+            raise ValueError(f"DGDSClient: stall_s must be >= 0, got {stall_s}")
         self.num_shards = int(num_shards)
         self.append_every = int(append_every)
         self.sync_interval_s = float(sync_interval_s)
         self.timeout_s = float(timeout_s)
         self.start_timeout_s = float(start_timeout_s)
+        self.stall_s = float(stall_s)
         self.max_depth = int(max_depth)
         self._given = handles
         self._shards: list = []
@@ -279,6 +287,7 @@ class DGDSClient:
         self._started = False
         self._degraded = False
         self._slow_in_row = 0
+        self._slow_since = 0.0  # when the first call of the current run of late answers was sent
         self._append_lat, self._fetch_lat, self._import_lat = _Lat(), _Lat(), _Lat()
         # import_failures: group deltas an engine refused (resent in full next time);
         # import_errors: import calls that failed or timed out (the same deltas are retried);
@@ -586,16 +595,22 @@ class DGDSClient:
 
     async def _call(self, what: str, refs: list, timeout: Optional[float] = None):
         """Await Ray calls, all bounded by ``timeout``. A failure degrades the client; an answer
-        later than the bound degrades it after ``SLOW_CALLS_BEFORE_DEGRADE`` in a row (at once
-        while starting). Returns None unless every call answered in time."""
+        later than the bound degrades it once answers have been late for ``stall_s``, at least
+        ``SLOW_CALLS_BEFORE_DEGRADE`` calls in a row (at once while starting). Returns None unless
+        every call answered in time."""
+        sent = time.monotonic()
         try:
             out = await asyncio.wait_for(asyncio.gather(*refs), timeout or self.timeout_s)
         except asyncio.CancelledError:
             raise
         except asyncio.TimeoutError as exc:
             self._m["slow_calls"] += 1
+            if self._slow_in_row == 0:
+                self._slow_since = sent
             self._slow_in_row += 1
-            if what == "start" or self._slow_in_row >= SLOW_CALLS_BEFORE_DEGRADE:
+            stalled = (self._slow_in_row >= SLOW_CALLS_BEFORE_DEGRADE
+                       and time.monotonic() - self._slow_since >= self.stall_s)
+            if what == "start" or stalled:
                 self._degrade(what, exc)
             else:
                 logger.debug("DGDS %s answered later than %.1f s (%d in a row)", what, self.timeout_s,
@@ -620,7 +635,8 @@ class DGDSClient:
             "DGDS %s failed (%s: %s); grouped drafts stop syncing for the rest of this client's life "
             "(engines keep request-scope drafting and the group trees they already hold)",
             what, type(exc).__name__,
-            str(exc) or "no answer within %.1f s, %d calls in a row" % (self.timeout_s, self._slow_in_row),
+            str(exc) or "no answer within %.1f s, %d calls in a row over %.0f s" % (
+                self.timeout_s, self._slow_in_row, time.monotonic() - self._slow_since),
         )
 
     # -- metrics -------------------------------------------------------------------------------
