@@ -183,13 +183,6 @@ std::string writer_key(const std::string& group, const std::string& seq) {
 }
 }  // namespace
 
-size_t DraftIndex::named_length(const std::string& group, const std::string& seq) const {
-  auto it = groups_.find(group);
-  if (it == groups_.end() || !it->second.tree) return 0;
-  const int id = it->second.tree->find_sequence(seq);
-  return id < 0 ? 0 : it->second.tree->sequence(id).tokens.size();
-}
-
 void DraftIndex::start_request(const std::string& req, const int32_t* prompt, size_t n,
                                const std::string& group, const std::string& history,
                                int scopes, bool group_write, const std::string& group_seq,
@@ -208,30 +201,37 @@ void DraftIndex::start_request(const std::string& req, const int32_t* prompt, si
   r.history = history;
   r.scopes = scopes;
   r.group_write = group_write;
-  if (!group.empty() && group_write && !group_seq.empty() &&
-      !named_writers_.count(writer_key(group, group_seq)) &&
-      named_length(group, group_seq) >= group_offset) {
+  if (!group.empty() && group_write) {
     TreeEntry& g = group_entry(group, true);
-    int id = g.tree->find_sequence(group_seq);
-    if (id < 0) id = static_cast<int>(g.tree->add_sequence(group_seq, 1.0f));
-    r.group_seq = static_cast<uint32_t>(id);
-    r.group_pos = static_cast<uint32_t>(group_offset);
-    r.group_named = true;
-    r.group_seq_name = group_seq;
-    r.group_uid = g.uid;
-    named_writers_[writer_key(group, group_seq)] = req;
-    account(g);
-  } else if (!group.empty() && group_write) {
-    TreeEntry& g = group_entry(group, true);
-    if (g.tree->find_sequence(req) >= 0)
-      throw std::invalid_argument("request '" + req + "' already has a sequence in group '" +
-                                  group + "'");
-    r.group_seq = g.tree->add_sequence(req, 1.0f);
+    // A named sequence (a response several chunks write in turn) is taken over when no other
+    // request writes it and it holds the tokens before this chunk's offset; otherwise the
+    // request writes a sequence of its own.
+    std::string key;
+    int id = -1;
+    bool named = false;
+    if (!group_seq.empty()) {
+      key = writer_key(group, group_seq);
+      id = g.tree->find_sequence(group_seq);
+      const size_t have = id < 0 ? 0 : g.tree->sequence(id).tokens.size();
+      named = !named_writers_.count(key) && have >= group_offset;
+    }
+    if (named) {
+      if (id < 0) id = static_cast<int>(g.tree->add_sequence(group_seq, 1.0f));
+      r.group_seq = static_cast<uint32_t>(id);
+      r.group_pos = static_cast<uint32_t>(group_offset);
+      r.group_named = true;
+      r.group_seq_name = group_seq;
+      named_writers_.emplace(std::move(key), req);
+    } else {
+      if (g.tree->find_sequence(req) >= 0)
+        throw std::invalid_argument("request '" + req + "' already has a sequence in group '" +
+                                    group + "'");
+      r.group_seq = g.tree->add_sequence(req, 1.0f);
+    }
     r.group_uid = g.uid;
     account(g);
   }
-  auto& slot = requests_[req];
-  slot = std::move(r);
+  RequestEntry& slot = requests_.emplace(req, std::move(r)).first->second;
   account(slot.ctx);
   evict();
 }

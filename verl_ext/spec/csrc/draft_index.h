@@ -152,7 +152,6 @@ class DraftIndex {
 
  private:
   TreeEntry& group_entry(const std::string& group, bool create);
-  size_t named_length(const std::string& group, const std::string& seq) const;
   TreeEntry new_entry();
   bool drop(std::unordered_map<std::string, TreeEntry>& trees, const std::string& key);
   void account(TreeEntry& e);
