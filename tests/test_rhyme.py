@@ -4,6 +4,8 @@ alternation, migration thresholds and two-tier allocation, on constructed cases.
 import itertools
 import math
 
+from collections import Counter
+
 import numpy as np
 import pytest
 
@@ -12,6 +14,7 @@ from verl_ext.pipe.histopipe import (
     migration_threshold,
     plan_allocation,
     rank_boundaries,
+    rank_groups,
     rank_correlation,
     ranking_group,
     should_migrate,
@@ -164,6 +167,12 @@ def test_ranking_and_alternation():
     b = rank_boundaries(lengths.values(), 4)
     groups = [sorted((u for u in lengths if ranking_group(lengths[u], b) == g), key=lengths.get) for g in range(4)]
     assert groups == [["p1", "p4"], ["p3", "p2"], ["p0", "p5"], ["p7", "p6"]]
+    ranked = rank_groups(lengths, 4)
+    assert [sorted((u for u in lengths if ranked[u] == g), key=lengths.get) for g in range(4)] == groups
+    # ties (responses cut off at one budget) split by prompt, in groups of equal size
+    assert rank_groups({"b": 32.0, "a": 32.0, "c": 32.0, "d": 20.0, "e": 32.0}, 2) == {"d": 0, "a": 0, "b": 0, "c": 1, "e": 1}
+    with pytest.raises(ValueError):
+        rank_groups(lengths, 0)
     assert ranking_group(1e9, b) == 3 and ranking_group(0, b) == 0
     assert worker_order(1, 4) == [0, 1, 2, 3] and worker_order(2, 4) == [3, 2, 1, 0]
     assert worker_order(3, 4) == [0, 1, 2, 3]
@@ -339,6 +348,27 @@ def test_rhyme_checks_an_outlier_as_soon_as_it_passes_the_length_condition():
     top = max(len(tr.response(i)) for i in np.flatnonzero((tr.epoch == 0) & np.isin(tr.prompt_uid, ["p0", "p1"])))
     assert moved[0]["output_tokens"] == migration_threshold(top, m["beta"]) > m["beta"] * top
     assert sum(rec["output_tokens"] for rec in moved) == 900
+
+
+def test_prompts_cut_off_at_the_same_budget_split_into_equal_ranking_groups():
+    """Every last-epoch response reached a 32-token budget (a run resumed with a longer one), so
+    the prompts' historical lengths tie: HistoPipe still splits them into equal ranking groups,
+    one instance each. Before, every tied prompt fell in the last ranking group, and one instance
+    ran all the requests while the other idled."""
+    from verl_ext.trace.format import Trace
+
+    rng = np.random.default_rng(0)
+    rows = [dict(epoch=e, step=e, prompt_uid=f"p{g}", sample_index=j, prompt_ids=[1, 2, 3, g],
+                 response_ids=rng.integers(0, 50, 32 if e == 0 else (g + 1) * 20).tolist(), reward=1.0,
+                 finish_reason="length" if e == 0 else "stop")
+            for e in (0, 1) for g in range(8) for j in range(4)]
+    strategy, arm, _ = _sim_rhyme(Trace.from_rows(rows), 1, {"ranking_groups": 2, "two_tier": False}, instances=2)
+    m = strategy.metrics()
+    assert m["histopipe_active"] == 1 and [m["rank0_instances"], m["rank1_instances"]] == [1, 1]
+    first = {}
+    for rec in arm.records:
+        first.setdefault(rec["request_id"], rec["instance"])
+    assert sorted(Counter(first.values()).values()) == [16, 16]
 
 
 def test_rhyme_blocks_alternation_and_outlier_migration():

@@ -1,8 +1,10 @@
 """HistoPipe's decisions (RhymeRL, seed 001 section 6), as plain functions over lengths and times.
 
 * **Ranking (section 6.2).** Prompts are ranked by their historical response length (the median
-  of the prompt's group in its last rollout) and split into ``N`` equal ranking groups
-  (``rank_boundaries`` / ``ranking_group``).
+  of the prompt's group in its last rollout) and split into ``N`` ranking groups of equal size
+  (``rank_groups``; prompts of equal length, e.g. cut off at the same budget, are split by key,
+  not all put in one group). A prompt that comes after the split joins the group its length
+  falls in (``rank_boundaries`` / ``ranking_group``).
   ``rank_correlation`` measures whether those ranks predict anything (Spearman).
 * **Alternation (section 6.2).** On odd steps ranking groups go to workers ``0..N-1`` in ascending
   order of length, on even steps in descending order (``worker_order``).
@@ -20,11 +22,20 @@ from __future__ import annotations
 
 import bisect
 import math
-from typing import Callable, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 #: RhymeRL section 6.3 defaults
 MIGRATE_ALPHA = 0.10
 MIN_BETA = 1.1
+
+
+def rank_groups(lengths: Mapping[str, float], n: int) -> dict[str, int]:
+    """Each prompt's ranking group (0 = shortest): ``lengths`` (prompt -> historical length)
+    sorted by length, ties by prompt, and cut into ``n`` groups whose sizes differ by at most one."""
+    if n < 1:
+        raise ValueError(f"need >= 1 ranking groups, got {n}")
+    order = sorted(lengths, key=lambda u: (float(lengths[u]), u))
+    return {u: i * n // len(order) for i, u in enumerate(order)}
 
 
 def rank_boundaries(lengths: Sequence[float], n: int) -> list[float]:

@@ -77,6 +77,7 @@ from verl_ext.pipe.histopipe import (
     migration_threshold,
     plan_allocation,
     rank_boundaries,
+    rank_groups,
     rank_correlation,
     ranking_group,
     should_migrate,
@@ -199,8 +200,11 @@ class _Plan:
     lengths: dict  # uid -> (median, max)
     size: list = field(default_factory=list)  # requests per ranking group
     running: list = field(default_factory=list)  # unfinished requests per ranking group
+    groups: dict = field(default_factory=dict)  # uid -> ranking group, of the prompts ranked
 
     def group_of(self, uid: str) -> Optional[int]:
+        if uid in self.groups:
+            return self.groups[uid]
         h = self.lengths.get(uid)
         return None if h is None else ranking_group(h[0], self.boundaries)
 
@@ -341,10 +345,11 @@ class RhymeStrategy(Strategy):
         n = o.ranking_groups or min(8, len(instances))
         n = max(1, min(n, len(instances), len(lengths)))
         medians = {u: v[0] for u, v in lengths.items()}
-        boundaries = rank_boundaries(medians.values(), n)
+        boundaries = rank_boundaries(medians.values(), n)  # for prompts that come later
+        groups = rank_groups(medians, n)
         members: list[list[str]] = [[] for _ in range(n)]
-        for u, m in medians.items():
-            members[ranking_group(m, boundaries)].append(u)
+        for u, g in groups.items():
+            members[g].append(u)
         per_prompt = _samples_per_prompt(requests)
         plan_wks = self._allocate(members, medians, per_prompt, requests, len(instances), pool)
         order = worker_order(self.step or 1, n)  # slot j serves ranking group order[j]
@@ -355,7 +360,7 @@ class RhymeStrategy(Strategy):
             at += plan_wks[g]
         max_hist = [max((lengths[u][1] for u in members[g]), default=None) for g in range(n)]
         plan = _Plan(self.step, boundaries, blocks, max_hist, migration_beta(growth), lengths,
-                     size=[0] * n, running=[0] * n)
+                     size=[0] * n, running=[0] * n, groups=groups)
         self._m["histopipe_active"] = 1
         self._m["ranking_groups"] = n
         self._m["beta"] = plan.beta
