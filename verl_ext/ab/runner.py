@@ -17,7 +17,7 @@ import shutil
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 from verl_ext.ab.metrics import SCHEMA, rollout_metrics
 from verl_ext.engine.instance import GenRequest, Instance, SamplingSpec
@@ -37,7 +37,9 @@ class ABConfig:
     model: Optional[str] = None
     prompts: int = 16
     samples: int = 4
-    max_tokens: int = 192
+    #: max response tokens; a tuple gives one per epoch (a run resumed with a longer budget, as
+    #: in staged context lengthening: each epoch's history then holds shorter responses)
+    max_tokens: Union[int, tuple[int, ...]] = 192
     instances: int = 2
     seed: int = 0
     temperature: float = 1.0
@@ -60,8 +62,11 @@ class ABConfig:
             raise ValueError(f"--prompts must be >= 1, got {self.prompts}")
         if self.samples < 1:
             raise ValueError(f"--samples (n) must be >= 1, got {self.samples}")
-        if self.max_tokens <= 0:
+        caps = self.max_tokens if isinstance(self.max_tokens, tuple) else (self.max_tokens,)
+        if any(c <= 0 for c in caps):
             raise ValueError(f"--max-tokens must be > 0, got {self.max_tokens}")
+        if isinstance(self.max_tokens, tuple) and len(caps) != self.epochs:
+            raise ValueError(f"--max-tokens gives {len(caps)} budgets, one per epoch, for --epochs {self.epochs}")
         if self.instances < 1:
             raise ValueError(f"--instances must be >= 1, got {self.instances}")
         if self.temperature < 0:
@@ -70,6 +75,15 @@ class ABConfig:
             raise ValueError(f"--epochs must be >= 1, got {self.epochs}")
         if self.repeats < 1:
             raise ValueError(f"--repeats must be >= 1, got {self.repeats}")
+
+
+    def epoch_max_tokens(self, epoch: int) -> int:
+        """The response budget of epoch ``epoch`` (0-based)."""
+        return self.max_tokens[epoch] if isinstance(self.max_tokens, tuple) else self.max_tokens
+
+    @property
+    def longest_max_tokens(self) -> int:
+        return max(self.max_tokens) if isinstance(self.max_tokens, tuple) else self.max_tokens
 
 
 def validate_strategies(strategies: Sequence[str]) -> None:
@@ -219,7 +233,7 @@ def build_requests(
         for j in range(cfg.samples):
             sampling = SamplingSpec(
                 temperature=cfg.temperature,
-                max_tokens=cfg.max_tokens,
+                max_tokens=cfg.epoch_max_tokens(epoch),
                 seed=base + i * cfg.samples + j,
                 stop_token_ids=stop_token_ids,
             )
@@ -458,7 +472,7 @@ def _max_len(prompt_ids: Sequence[list[int]], cfg: ABConfig, spec_k: int = 0) ->
     """The engines' max_model_len: the longest prompt plus ``max_tokens``, plus ``spec_k`` for
     drafting engines: vLLM 0.32 gives every request of a step ``k`` zero drafts (verified, then
     rejected) once any sequence in it is within ``k`` tokens of max_model_len."""
-    return max(len(p) for p in prompt_ids) + cfg.max_tokens + 8 + spec_k
+    return max(len(p) for p in prompt_ids) + cfg.longest_max_tokens + 8 + spec_k
 
 
 async def _run_one(label, strategy, spec, engine_factory, cfg, epochs, score, tokenizer, progress) -> StrategyRun:
