@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Optional
 from pathlib import Path
+from typing import Optional
 
 from verl_ext.ab.runner import ABConfig
 from verl_ext.sim import defaults as sim_defaults

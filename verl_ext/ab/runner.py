@@ -76,13 +76,13 @@ class ABConfig:
         if self.repeats < 1:
             raise ValueError(f"--repeats must be >= 1, got {self.repeats}")
 
-
     def epoch_max_tokens(self, epoch: int) -> int:
         """The response budget of epoch ``epoch`` (0-based)."""
         return self.max_tokens[epoch] if isinstance(self.max_tokens, tuple) else self.max_tokens
 
     @property
     def longest_max_tokens(self) -> int:
+        """The largest budget of any epoch (what the engines' ``max_model_len`` must fit)."""
         return max(self.max_tokens) if isinstance(self.max_tokens, tuple) else self.max_tokens
 
 

@@ -27,10 +27,10 @@ every process, unlike Python's ``hash``).
 The servers are Ray actors (``num_cpus=0``). DGDS affects drafts only, never outputs: when a
 shard dies, or its calls have answered later than ``timeout_s`` for ``stall_s`` in a row (at
 least ``SLOW_CALLS_BEFORE_DEGRADE`` calls; a late answer on a loaded host only skips that tick:
-Ray still runs the call, in order), the
-client logs one warning, reports ``degraded=1`` and stops syncing; the engines keep drafting
-from their request trees and the group trees they already imported. No client method raises into the rollout (``start`` raises
-only when Ray is not initialised and no actor handles were given) and every Ray wait is bounded.
+Ray still runs the call, in order), the client logs one warning, reports ``degraded=1`` and
+stops syncing; the engines keep drafting from their request trees and the group trees they
+already imported. No client method raises into the rollout (``start`` raises only when Ray is
+not initialised and no actor handles were given) and every Ray wait is bounded.
 
 Sequence keys: the client's ``seq`` names a response in the server's tree and, after import, in
 the engine's; a request that restarts from scratch with different tokens needs a new key
