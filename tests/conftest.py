@@ -25,6 +25,28 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.path.name not in FIRST)  # stable: the rest keep their order
 
 
+_exit_status = []
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _exit_status.append(int(exitstatus))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """End the test process with pytest's exit status once pytest is done, without interpreter
+    finalization. Twice (commit ae97134; a CI-like run on 2026-11-26, 579 passed) the process
+    died of SIGSEGV after pytest had printed its summary, with no Python stack: it crashed
+    while the interpreter tore down what the session leaves behind (Ray's core worker threads,
+    the shared vLLM engines' clients, the event loops of asyncio tests; Python 3.11.7, before
+    CPython's 3.11.8 fixes to asyncio at shutdown), and that turned a passing run into exit 139.
+    Every result is reported by then; nothing of the suite's outcome is lost."""
+    if _exit_status:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_exit_status[-1])
+
+
 @pytest.fixture(scope="session")
 def model_dir():
     """The converted default model (SmolLM2-135M-Instruct), converted once per cache dir."""
