@@ -371,26 +371,28 @@ async def test_stalled_shard_times_out_and_degrades(ray_session, caplog):
         ray.kill(handle)
 
 
-class _SlowOnce(GroupDraftServer):
-    def __init__(self, **kw):
+class _LateFirst(GroupDraftServer):
+    """Answers its first ``late`` appends ``delay_s`` late, as a shard does on a loaded host
+    (two engines and a trainer on two cores, or processes still starting)."""
+
+    def __init__(self, late: int, delay_s: float, **kw):
         super().__init__(**kw)
-        self.slept = False
+        self.late, self.delay_s = late, delay_s
 
     def append(self, updates):
-        if not self.slept:
-            self.slept = True
-            time.sleep(0.7)
+        if self.late > 0:
+            self.late -= 1
+            time.sleep(self.delay_s)
         return super().append(updates)
 
 
-async def test_one_slow_answer_skips_a_tick_and_loses_nothing(ray_session, caplog):
-    """A loaded host (two engines and a trainer on two cores) answers one call late: the client
-    goes on syncing, and the late append still lands, before the later ones. Before, one late
-    answer stopped grouped drafting for the rest of the run (CI: dgds_degraded=1 in a veRL run)."""
-    ray = ray_session
+async def _stream_past_late_answers(ray, caplog, late: int, delay_s: float, gap_s: float, **client_kw):
+    """Stream one response of 40 tokens (4 per append, ``gap_s`` apart) through a shard whose
+    first ``late`` appends answer ``delay_s`` late, until an engine holds all of it; the client's
+    metrics and its DGDS warnings."""
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    handle = ray.remote(_SlowOnce).options(num_cpus=0).remote(max_depth=DEPTH)
-    client = DGDSClient(handles=[handle], append_every=4, sync_interval_s=0.02, timeout_s=0.5)
+    handle = ray.remote(_LateFirst).options(num_cpus=0).remote(late, delay_s, max_depth=DEPTH)
+    client = DGDSClient(handles=[handle], append_every=4, sync_interval_s=0.02, **client_kw)
     inst = FakeInstance("i")
     try:
         await client.start()
@@ -398,15 +400,22 @@ async def test_one_slow_answer_skips_a_tick_and_loses_nothing(ray_session, caplo
         with caplog.at_level(logging.WARNING, logger="verl_ext.spec.dgds"):
             for i in range(0, 40, 4):
                 client.append("g", "r", i, list(range(i, i + 4)))
-                await asyncio.sleep(0.1)
+                await asyncio.sleep(gap_s)
             client.close("g", "r")
             await _wait_for(lambda: inst.index.group_sequence("g", "r") == (40, True), timeout=10.0)
-        m = client.metrics()
-        assert m["degraded"] == 0 and m["slow_calls"] >= 1 and m["dropped_tokens"] == 0
-        assert not [r for r in caplog.records if "DGDS" in r.getMessage()]
+        return client.metrics(), [r for r in caplog.records if "DGDS" in r.getMessage()]
     finally:
         await client.stop()
         ray.kill(handle)
+
+
+async def test_one_slow_answer_skips_a_tick_and_loses_nothing(ray_session, caplog):
+    """A loaded host (two engines and a trainer on two cores) answers one call late: the client
+    goes on syncing, and the late append still lands, before the later ones. Before, one late
+    answer stopped grouped drafting for the rest of the run (CI: dgds_degraded=1 in a veRL run)."""
+    m, warnings = await _stream_past_late_answers(ray_session, caplog, late=1, delay_s=0.7, gap_s=0.1, timeout_s=0.5)
+    assert m["degraded"] == 0 and m["slow_calls"] >= 1 and m["dropped_tokens"] == 0
+    assert not warnings
 
 
 # ---- the engine-side proposer, with a fake runner (tests/_util.py) ------------------------
@@ -555,43 +564,13 @@ def test_an_engine_keeps_one_group_sequence_per_chunked_response_beside_the_serv
     assert p.index.group_counts("g") == (1, 3)
 
 
-class _SlowAtStart(GroupDraftServer):
-    """Answers its first calls late, as a shard does while the host's other processes start."""
-
-    def __init__(self, late: int, **kw):
-        super().__init__(**kw)
-        self.late = late
-
-    def append(self, updates):
-        if self.late > 0:
-            self.late -= 1
-            time.sleep(0.4)
-        return super().append(updates)
-
-
 async def test_a_run_of_late_answers_shorter_than_stall_s_does_not_degrade(ray_session, caplog):
     """More late answers in a row than SLOW_CALLS_BEFORE_DEGRADE, for less than ``stall_s``: the
     shard is slow, not hung, and grouped drafting goes on with every token. Before, three late
     answers in a row (6 s at the default timeout) ended it for the run: CI's veRL seer test
     degraded while the test's servers and workers were starting on two cores."""
-    ray = ray_session
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     late = SLOW_CALLS_BEFORE_DEGRADE + 2
-    handle = ray.remote(_SlowAtStart).options(num_cpus=0).remote(late, max_depth=DEPTH)
-    client = DGDSClient(handles=[handle], append_every=4, sync_interval_s=0.02, timeout_s=0.2, stall_s=20.0)
-    inst = FakeInstance("i")
-    try:
-        await client.start()
-        client.serve(inst, "g")
-        with caplog.at_level(logging.WARNING, logger="verl_ext.spec.dgds"):
-            for i in range(0, 40, 4):
-                client.append("g", "r", i, list(range(i, i + 4)))
-                await asyncio.sleep(0.3)
-            client.close("g", "r")
-            await _wait_for(lambda: inst.index.group_sequence("g", "r") == (40, True), timeout=10.0)
-        m = client.metrics()
-        assert m["degraded"] == 0 and m["slow_calls"] >= late and m["dropped_tokens"] == 0
-        assert not [r for r in caplog.records if "DGDS" in r.getMessage()]
-    finally:
-        await client.stop()
-        ray.kill(handle)
+    m, warnings = await _stream_past_late_answers(ray_session, caplog, late=late, delay_s=0.4, gap_s=0.3,
+                                                  timeout_s=0.2, stall_s=20.0)
+    assert m["degraded"] == 0 and m["slow_calls"] >= late and m["dropped_tokens"] == 0
+    assert not warnings
