@@ -212,3 +212,67 @@ def test_e2e_side_by_side_divides_each_step_by_baselines():
     assert table["seer"]["gen_ratio_to_baseline"] == [0.5, 0.75, None]  # a step baseline did not run has none
     assert table["seer"]["rollout_ratio_to_baseline"] == [0.5, None]
     assert side_by_side({"seer": runs["seer"]})["seer"]["gen_ratio_to_baseline"] == [None, None, None]
+
+
+def test_e2e_max_tokens_gives_one_budget_or_one_per_step():
+    from verl_ext.cpu.e2e import parse_budgets, stage_overrides, stages
+
+    assert parse_budgets("48") == (48,)
+    assert stages(parse_budgets("48"), 3) == [(48, 3)]
+    assert stage_overrides(0, 1, 3) == []  # one run: as before, nothing added
+    # steps with one budget share a trainer run; each change of budget starts the next
+    assert stages(parse_budgets("32,32,512"), 3) == [(32, 2), (512, 3)]
+    assert stages((32, 512, 32), 3) == [(32, 1), (512, 2), (32, 3)]
+    assert stage_overrides(0, 2, 2) == ["trainer.save_freq=2", "trainer.resume_mode=disable"]
+    assert stage_overrides(1, 3, 2) == ["trainer.save_freq=2", "trainer.resume_mode=auto"]
+    assert stage_overrides(1, 2, 3) == ["trainer.resume_mode=auto"]
+    for bad, match in (("32,x", "comma-separated"), ("0", ">= 1"), ("", "comma-separated")):
+        with pytest.raises(ValueError, match=match):
+            parse_budgets(bad)
+    with pytest.raises(ValueError, match="2 budgets .* for 3 steps"):
+        stages((32, 512), 3)
+
+
+#: a stand-in for veRL's trainer (``run_strategy``'s bookkeeping only; the real staged run is in
+#: docs/BENCHMARKS.md): it trains from its checkpoint's step (``resume_mode=auto``) up to
+#: ``total_training_steps``, saves at ``save_freq``, and writes its file logger's rows (truncating
+#: the file, as veRL's ``FileLogger`` does) with a mechanism count that restarts with each run
+_TRAINER = """
+import json, os, pathlib, sys
+o = dict(a.split("=", 1) for a in sys.argv[1:])
+ckpt = pathlib.Path("ckpt")
+first = int(ckpt.read_text()) + 1 if o.get("trainer.resume_mode") == "auto" and ckpt.exists() else 1
+with open(os.environ["VERL_FILE_LOGGER_PATH"], "wb") as f:
+    for n, step in enumerate(range(first, int(o["trainer.total_training_steps"]) + 1), 1):
+        row = {"step": step, "data": {"response_length/mean": float(o["data.max_response_length"]),
+                                      "verl_ext/mechanisms/migrations": 2.0 * n}}
+        f.write((json.dumps(row) + "\\n").encode())
+        if str(step) == o.get("trainer.save_freq"):
+            ckpt.write_text(str(step))
+sys.exit(int(o.get("fail", 0)))
+"""
+
+
+def test_e2e_a_staged_budget_runs_one_trainer_per_budget_and_sums_their_counts(tmp_path):
+    from verl_ext.cpu.e2e import run_strategy, stage_overrides, stages
+
+    def commands(budgets, steps, fail_at=None):
+        runs = stages(budgets, steps)
+        return [[sys.executable, "-c", _TRAINER, f"data.max_response_length={cap}",
+                 f"trainer.total_training_steps={last}", *stage_overrides(i, len(runs), last),
+                 *(["fail=1"] if i == fail_at else [])] for i, (cap, last) in enumerate(runs)]
+
+    s = run_strategy("rhyme", tmp_path / "staged", commands((32, 32, 512), 3), timeout_s=60)
+    assert s["returncode"] == 0 and s["steps_completed"] == 3
+    assert s["response_length_mean"] == [32.0, 32.0, 512.0]  # the second run resumed at step 3
+    # each run's dispatcher counts anew: 4 in the first run (2 steps), 2 in the second
+    assert s["mechanisms"] == {"migrations": 6}
+    rows = [json.loads(x) for x in (tmp_path / "staged" / "tracking.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert (tmp_path / "staged" / "console.log").exists() and (tmp_path / "staged" / "console-2.log").exists()
+    assert "trainer.resume_mode=auto" in (tmp_path / "staged" / "command-2.txt").read_text()
+
+    # a run that fails ends the strategy's runs: the next is never started
+    s = run_strategy("rhyme", tmp_path / "failed", commands((32, 512, 1024), 3, fail_at=0), timeout_s=60)
+    assert s["returncode"] == 1 and s["steps_completed"] == 1
+    assert not (tmp_path / "failed" / "console-2.log").exists()

@@ -233,6 +233,29 @@ def test_manager_rhyme_feeds_history_and_serves_it_next_epoch(ray_local, model_d
     assert ckpt.stat().st_size > 0
 
 
+def test_the_last_steps_history_is_checkpointed_without_a_next_step(ray_local, model_dir, tmp_path):
+    """veRL may save its checkpoint after a step and exit (``trainer.save_freq``); a run resumed
+    from it must find that step's responses in the history checkpoint, although no next step
+    starts (where the previous step is closed and checkpointed) in the run that rolled it out."""
+    from verl_ext.history.worker import HistoryWorker
+    from verl_ext.rollout.dispatcher import HISTORY_QUIET_S
+
+    n = 2
+    manager, _ = _v0_manager("rhyme", model_dir, n, f"trainer.default_local_dir={tmp_path}")
+    gen = _batch(3).repeat(repeat_times=n, interleave=True)
+    gen.meta_info["global_steps"] = 1
+    manager.generate_sequences(gen)
+    ckpt = tmp_path / "verl_ext_history" / "history-0-of-1.vxh"
+    deadline = time.monotonic() + HISTORY_QUIET_S + 20
+    while not ckpt.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ckpt.exists(), "step 1's history was never checkpointed"
+    # what a resumed run's history worker restores and serves to step 2
+    worker = HistoryWorker(checkpoint_dir=str(tmp_path / "verl_ext_history"), nice=0)
+    served = worker.serve(list(worker.store.prompts), step=2)
+    assert len(served) == 3 and all(len(blobs) == n for blobs, _ in served.values())
+
+
 def test_manager_seer_syncs_group_trees_across_servers(ray_local, model_dir):
     """rollout=seer with verl_ext's drafter on veRL's servers: the grouped draft server gets every
     chunk's tokens when the chunk returns and pushes each server the deltas of the groups it runs,

