@@ -372,6 +372,17 @@ def test_samples_to_move_are_picked_by_progress_read_from_engines_that_do_not_st
     assert all(s.readings > 0 for s in sims)
 
 
+def test_engines_that_do_not_stream_are_read_only_when_a_move_is_planned():
+    """A progress reading of veRL's servers is an RPC per server: a decision that plans no move
+    (here 4 + 4 samples below a turning point of 6) reads nothing."""
+    sims, reqs, want = _sim_setup(prompts=2, samples=4, instance_cls=[OnRequest, OnRequest])
+    st = make_strategy("rlhfspec", {"speculation": False, "allocation": "grouped", "threshold": 6, "cooldown": 1})
+    arm = _run(st, sims, reqs)
+    _same_tokens(arm, reqs, want)
+    assert st.metrics()["decisions"] > 0 and st.metrics().get("migrations", 0) == 0
+    assert [s.readings for s in sims] == [0, 0]
+
+
 def test_a_migration_racing_a_finishing_request_finishes_it_once():
     sims, reqs, want = _sim_setup(prompts=2, samples=2)
     st = make_strategy("rlhfspec", {"speculation": False, "reallocation": False})

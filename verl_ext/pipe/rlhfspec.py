@@ -296,10 +296,12 @@ class RlhfSpecStrategy(Strategy):
             if steps - steps_at < self.options.cooldown:
                 continue
             steps_at = steps
-            await pool.refresh_progress()  # engines that do not stream: samples are picked by progress
             t0 = time.perf_counter()
             try:
-                moves = self._decide(pool)
+                plan = self._plan(pool)
+                if plan:  # engines that do not stream: samples are picked by their progress
+                    await pool.refresh_progress()
+                moves = self._pick(plan)
             except Exception as exc:  # never let a bad decision break the rollout
                 if not self._warned:
                     self._warned = True
@@ -348,7 +350,9 @@ class RlhfSpecStrategy(Strategy):
         per_draft = drafts / steps if steps else 0.0
         return turning_point(self._cost, per_tok, per_draft, ctx or 1024.0, o.turn)
 
-    def _decide(self, pool: InstancePool) -> list[tuple[_Sample, Instance]]:
+    def _plan(self, pool: InstancePool) -> list[tuple[list, int, Instance]]:
+        """Algorithm 1's moves over the samples in flight: (the movable samples of the source
+        instance, how many of them move, the destination) per move; empty when none is due."""
         counts = {name: 0 for name in pool.instances}
         movable: dict[str, list] = {name: [] for name in pool.instances}
         for rid, s in self._live.items():
@@ -359,14 +363,17 @@ class RlhfSpecStrategy(Strategy):
                     movable[name].append(s)
         thr = self.threshold(pool)
         self._m["threshold"] = thr
+        return [(movable[mv.source], mv.samples, pool.instances[mv.dest]) for mv in plan_reallocation(counts, thr)]
+
+    def _pick(self, plan: list[tuple[list, int, Instance]]) -> list[tuple[_Sample, Instance]]:
+        """Which samples make each planned move (``pick_samples``, by their progress)."""
         out = []
-        for mv in plan_reallocation(counts, thr):
-            dest = pool.instances[mv.dest]
+        for samples, count, dest in plan:
             cands = []
-            for s in movable[mv.source]:
+            for s in samples:
                 seq, acc = s.progress()
                 cands.append((s.chunks.request.request_id, seq, acc))
-            for rid in pick_samples(cands, mv.samples):
+            for rid in pick_samples(cands, count):
                 out.append((self._live[rid], dest))
         return out
 
