@@ -209,6 +209,11 @@ class _Live:
         self.deltas = 0  # the original's streamed deltas (~ engine steps)
         self.added = asyncio.Event()  # a copy started: the wait for the first finisher includes it
 
+    @property
+    def original(self) -> Optional[_Run]:
+        """The request's original run while it runs (None once it has ended or failed)."""
+        return next((r for r in self.runs if r.original), None)
+
 
 @register_strategy("specactor")
 class SpecActorStrategy(Strategy):
@@ -578,7 +583,7 @@ class SpecActorStrategy(Strategy):
     async def _read_prefix(self, live: _Live) -> tuple[Optional[list], int]:
         """The tokens so far and engine steps of a request's original run, read from its instance
         with the tokens (``refresh_progress(tokens=True)``): a copy resumes from them."""
-        run = next((r for r in live.runs if r.original), None)
+        run = live.original
         fn = getattr(run.instance, "refresh_progress", None) if run is not None else None
         if fn is None:
             return None, 0
@@ -599,7 +604,9 @@ class SpecActorStrategy(Strategy):
         count, _, steps = progress if progress is not None else self._progress(live)
         if count is None or count < self.options.min_tokens or steps <= 0:
             return None
-        run = live.runs[0]
+        run = live.original
+        if run is None:
+            return None
         n, k = count - run.mark[0], steps - run.mark[1]
         if run.window > 0 and n >= self.options.min_tokens and k > 0:
             return acceptance_from_tokens(n / k, run.window, run.decoupled), count, steps
@@ -623,7 +630,7 @@ class SpecActorStrategy(Strategy):
         lad = self.ladder()
         runs = []
         for rid, live in self._live.items():
-            run = live.runs[0] if live.runs and live.runs[0].original else None
+            run = live.original
             if run is None or run.method is None:
                 continue
             if run.window > 0:  # measured while it drafts
@@ -691,7 +698,7 @@ class SpecActorStrategy(Strategy):
         """(how many tokens the request has so far, those tokens, its engine steps so far) from its
         original run; the count or the tokens are None where unknown (an instance that does not
         stream tells the count from its last reading, the tokens only from a reading with them)."""
-        run = next((r for r in live.runs if r.original), None)
+        run = live.original
         if run is None:
             return None, None, 0
         rid = live.request.request_id
