@@ -256,6 +256,24 @@ def test_the_last_steps_history_is_checkpointed_without_a_next_step(ray_local, m
     assert len(served) == 3 and all(len(blobs) == n for blobs, _ in served.values())
 
 
+def test_every_strategy_hears_each_step_and_its_batch(ray_local, model_dir):
+    """The manager tells the dispatcher each training step and how many requests it brings, for
+    every strategy (not only those with history): specactor then selects its method once per
+    step, at the step's per-server batch (4 prompts x 3 over 2 servers: 6), as ``verl-ext ab``
+    selects it, not once per run at ``options.batch`` (64)."""
+    n = 3
+    manager, _ = _v0_manager("specactor", model_dir, n,
+                             "actor_rollout_ref.rollout.custom.verl_ext.options.profile=cpu-smollm2-avx2")
+    selections = []
+    for step in (1, 2):
+        gen = _batch(4).repeat(repeat_times=n, interleave=True)
+        gen.meta_info["global_steps"] = step
+        m = manager.generate_sequences(gen).meta_info["timing"]
+        assert m["verl_ext/specactor/selection_batch"] == 6
+        selections.append(m["verl_ext/mechanisms/ladder_selections"])
+    assert selections[1] == selections[0] + 1  # one more selection in step 2
+
+
 def test_manager_seer_syncs_group_trees_across_servers(ray_local, model_dir):
     """rollout=seer with verl_ext's drafter on veRL's servers: the grouped draft server gets every
     chunk's tokens when the chunk returns and pushes each server the deltas of the groups it runs,

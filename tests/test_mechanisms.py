@@ -165,13 +165,17 @@ def test_the_lifecycle_wires_only_what_the_driver_gives_and_steps_after_the_trai
         def begin_step(self, step):
             calls.append(("step", step))
 
+        def expect_requests(self, requests, instances):
+            calls.append(("requests", requests, instances))
+
     st = Recording()
     Lifecycle(st)  # a bare lifecycle (a driver with neither): the strategy keeps what it has
     assert calls == []
     life = Lifecycle(st, history="H", carrier=None)  # None: there is no next step to carry into
     life.begin_step(3, train_s=1.5)
-    life.begin_step(4)
-    assert calls == [("history", "H"), ("carrier", None), ("train_s", 1.5), ("step", 3), ("step", 4)]
+    life.begin_step(4, requests=32, instances=2)  # a driver that submits one at a time tells the count
+    assert calls == [("history", "H"), ("carrier", None), ("train_s", 1.5), ("step", 3), ("step", 4),
+                     ("requests", 32, 2)]
 
     async def span():
         engines = [_Stats({"scope_tokens": {"group": [10, 4]}})]

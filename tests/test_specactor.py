@@ -323,6 +323,40 @@ def test_a_burst_of_requests_is_spread_evenly_over_the_instances():
     assert asyncio.run(cancelled_before_it_ran()) == 0
 
 
+def test_requests_submitted_one_at_a_time_get_the_selection_of_the_whole_steps_batch():
+    """veRL's dispatcher submits a step's requests one at a time and tells the strategy their
+    number (``Lifecycle.begin_step(..., requests, instances)``): the initial selection is made at
+    the step's per-instance batch, as a driver that passes the whole step to ``rollout`` gets
+    it, not at ``options.batch`` (64)."""
+    from test_rlhfspec import _run
+    from verl_ext.pipe.lifecycle import Lifecycle
+    from verl_ext.sim.clock import run_virtual
+
+    whole, sims, reqs, _ = _setup(best_of_n=False)  # 24 requests on 3 instances
+    _run(whole, sims, reqs)
+
+    def one_at_a_time(told: bool):
+        st, sims, reqs, _ = _setup(best_of_n=False)
+        life = Lifecycle(st)
+
+        async def main():
+            pool = InstancePool(sims)
+            life.begin_step(1, requests=len(reqs) if told else None, instances=len(sims))
+            try:
+                return await asyncio.gather(*(st.submit(r, pool) for r in reqs))
+            finally:
+                await st.close()
+
+        done = run_virtual(main())
+        assert len(done) == len(reqs)
+        return st
+
+    told, untold = one_at_a_time(True), one_at_a_time(False)
+    assert whole.metrics()["selection_batch"] == told.metrics()["selection_batch"] == 8
+    assert told._method == whole._method
+    assert untold.metrics()["selection_batch"] == 64
+
+
 def test_a_winning_copy_returns_the_whole_response_with_its_prefix():
     from verl_ext.engine.instance import Completion, GenRequest, SamplingSpec
     from verl_ext.pipe.specactor import _Live, _Run

@@ -9,8 +9,10 @@ is what the A/B runs and the simulator measure:
   (``Strategy.uses_history``) gets the driver's history provider (``LocalHistory`` over a store, the
   history workers' client); a strategy that may defer samples to the next training step gets the
   driver's carrier (``set_deferral``; None: no next step). Either left out: untouched.
-* ``begin_step(step, train_s=None)``: the training step the next requests belong to, after the
-  trainer's time since the last rollout where the driver knows it (``observe_train_time``).
+* ``begin_step(step, train_s=None, requests=None, instances=None)``: the training step the next
+  requests belong to, after the trainer's time since the last rollout where the driver knows it
+  (``observe_train_time``), and, for a driver that submits the step's requests one at a time
+  (veRL's dispatcher), how many it will submit over how many instances (``expect_requests``).
 * ``mark(instances)`` / ``mechanisms(instances)``: how many times each of the strategy's
   mechanisms acted since the mark (``verl_ext.pipe.mechanisms``; without a mark: over the
   strategy's life and the engines' drafters' counters so far).
@@ -41,10 +43,13 @@ class Lifecycle:
         self._acted: dict = {}
         self._drafters: Optional[dict] = None
 
-    def begin_step(self, step: int, train_s: Optional[float] = None) -> None:
+    def begin_step(self, step: int, train_s: Optional[float] = None, requests: Optional[int] = None,
+                   instances: Optional[int] = None) -> None:
         if train_s is not None:
             self.strategy.observe_train_time(train_s)
         self.strategy.begin_step(step)
+        if requests and instances:
+            self.strategy.expect_requests(requests, instances)
 
     async def mark(self, instances: Iterable) -> None:
         """Start a measured span (``mechanisms`` counts from here)."""

@@ -90,7 +90,8 @@ class SpecActorOptions:
     #: historical acceptance overriding the ladder's, "method=rate,method=rate"
     acceptance: str = ""
     #: per-worker batch at the start of a step for the initial selection when the strategy sees
-    #: requests one at a time (inside veRL); A/B runs and the simulator use requests / instances
+    #: requests one at a time and is not told their number; A/B runs and the simulator use
+    #: requests / instances, and so does veRL's dispatcher, which knows the step's batch
     batch: int = 64
     #: GPUs per verifier (instance) for the decoupled plan's report
     verify_gpus: int = 1
@@ -254,6 +255,7 @@ class SpecActorStrategy(Strategy):
         self._engine_gain: Optional[float] = None  # DraftLadder.drafter_gain when they were started
         self._plan = None
         self._selected = False  # this step's initial selection is made
+        self._expected: Optional[int] = None  # the step's per-instance batch, where the driver tells it
         self._tail_method: Optional[str] = None  # the best method for a lone request
         self._dec_cache: dict = {}  # decoupled execution: (method, p, batch) -> (window, speedup)
         self._step_batch = 1  # per-instance batch the step was selected at
@@ -300,6 +302,7 @@ class SpecActorStrategy(Strategy):
         self._m["selected_speedup"] = ranked[0][1] if ranked else 0.0
         self.acted["ladder_selections"] += 1
         self._m["selected_method"] = -1 if self._method is None else list(lad.methods).index(self._method)
+        self._m["selection_batch"] = batch
         return self._method
 
     def _rank(self, batch: int) -> list:
@@ -368,6 +371,12 @@ class SpecActorStrategy(Strategy):
         self._m = Counter()
         self._worker_method.clear()
         self._selected = False
+        self._expected = None
+
+    def expect_requests(self, requests: int, instances: int) -> None:
+        """The step's requests over its instances (veRL's dispatcher): the initial selection is
+        made at that per-instance batch, as ``rollout`` makes it, instead of ``options.batch``."""
+        self._expected = -(-requests // max(1, instances))
 
     def _window(self, method: Optional[str], p: Optional[float], batch: int) -> int:
         if method is None:
@@ -436,9 +445,9 @@ class SpecActorStrategy(Strategy):
             self.engine_spec()
         if not self._selected:
             self._selected = True
-            self._step_batch = self.options.batch
+            self._step_batch = self._expected or self.options.batch
             if self._engine_drafts:
-                self.select(self.options.batch)
+                self.select(self._step_batch)
         inst = pool.least_loaded(rid)
         live = self._live[rid] = _Live(request)
         # the window for the batch the instance will run: the step's per-instance batch (its

@@ -93,6 +93,11 @@ class Strategy(abc.ABC):
     def begin_step(self, step: int) -> None:
         """The training step (veRL's ``global_steps``) the next requests belong to."""
 
+    def expect_requests(self, requests: int, instances: int) -> None:
+        """How many requests the step begun last will submit, over how many instances, where
+        the driver submits them one at a time and knows the count (veRL's dispatcher); a driver
+        that calls ``rollout`` passes them all at once instead."""
+
     def observe_train_time(self, seconds: float) -> None:
         """How long the last training step took (the simulator's pipeline passes it; strategies
         that plan against the trainer's pace, like ``rhyme``'s tier 2, may use it)."""

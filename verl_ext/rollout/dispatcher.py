@@ -187,9 +187,10 @@ class StrategyDispatcher:
                          type(exc).__name__, exc, self.settings.strategy)
             return None
 
-    async def begin_step(self, step: int) -> None:
-        """Training step ``step`` starts: close the previous step in the history (growth rates),
-        checkpoint it every ``history.checkpoint_every`` steps, and tell the strategy."""
+    async def begin_step(self, step: int, requests: Optional[int] = None) -> None:
+        """Training step ``step`` starts, with ``requests`` requests (where the manager knows it):
+        close the previous step in the history (growth rates), checkpoint it every
+        ``history.checkpoint_every`` steps, and tell the strategy."""
         step = int(step)
         if step == self._step:
             return
@@ -202,7 +203,7 @@ class StrategyDispatcher:
         # from the last response of the previous rollout to this step's start: what veRL's
         # trainer spent between the two (reward, log-probs, update, weight sync)
         train_s = time.monotonic() - self._rollout_end if prev is not None and self._rollout_end is not None else None
-        self.life.begin_step(step, train_s)
+        self.life.begin_step(step, train_s, requests=requests, instances=len(self.pool.instances))
         for rid in list(self._parked):  # deferred in an earlier step: resume in this one
             self._resume(rid)
 

@@ -162,8 +162,6 @@ class _VerlExtManagerMixin:
         check_drafter_config(self.verl_ext_settings, rollout)
         strategy_cls = get_strategy_class(self.verl_ext_settings.strategy)
         self.verl_ext_history = strategy_cls.uses_history
-        # the dispatcher hears of each training step: history strategies, and deferred samples
-        self.verl_ext_steps = self.verl_ext_history or strategy_cls(self.verl_ext_settings.options).defers_samples
         history_dir = None
         if self.verl_ext_history:
             trainer = config.get("trainer") or {}
@@ -197,9 +195,10 @@ class _VerlExtManagerMixin:
 
             v1_metrics.add_source(self.verl_ext_metrics)
 
-    def _verl_ext_begin_step(self, step, validate: bool):
-        """Tell the dispatcher which training step the next requests belong to (history
-        strategies); returns that step (None for validation or where the trainer gives none).
+    def _verl_ext_begin_step(self, step, validate: bool, requests: Optional[int] = None):
+        """Tell the dispatcher which training step the next requests belong to, and how many
+        requests it will send (``requests``, the batch's samples, where known); returns that step
+        (None for validation or where the trainer gives none).
 
         veRL's trainers pass ``meta_info["global_steps"]``. The one-step-off-policy trainer
         starts generation k + 1 before step k ends, so it passes 1 to generations 1 and 2, and
@@ -213,10 +212,9 @@ class _VerlExtManagerMixin:
         if last is not None and step <= last:
             step = last + 1
         self._verl_ext_last_step = step
-        if not self.verl_ext_steps:
-            return step
         try:
-            ray.get(self.verl_ext_dispatcher.begin_step.remote(int(step)), timeout=self.verl_ext_settings.history.timeout_s * 3)
+            ray.get(self.verl_ext_dispatcher.begin_step.remote(int(step), requests),
+                    timeout=self.verl_ext_settings.history.timeout_s * 3)
         except Exception as exc:  # the strategy then plans with the previous step's view
             logger.error("verl_ext: could not start step %s in the dispatcher (%s: %s)", step, type(exc).__name__, exc)
         return step
@@ -264,7 +262,7 @@ class VerlExtAgentLoopManagerV0(_VerlExtManagerMixin, AgentLoopManager):
     async def generate_sequences(self, prompts):
         meta = prompts.meta_info or {}
         validate = bool(meta.get("validate", False))
-        step = self._verl_ext_begin_step(meta.get("global_steps"), validate)
+        step = self._verl_ext_begin_step(meta.get("global_steps"), validate, len(prompts))
         output = await super().generate_sequences(prompts)
         if self.verl_ext_history and not validate:
             self._verl_ext_feed_history(step, prompts, output)
@@ -303,10 +301,12 @@ def _v1_cls():
         def generate_sequences(self, prompts):
             if self.verl_ext_trace_collector is not None:
                 self._verl_ext_expect(prompts)
-            if self.verl_ext_steps:
-                keys = set(prompts.keys())
-                validate = "validate" in keys and bool(prompts["validate"])
-                self._verl_ext_begin_step(int(prompts["global_steps"]) if "global_steps" in keys else None, validate)
+            keys = set(prompts.keys())
+            validate = "validate" in keys and bool(prompts["validate"])
+            # one row per prompt, rollout.n samples each (unknown where rows set their own n)
+            requests = None if "__rollout_n__" in keys else len(prompts) * int(self.config.actor_rollout_ref.rollout.n)
+            self._verl_ext_begin_step(int(prompts["global_steps"]) if "global_steps" in keys else None, validate,
+                                      requests)
             return super().generate_sequences(prompts)
 
         def _verl_ext_expect(self, prompts) -> None:
