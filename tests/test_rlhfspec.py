@@ -383,6 +383,33 @@ def test_engines_that_do_not_stream_are_read_only_when_a_move_is_planned():
     assert [s.readings for s in sims] == [0, 0]
 
 
+def test_each_rollout_paces_its_decisions_by_its_own_engine_steps():
+    """Inside veRL one strategy serves every step, and the engines idle between rollouts while
+    the trainer runs. The next rollout's decisions are paced by its own engine steps: before, the
+    first rate it measured spanned the idle gap (one engine step seemed to last the whole gap),
+    the loop slept past the rollout, and the second step moved nothing."""
+    import dataclasses
+
+    from verl_ext.ab.runner import run_strategy
+    from verl_ext.sim.clock import run_virtual
+
+    sims, reqs, want = _sim_setup(prompts=3, samples=4)
+    st = make_strategy("rlhfspec", {"speculation": False, "allocation": "grouped", "threshold": 6, "cooldown": 1})
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        moved = []
+        for step in (1, 2):
+            st.begin_step(step)
+            batch = [dataclasses.replace(r, request_id=f"{r.request_id}-s{step}") for r in reqs]
+            await run_strategy(st, sims, batch, lambda r, t: 0.0, clock=loop.time, sample_telemetry=False)
+            moved.append(st.metrics().get("migrations", 0))
+            await asyncio.sleep(600.0)  # the trainer's turn: the engines idle
+        return moved
+
+    assert run_virtual(main()) == [2, 2]
+
+
 def test_a_migration_racing_a_finishing_request_finishes_it_once():
     sims, reqs, want = _sim_setup(prompts=2, samples=2)
     st = make_strategy("rlhfspec", {"speculation": False, "reallocation": False})

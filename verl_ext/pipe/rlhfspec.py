@@ -286,6 +286,9 @@ class RlhfSpecStrategy(Strategy):
             self._loop_task = asyncio.ensure_future(self._realloc_loop(pool))
 
     async def _realloc_loop(self, pool: InstancePool) -> None:
+        # a new burst of samples: seconds per engine step are measured afresh (across the idle
+        # gap since the last rollout, the trainer's turn, one engine step would seem to last it all)
+        self._last_telemetry.clear()
         steps_at, _ = self._poll(pool, rates=False)
         poll = FIRST_POLL_S
         while self._live:
