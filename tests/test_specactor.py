@@ -357,6 +357,33 @@ def test_requests_submitted_one_at_a_time_get_the_selection_of_the_whole_steps_b
     assert untold.metrics()["selection_batch"] == 64
 
 
+def test_each_rollout_times_its_rounds_by_its_own_engine_steps():
+    """Inside veRL one strategy serves every step, submitted one request at a time, and the
+    engines idle between rollouts while the trainer runs. Each rollout's rounds are paced by its
+    own engine steps: timed since the first rollout, the idle gap stretched every engine step, and
+    the second rollout had a fraction of the first's rounds."""
+    from verl_ext.pipe.lifecycle import Lifecycle
+    from verl_ext.sim.clock import run_virtual
+
+    st, sims, reqs, _ = _setup(min_tokens=4)
+    life = Lifecycle(st)
+
+    async def main():
+        pool = InstancePool(sims)
+        rounds = []
+        for step in (1, 2):
+            life.begin_step(step, requests=len(reqs), instances=len(sims))
+            batch = [dataclasses.replace(r, request_id=f"{r.request_id}-s{step}") for r in reqs]
+            await asyncio.gather(*(st.submit(r, pool) for r in batch))
+            rounds.append(st.metrics()["bon_decisions"])
+            await asyncio.sleep(600.0)  # the trainer's turn: the engines idle
+        await st.close()
+        return rounds
+
+    first, second = run_virtual(main())
+    assert first > 2 and second >= first / 2, (first, second)
+
+
 def test_a_winning_copy_returns_the_whole_response_with_its_prefix():
     from verl_ext.engine.instance import Completion, GenRequest, SamplingSpec
     from verl_ext.pipe.specactor import _Live, _Run

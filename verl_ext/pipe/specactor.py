@@ -554,6 +554,9 @@ class SpecActorStrategy(Strategy):
 
     async def _bon_loop(self, pool: InstancePool) -> None:
         """Every ``cooldown`` engine steps: Algorithm 2 on the running requests, then Algorithm 3."""
+        # a new burst of requests: seconds per engine step are timed afresh (not across the idle
+        # gap since the last rollout, the trainer's turn inside veRL)
+        self._first_tel.clear()
         poll = FIRST_POLL_S
         while self._live:
             await asyncio.sleep(poll)
