@@ -12,8 +12,8 @@ both, each with its label: a 135M model sampled at temperature 1 on CPU is far l
 self-similar than a trained reasoning model, so the measured level alone understates drafting
 on real clusters.
 
-Figures from the seed papers (``/work/shared/seeds``: 000 Seer, 001 RhymeRL, 002 RLHFSpec,
-003 SpecActor) that the defaults are fitted to. They are *assumptions about production
+Figures from the four papers verl_ext implements (Seer, RhymeRL, RLHFSpec,
+SpecActor) that the defaults are fitted to. They are *assumptions about production
 clusters* quoted from the papers, not something this repository measured (``SEED_TARGETS``):
 
 * Seer §2.2 / §6.2.2: output lengths from hundreds to 98K tokens, "high mean and extreme
