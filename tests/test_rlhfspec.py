@@ -315,6 +315,38 @@ def _on_request_cls():
 OnRequest = _on_request_cls()
 
 
+def _read_while_busy_cls():
+    from verl_ext.sim.instance import SimInstance
+
+    class ReadWhileBusy(SimInstance):
+        """A simulated engine whose telemetry is the last reading of ``watch`` (every 0.5 s while
+        it runs requests), as veRL's servers are read (``StrategyDispatcher._watch_load``): the
+        reading a burst of requests starts with dates from the end of the last one."""
+
+        snap = None
+
+        def telemetry(self):
+            if self.snap is None:
+                self.snap = SimInstance.telemetry(self)
+            return self.snap
+
+    return ReadWhileBusy
+
+
+ReadWhileBusy = _read_while_busy_cls()
+
+
+async def watch(instances, every_s=0.5):
+    """Read each busy ``ReadWhileBusy`` every ``every_s`` (cancel to stop)."""
+    from verl_ext.sim.instance import SimInstance
+
+    while True:
+        await asyncio.sleep(every_s)
+        for inst in instances:
+            if inst.running or inst.waiting:
+                inst.snap = SimInstance.telemetry(inst)
+
+
 def _run(strategy, sims, reqs, on_finish=None):
     from verl_ext.ab.runner import run_strategy
     from verl_ext.sim.clock import run_virtual
@@ -385,19 +417,21 @@ def test_engines_that_do_not_stream_are_read_only_when_a_move_is_planned():
 
 def test_each_rollout_paces_its_decisions_by_its_own_engine_steps():
     """Inside veRL one strategy serves every step, and the engines idle between rollouts while
-    the trainer runs. The next rollout's decisions are paced by its own engine steps: before, the
-    first rate it measured spanned the idle gap (one engine step seemed to last the whole gap),
-    the loop slept past the rollout, and the second step moved nothing."""
+    the trainer runs; veRL's servers are read only while they run requests. The next rollout's
+    decisions are paced by its own engine steps: before, the first rate it measured spanned the
+    idle gap (one engine step seemed to last the whole gap), the loop slept past the rollout,
+    and the second step moved nothing."""
     import dataclasses
 
     from verl_ext.ab.runner import run_strategy
     from verl_ext.sim.clock import run_virtual
 
-    sims, reqs, want = _sim_setup(prompts=3, samples=4)
+    sims, reqs, want = _sim_setup(prompts=3, samples=4, instance_cls=[ReadWhileBusy, ReadWhileBusy])
     st = make_strategy("rlhfspec", {"speculation": False, "allocation": "grouped", "threshold": 6, "cooldown": 1})
 
     async def main():
         loop = asyncio.get_running_loop()
+        asyncio.ensure_future(watch(sims))
         moved = []
         for step in (1, 2):
             st.begin_step(step)

@@ -359,16 +359,20 @@ def test_requests_submitted_one_at_a_time_get_the_selection_of_the_whole_steps_b
 
 def test_each_rollout_times_its_rounds_by_its_own_engine_steps():
     """Inside veRL one strategy serves every step, submitted one request at a time, and the
-    engines idle between rollouts while the trainer runs. Each rollout's rounds are paced by its
-    own engine steps: timed since the first rollout, the idle gap stretched every engine step, and
-    the second rollout had a fraction of the first's rounds."""
+    engines idle between rollouts while the trainer runs; veRL's servers are read only while they
+    run requests. Each rollout's rounds are paced by its own engine steps: timed since the first
+    rollout, or from the reading the burst starts with (which dates from the last one), the idle
+    gap stretched every engine step, and the second rollout had a fraction of the first's rounds."""
+    from test_rlhfspec import ReadWhileBusy, watch
     from verl_ext.pipe.lifecycle import Lifecycle
     from verl_ext.sim.clock import run_virtual
 
     st, sims, reqs, _ = _setup(min_tokens=4)
+    sims = [ReadWhileBusy(s.name, s.cost, s.source, s.drafter) for s in sims]
     life = Lifecycle(st)
 
     async def main():
+        asyncio.ensure_future(watch(sims))
         pool = InstancePool(sims)
         rounds = []
         for step in (1, 2):

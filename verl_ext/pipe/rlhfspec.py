@@ -286,8 +286,10 @@ class RlhfSpecStrategy(Strategy):
             self._loop_task = asyncio.ensure_future(self._realloc_loop(pool))
 
     async def _realloc_loop(self, pool: InstancePool) -> None:
-        # a new burst of samples: seconds per engine step are measured afresh (across the idle
-        # gap since the last rollout, the trainer's turn, one engine step would seem to last it all)
+        # a new burst of samples: seconds per engine step are measured afresh, from readings taken
+        # after the engines stepped in it (across the idle gap since the last rollout, the
+        # trainer's turn, one engine step would seem to last it all; veRL's servers are read only
+        # while requests run, so the burst's first reading can date from the last one)
         self._last_telemetry.clear()
         steps_at, _ = self._poll(pool, rates=False)
         poll = FIRST_POLL_S
@@ -328,8 +330,13 @@ class RlhfSpecStrategy(Strategy):
             if not rates:
                 continue
             last = self._last_telemetry.get(name)
+            if last is None:  # the burst's first reading: its steps, no clock yet
+                self._last_telemetry[name] = (t.steps, None)
+                continue
+            if last[1] is None and t.steps <= last[0]:  # not stepped since: the reading may be stale
+                continue
             self._last_telemetry[name] = (t.steps, t.timestamp)
-            if last is not None and t.steps > last[0] and t.timestamp > last[1]:
+            if last[1] is not None and t.steps > last[0] and t.timestamp > last[1]:
                 per_step.append((t.timestamp - last[1]) / (t.steps - last[0]))
         return tot / len(pool.instances), (min(per_step) if per_step else None)
 

@@ -262,7 +262,7 @@ class SpecActorStrategy(Strategy):
         self._live: dict[str, _Live] = {}
         self._worker_method: dict[str, str] = {}  # instances given a method by Best-of-N
         self._loop_task: Optional[asyncio.Task] = None
-        self._first_tel: dict[str, tuple] = {}  # instance -> (steps, time) when first polled
+        self._first_tel: dict[str, tuple] = {}  # instance -> (steps, time) this burst's rates start at
         self._warned_sampled = False
         self._m = Counter()
 
@@ -692,16 +692,22 @@ class SpecActorStrategy(Strategy):
             self.acted["window_changes"] += n
 
     def _step_seconds(self, pool: InstancePool) -> Optional[float]:
-        """Seconds per engine step, averaged since the strategy first saw each instance (a
-        simulated engine advances its step counter a whole plan at a time, so short windows
-        mislead); the median over the instances that have stepped."""
+        """Seconds per engine step in this burst of requests, averaged since each instance's
+        first reading taken after it stepped in the burst (a simulated engine advances its step
+        counter a whole plan at a time, so short windows mislead; veRL's servers are read only
+        while requests run, so the reading a burst starts with can date from the last one); the
+        median over the instances that have stepped."""
         per = []
         for name, inst in pool.instances.items():
             try:
                 t = inst.telemetry()
             except Exception:
                 continue
-            first = self._first_tel.setdefault(name, (t.steps, t.timestamp))
+            first = self._first_tel.get(name)
+            if first is None or first[1] is None:  # (steps at the burst's start, no clock yet)
+                if first is None or t.steps > first[0]:
+                    self._first_tel[name] = (t.steps, None if first is None else t.timestamp)
+                continue
             if t.steps > first[0] and t.timestamp > first[1]:
                 per.append((t.timestamp - first[1]) / (t.steps - first[0]))
         return sorted(per)[len(per) // 2] if per else None
