@@ -191,7 +191,7 @@ def stage_overrides(index: int, count: int, last_step: int) -> list[str]:
     """The overrides of the ``index``-th of a strategy's ``count`` trainer runs: with more than one
     (a staged budget), the first starts from the model (not from a checkpoint an earlier
     invocation left in OUT), every run but the last saves a checkpoint at its last step, and every
-    run but the first resumes from the latest one. None for a single run."""
+    run but the first resumes from the latest one. Nothing for a single run."""
     if count == 1:
         return []
     out = [f"trainer.save_freq={last_step}"] if index < count - 1 else []

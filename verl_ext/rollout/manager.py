@@ -14,11 +14,12 @@ the workers: ``StrategyLLMClient`` sends each ``generate`` to the ``StrategyDisp
 where the selected strategy picks the server and the timing. If the dispatcher dies, the client
 logs an error once and falls back to veRL's own load balancer, so a rollout is never lost.
 
-Strategies that read history (``rhyme``): before each training rollout the manager tells the
-dispatcher the step (``begin_step``), and every finished trajectory goes to the history workers
-through the dispatcher's ``ingest``: from the V0 output ``DataProto`` here, from the agent-loop
-workers' post-processing in V1 (``verl_ext.trace._verl_v1``), where the manager never sees the
-outputs. Validation rollouts feed nothing.
+Before each training rollout the manager tells the dispatcher the step and how many requests
+it brings (``begin_step``). For strategies that read history (``rhyme``), every finished
+trajectory goes to the history workers through the dispatcher's ``ingest``: from the V0 output
+``DataProto`` here, from the agent-loop workers' post-processing in V1
+(``verl_ext.trace._verl_v1``), where the manager never sees the outputs. Validation rollouts
+feed nothing.
 """
 
 from __future__ import annotations
