@@ -166,3 +166,22 @@ async def test_client_shards_and_survives_a_killed_worker(ray_session, tmp_path,
         assert stats["restored"] >= 1
     finally:
         await client.stop()
+
+
+def test_history_workers_load_without_the_native_index_and_shard_like_the_draft_server():
+    """The history workers need only the shared hash (``verl_ext.sharding``), not the compiled
+    draft index; the grouped draft server places a key on the same shard."""
+    import subprocess
+    import sys
+
+    code = ("import sys, verl_ext.history.worker as w; "
+            "print(int('verl_ext.spec._suffix' in sys.modules), int('verl_ext.spec.dgds' in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["0", "0"]
+    from verl_ext.sharding import shard_of
+    from verl_ext.spec.dgds import shard_of as dgds_shard_of
+
+    keys = [f"prompt-{i}" for i in range(64)]
+    assert [shard_of(k, 4) for k in keys] == [dgds_shard_of(k, 4) for k in keys]
+    assert len({shard_of(k, 4) for k in keys}) == 4 and shard_of("x", 1) == 0

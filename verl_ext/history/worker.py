@@ -31,7 +31,7 @@ from typing import Iterable, Optional, Sequence
 import numpy as np
 
 from verl_ext.history.store import HistoryCorrupt, HistoryStore, Trajectory
-from verl_ext.spec.dgds import shard_of
+from verl_ext.sharding import shard_of
 
 logger = logging.getLogger(__name__)
 

@@ -41,7 +41,6 @@ engine sees (``str(GenRequest.group_id)``) so that the engine's requests find th
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import time
 from collections import deque
@@ -50,6 +49,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
 
+from verl_ext.sharding import shard_of
 from verl_ext.spec._suffix import DraftIndex
 
 logger = logging.getLogger(__name__)
@@ -61,14 +61,6 @@ __all__ = ["DGDSClient", "GroupDraftServer", "IMPORT_REFUSED", "import_deltas", 
 IMPORT_REFUSED = "verl_ext drafter refused group deltas"
 
 Update = tuple  # (group, seq, start, tokens, closed)
-
-
-def shard_of(group: str, num_shards: int) -> int:
-    """The shard serving ``group``: blake2b of its UTF-8 id, stable across processes and runs."""
-    if num_shards <= 1:
-        return 0
-    digest = hashlib.blake2b(str(group).encode("utf-8"), digest_size=8).digest()
-    return int.from_bytes(digest, "little") % int(num_shards)
 
 
 def import_deltas(index: DraftIndex, blobs) -> list[int]:
