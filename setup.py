@@ -31,7 +31,7 @@ setup(
     package_data={
         "verl_ext.config": ["*.yaml", "rollout/*.yaml", "verl_ext_cpu/*.yaml"],
         "verl_ext.spec": ["csrc/*.h", "csrc/*.cc"],
-        "verl_ext.sim": ["presets/*.json"],
+        "verl_ext.perf": ["presets/*.json"],
     },
     include_package_data=True,
     ext_modules=ext_modules,
@@ -41,6 +41,7 @@ setup(
         "hydra-core>=1.3",
         "omegaconf>=2.3",
         "numpy",
+        "scipy",  # the cost-model fits (verl_ext.perf.lstsq)
         "pybind11>=2.12",
         "tqdm",
         "matplotlib",

@@ -1,7 +1,7 @@
 """The drafting engine's idle cost: an engine started with verl_ext's drafter, drafting nothing
 (window 0), against a plain engine, on the same requests, in alternating rounds.
 
-``verl-ext profile --ladder-engine`` measures this once per batch (``idle`` in the ladder JSON),
+``verl-ext fit engine-ladder`` measures this once per batch (``idle`` in the ladder JSON),
 and ``specactor`` weighs it when deciding whether to start engines with a drafter
 (``DraftLadder.drafter_gain``). This repeats that one measurement over several rounds so that its
 spread on the machine shows. Prints idle / plain per round and writes them as JSON.
@@ -22,7 +22,7 @@ from pathlib import Path
 async def measure(batch: int, max_tokens: int, rounds: int) -> list[tuple[float, float]]:
     from verl_ext.engine.vllm_local import VLLMInstanceFactory
     from verl_ext.model import default_model_dir
-    from verl_ext.spec.ladder_engine import _requests, _timed, default_prompts
+    from verl_ext.measure.engine_ladder import _requests, _timed, default_prompts
     from verl_ext.spec.options import SpecOptions
 
     model_dir = default_model_dir()

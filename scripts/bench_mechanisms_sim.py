@@ -1,4 +1,4 @@
-"""Every strategy's mechanisms in the simulator (``verl-ext ab --sim``'s ``run_sim_ab``), each arm
+"""Every strategy's mechanisms in the simulator (``verl-ext sim``'s ``run_sim_ab``), each arm
 under the conditions that make its mechanisms act: seer on a tight KV budget with small chunks,
 rlhfspec with a group's samples placed together and a low turning point, the workload taken as
 recorded greedy (``meta["temperature"] = 0``: specactor's Best-of-N copies only greedy requests),

@@ -11,7 +11,7 @@ The selection's decision time per step is recorded next to the simulated step ti
     python scripts/bench_rlhfspec.py --preset h100-7b --out runs/bench_rlhfspec_synth.json
     python scripts/bench_rlhfspec.py --preset h100-7b --trace data/traces/smollm2_arith_e2.parquet \
         --per-slot 2 --out runs/bench_rlhfspec_trace.json
-    verl-ext profile --acceptance data/traces/smollm2_arith_e2.parquet@0 --out runs/F_smollm2_e0.json
+    verl-ext fit acceptance data/traces/smollm2_arith_e2.parquet@0 --out runs/F_smollm2_e0.json
     python scripts/bench_rlhfspec.py --preset h100-7b --trace data/traces/smollm2_arith_e2.parquet \
         --acceptance runs/F_smollm2_e0.json --per-slot 2 --out runs/bench_rlhfspec_trace_fitted.json
 """
@@ -32,7 +32,7 @@ def run_one(spec, cost, trace, rows, samples: int, per_slot: int):
     from verl_ext.sim.clock import run_virtual
     from verl_ext.sim.drafting import make_drafter
     from verl_ext.sim.instance import SimInstance
-    from verl_ext.sim.runner import build_requests
+    from verl_ext.sim.workload import build_requests
     from verl_ext.sim.source import TraceSource
 
     source = TraceSource(trace, rows)
@@ -76,11 +76,11 @@ def main() -> None:
     ap.add_argument("--counts", default=",".join(map(str, SAMPLE_COUNTS)))
     ap.add_argument("--fixed", default=",".join(map(str, FIXED_N)))
     ap.add_argument("--scopes", default="request+group")
-    ap.add_argument("--acceptance", default="", help="F's offline fit (verl-ext profile --acceptance JSON) as the selector's prior")
+    ap.add_argument("--acceptance", default="", help="F's offline fit (verl-ext fit acceptance JSON) as the selector's prior")
     ap.add_argument("--out", default="runs/bench_rlhfspec.json")
     args = ap.parse_args()
 
-    from verl_ext.sim.cost import load_cost_model
+    from verl_ext.perf.cost import load_cost_model
     from verl_ext.sim.runner import SimConfig, load_workload, select_epoch
     from verl_ext.spec import SpecOptions
 

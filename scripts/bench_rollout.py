@@ -15,7 +15,8 @@ import json
 import sys
 from pathlib import Path
 
-from verl_ext.ab.runner import ABConfig, format_table, run_ab
+from verl_ext.ab.outputs import format_table
+from verl_ext.ab.runner import ABConfig, run_ab
 
 
 def main(argv=None) -> int:

@@ -15,7 +15,7 @@ import argparse
 import json
 from pathlib import Path
 
-from verl_ext.sim.cost import load_cost_model
+from verl_ext.perf.cost import load_cost_model
 from verl_ext.spec.ladder import DraftMethod
 from verl_ext.spec.tgs import COUPLED, plan_decoupled
 

@@ -17,7 +17,7 @@ acceptance per method; the draft models' time from their cost models). Arms:
 
 Prints a table and writes JSON. ``--preset`` (the verifier) and ``--drafter NAME=COST_MODEL``
 (a draft model's, e.g. ``qwen0.5b=runs/gpu/profile_dummy.json`` from ``scripts/gpu_check.sh
---config-only``) take presets or ``verl-ext profile`` JSONs, so measured step times replace the
+--config-only``) take presets or ``verl-ext fit grid`` JSONs, so measured step times replace the
 roofline presets; ``--acceptance NAME=P`` replaces a method's assumed mean acceptance (measured
 rates, or a sensitivity sweep: docs/BENCHMARKS.md).
 
@@ -37,7 +37,7 @@ from pathlib import Path
 from verl_ext.ab.runner import run_strategy
 from verl_ext.pipe import make_strategy
 from verl_ext.sim.clock import run_virtual
-from verl_ext.sim.cost import load_cost_model
+from verl_ext.perf.cost import load_cost_model
 from verl_ext.sim.instance import SimInstance
 from verl_ext.sim.runner import SimConfig, build_requests, load_workload, select_epoch
 from verl_ext.sim.source import TraceSource

@@ -11,7 +11,7 @@
 # Steps, each writing under --out (default runs/gpu):
 #   1. tests/test_gpu.py: engines placed on their own GPUs (or a memory share each), and greedy
 #      outputs of every strategy token-identical to baseline's on the GPU runner (pytest.log);
-#   2. a cost model of the engines (`verl-ext profile --plan gpu`): profile.json. With
+#   2. a cost model of the engines (`verl-ext fit grid --plan gpu`): profile.json. With
 #      --config-only DIR (a directory holding only a model's config.json, e.g. Qwen2.5-7B's), a
 #      second profile of that model with random weights (load_format=dummy): profile_dummy.json;
 #   3. `verl-ext ab` of baseline against every strategy, at temperature 0 on float32 engines
@@ -60,9 +60,9 @@ if [ "$rc" -ne 0 ]; then echo "gpu_check: GPU tests failed (exit $rc), see $OUT/
 
 echo "== 2. cost model"
 PLAN=gpu; [ "$QUICK" = 1 ] && PLAN=quick
-"$PY" -m verl_ext.cli profile --plan "$PLAN" --instances "$INSTANCES" "${MODEL_ARGS[@]}" --out "$OUT/profile.json"
+"$PY" -m verl_ext.cli fit grid --plan "$PLAN" --instances "$INSTANCES" "${MODEL_ARGS[@]}" --out "$OUT/profile.json"
 if [ -n "$CONFIG_ONLY" ]; then
-  "$PY" -m verl_ext.cli profile --plan "$PLAN" --instances "$INSTANCES" --model "$CONFIG_ONLY" \
+  "$PY" -m verl_ext.cli fit grid --plan "$PLAN" --instances "$INSTANCES" --model "$CONFIG_ONLY" \
     --engine-arg load_format=dummy --out "$OUT/profile_dummy.json"
 fi
 

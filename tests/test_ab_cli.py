@@ -90,7 +90,7 @@ def test_ab_with_drafting_on_and_off(tmp_path, model_dir):
 
 
 def test_same_tokens_counts_the_responses_equal_to_the_first_arms():
-    from verl_ext.ab.runner import StrategyRun, format_same_tokens, not_identical, same_tokens
+    from verl_ext.ab.outputs import StrategyRun, format_same_tokens, not_identical, same_tokens
 
     def run(name, tokens):
         return StrategyRun(name, {}, [], {}, [], token_ids=tokens)
@@ -139,7 +139,8 @@ def test_same_tokens_counts_the_responses_equal_to_the_first_arms():
 )
 def test_bad_input_one_line_error(tmp_path, args, message):
     out = tmp_path / "out"
-    r = _run("ab", "--out", str(out), *args)
+    command = ["sim", *args[1:]] if args[:1] == ["--sim"] else ["ab", *args]  # --sim: flags that `sim` refuses
+    r = _run(*command[:1], "--out", str(out), *command[1:])
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("verl-ext: error:") and message in lines[0], r.stderr
@@ -166,7 +167,8 @@ def test_unwritable_out_dir(tmp_path):
 
 
 def test_repeats_rotate_the_arms_and_report_the_median_round():
-    from verl_ext.ab.runner import StrategyRun, _median_round, format_repeats, round_order
+    from verl_ext.ab.outputs import StrategyRun, format_repeats
+    from verl_ext.ab.runner import _median_round, round_order
 
     arms = ["a", "b", "c"]
     orders = [round_order(arms, r) for r in range(3)]
@@ -187,7 +189,7 @@ def test_repeats_rotate_the_arms_and_report_the_median_round():
 
 
 def test_a_budget_per_epoch_reaches_each_epochs_requests_and_the_engines_fit_the_largest():
-    from verl_ext.ab.runner import ABConfig, _max_len, build_requests
+    from verl_ext.ab.runner import ABConfig, build_requests, max_model_len
     from verl_ext.workload.arith import make_problems
 
     cfg = ABConfig(prompts=2, samples=2, epochs=2, max_tokens=(16, 64))
@@ -195,6 +197,6 @@ def test_a_budget_per_epoch_reaches_each_epochs_requests_and_the_engines_fit_the
     problems, prompt_ids = make_problems(2), [[1, 2, 3], [4, 5]]
     budgets = [{r.sampling.max_tokens for r in build_requests(problems, prompt_ids, cfg, (0,), epoch=e)} for e in (0, 1)]
     assert budgets == [{16}, {64}]
-    assert _max_len(prompt_ids, cfg) == 3 + 64 + 8
+    assert max_model_len(prompt_ids, cfg) == 3 + 64 + 8
     one = ABConfig(prompts=2, samples=2, epochs=2, max_tokens=48)
     assert {r.sampling.max_tokens for r in build_requests(problems, prompt_ids, one, (0,), epoch=1)} == {48}

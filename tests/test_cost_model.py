@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from verl_ext.sim.cost import (
+from verl_ext.perf.cost import (
     CostModel,
     PresetError,
     available_presets,
@@ -14,7 +14,8 @@ from verl_ext.sim.cost import (
     load_cost_model,
     roofline_from_derivation,
 )
-from verl_ext.sim.profile import ProfileSample, fit_cost_model, main as profile_main
+from verl_ext.cli import main as cli_main
+from verl_ext.perf.grid import ProfileSample, fit_cost_model
 
 FIELDS = dict(
     name="toy", overhead_s=0.004, weight_s=0.002, token_s=1e-4, kv_token_s=2e-7, prefill_token_s=5e-6, draft_token_s=0.0,
@@ -79,7 +80,7 @@ def test_shipped_presets_load_with_provenance():
 
 
 def test_gpu_presets_follow_their_derivation():
-    from verl_ext.sim import cost as cost_mod
+    from verl_ext.perf import cost as cost_mod
 
     derived = 0
     for name in available_presets():
@@ -275,21 +276,21 @@ def test_fit_rejects_too_few_samples():
 
 
 def test_profile_cli_bad_input_fails_fast(tmp_path, capsys):
-    assert profile_main(["--out", str(tmp_path / "x.txt")]) == 2
+    assert cli_main(["fit", "grid", "--out", str(tmp_path / "x.txt")]) == 2
     assert "must name a .json file" in capsys.readouterr().err
-    assert profile_main(["--out", str(tmp_path / "x.json"), "--instances", "0"]) == 2
+    assert cli_main(["profile", "--out", str(tmp_path / "x.json"), "--instances", "0"]) == 2  # the old spelling
     assert "--instances must be >= 1" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
 
 
 def test_shipped_cpu_profile_matches_its_samples():
     """cpu-smollm2.json's fields are the fit of the samples it records."""
-    from verl_ext.sim import cost as cost_mod
+    from verl_ext.perf import cost as cost_mod
 
     raw = json.loads((cost_mod._preset_dir() / "cpu-smollm2.json").read_text())
     shipped = CostModel.from_dict(raw, "cpu-smollm2")
     if "from_traces" in raw["fit"]:  # `verl-ext profile --from-trace`: the windows it fitted
-        from verl_ext.sim.trace_fit import fit_windows
+        from verl_ext.perf.trace_fit import fit_windows
 
         refit, rep = fit_windows(raw["fit"]["windows"], shipped)
         for k in ("overhead_s", "weight_s", "token_s", "kv_token_s", "prefill_token_s", "draft_token_s"):
@@ -308,8 +309,8 @@ def test_shipped_avx2_profile_matches_what_it_records():
     """cpu-smollm2-avx2.json (float32 engines on AVX2-only x86): its base fields are the
     `verl-ext profile` fit of the samples it records, and its draft costs the step-log fit of the
     windows it records on top of that base."""
-    from verl_ext.sim import cost as cost_mod
-    from verl_ext.sim.steplog_fit import fit_draft_costs
+    from verl_ext.perf import cost as cost_mod
+    from verl_ext.perf.steplog_fit import fit_draft_costs
 
     raw = json.loads((cost_mod._preset_dir() / "cpu-smollm2-avx2.json").read_text())
     shipped = CostModel.from_dict(raw, "cpu-smollm2-avx2")
@@ -327,7 +328,7 @@ def test_shipped_avx2_profile_matches_what_it_records():
 def test_instances_sharing_a_gpu_profile_with_the_smallest_kv_cache():
     # on CUDA each engine sizes its KV cache from its own memory profiling: two engines sharing a
     # GPU came out 102,080 and 102,219 blocks (H100, vLLM 0.24.0); the profile keeps what both hold
-    from verl_ext.sim.profile import common_limits
+    from verl_ext.measure.grid import common_limits
 
     base = {"block_size": 16, "max_num_seqs": 64, "max_batched_tokens": 8192, "max_model_len": 2048,
             "dtype": "bfloat16", "prefix_caching": True}

@@ -92,7 +92,7 @@ def test_a_cost_model_profile_needs_only_the_models_config(tmp_path, model_dir):
     config_only.mkdir()
     shutil.copy(model_dir / "config.json", config_only / "config.json")
     out = tmp_path / "dummy.json"
-    r = _cli("profile", "--quick", "--instances", "1", "--model", str(config_only), "--engine-arg", "load_format=dummy",
+    r = _cli("fit", "grid", "--quick", "--instances", "1", "--model", str(config_only), "--engine-arg", "load_format=dummy",
              "--out", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     doc = json.loads(out.read_text())
@@ -100,7 +100,7 @@ def test_a_cost_model_profile_needs_only_the_models_config(tmp_path, model_dir):
     assert engine["load_format"] == "dummy" and engine["skip_tokenizer_init"] is True
     assert len(doc["fit"]["samples"]) == 12 and all(s["time_s"] > 0 for s in doc["fit"]["samples"])
     assert doc["token_s"] > 0 and doc["kv_capacity_tokens"] > 0
-    assert doc["sources"][0].startswith("verl-ext profile --plan quick --instances 1 --engine-arg load_format=dummy")
+    assert doc["sources"][0].startswith("verl-ext fit grid --plan quick --instances 1 --engine-arg load_format=dummy")
     # a typo in an engine argument fails before any engine starts
     r = _cli("profile", "--quick", "--engine-arg", "load_fromat=dummy", "--out", str(tmp_path / "x.json"), timeout=120)
     assert r.returncode != 0 and "'load_fromat' is not a vLLM engine argument" in r.stderr

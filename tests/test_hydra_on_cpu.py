@@ -103,7 +103,7 @@ def test_seers_draft_profile_reaches_the_engines_adaptive_budget():
     draft budget), as ``engine_spec`` gives the A/B runner's engines; without one, none."""
     from verl.utils.config import omega_conf_to_dataclass
 
-    from verl_ext.sim.cost import load_cost_model
+    from verl_ext.perf.cost import load_cost_model
     from verl_ext.spec.options import SpecOptions
 
     def spec(*overrides):

@@ -10,7 +10,7 @@ from test_sim import _cost, _requests, _trace
 from test_sim_seer_support import _chunked
 from verl_ext.cli import main as cli_main
 from verl_ext.sim.clock import run_virtual
-from verl_ext.sim.cost import preset_derivation
+from verl_ext.perf.cost import preset_derivation
 from verl_ext.sim.instance import SimInstance
 from verl_ext.sim.kv_pool import KVPool, kv_bytes_per_token
 from verl_ext.sim.runner import SimConfig, make_kv_pool, split_kv_pool
@@ -115,7 +115,7 @@ def test_a_preempted_request_loads_what_was_computed_instead_of_recomputing():
 def test_ab_sim_kvpool_arms(tmp_path, capsys):
     out = tmp_path / "ab"
     # one h100-7b instance, 4.2M response tokens against 0.94M of KV: baseline preempts
-    rc = cli_main(["ab", "--sim", "--prompts", "32", "--samples", "16", "--mean-len", "8192", "--max-len", "32768",
+    rc = cli_main(["sim", "--prompts", "32", "--samples", "16", "--mean-len", "8192", "--max-len", "32768",
                    "--instances", "1", "--no-progress", "--kv-pool-gbps", "10", "--out", str(out),
                    "--strategies", "baseline,baseline@kvpool"])
     assert rc == 0
@@ -126,10 +126,10 @@ def test_ab_sim_kvpool_arms(tmp_path, capsys):
     assert pooled["prefill_tokens"] < plain["prefill_tokens"] / 4 and pooled["wall_s"] < plain["wall_s"]
     assert pooled["output_tokens"] == plain["output_tokens"]
     capsys.readouterr()
-    assert cli_main(["ab", "--sim", "--pipeline", "sync", "--strategies", "baseline@kvpool", "--out",
+    assert cli_main(["sim", "--pipeline", "sync", "--strategies", "baseline@kvpool", "--out",
                      str(tmp_path / "p")]) == 2
     assert "@kvpool arms run in single-rollout simulations" in capsys.readouterr().err
     assert cli_main(["ab", "--kv-pool-gbps", "10", "--out", str(tmp_path / "r")]) == 2
     assert "--kv-pool-gbps needs --sim" in capsys.readouterr().err
-    assert cli_main(["ab", "--sim", "--kv-pool-gbps", "0", "--out", str(tmp_path / "z")]) == 2
+    assert cli_main(["sim", "--kv-pool-gbps", "0", "--out", str(tmp_path / "z")]) == 2
     assert "--kv-pool-gbps must be" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""The draft ladder measured on the engine (SpecActor section 4.2, ``verl_ext.spec.ladder_engine``):
+"""The draft ladder measured on the engine (SpecActor section 4.2, ``verl_ext.measure.engine_ladder``):
 drafts of a known continuation accepted at a set rate, the measured tables, and one real run."""
 
 import math
@@ -7,7 +7,7 @@ import pytest
 
 from _util import ProposerBatch, make_proposer
 from verl_ext.spec.ladder import DraftLadder, DraftMethod, LadderError
-from verl_ext.spec.ladder_engine import EngineLadder, ladder_from, measure
+from verl_ext.measure.engine_ladder import EngineLadder, ladder_from, measure
 from verl_ext.spec.reference import ReferenceDraft
 
 

@@ -123,7 +123,7 @@ def test_arm_modes():
 
 def test_pipeline_cli_writes_summary_report_and_requests(tmp_path, capsys):
     out = tmp_path / "pipe"
-    rc = main(["ab", "--sim", "--pipeline", "stream", "--steps", "4", "--t-train", "2", "--strategies",
+    rc = main(["sim", "--pipeline", "stream", "--steps", "4", "--t-train", "2", "--strategies",
                "baseline,rhyme@sync", "--prompts", "16", "--samples", "4", "--mean-len", "256", "--max-len", "1024",
                "--instances", "4", "--out", str(out), "--no-progress"])
     assert rc == 0
@@ -142,21 +142,21 @@ def test_pipeline_cli_writes_summary_report_and_requests(tmp_path, capsys):
         assert sum(x["strategy"] == arm for x in recs) == s["workload"]["requests"]
 
 
-def _bad(tmp_path, capsys, argv, match):
-    rc = main(["ab", "--out", str(tmp_path / "bad"), "--no-progress", *argv])
+def _bad(tmp_path, capsys, argv, match, command="sim"):
+    rc = main([command, "--out", str(tmp_path / "bad"), "--no-progress", *argv])
     err = capsys.readouterr().err
     assert rc == 2 and match in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_pipeline_bad_input(tmp_path, capsys):
-    small = ["--sim", "--prompts", "8", "--samples", "2", "--mean-len", "64", "--max-len", "256"]
+    small = ["--prompts", "8", "--samples", "2", "--mean-len", "64", "--max-len", "256"]
     _bad(tmp_path, capsys, [*small, "--steps", "2"], "--steps/--t-train need --pipeline")
     _bad(tmp_path, capsys, [*small, "--pipeline", "later"], "unknown --pipeline mode 'later'")
     _bad(tmp_path, capsys, [*small, "--pipeline", "stream", "--steps", "0"], "--steps must be >= 1")
     _bad(tmp_path, capsys, [*small, "--pipeline", "stream", "--t-train", "-1"], "--t-train must be")
     _bad(tmp_path, capsys, [*small, "--pipeline", "sync", "--strategies", "baseline@later"], "unknown pipeline mode")
     _bad(tmp_path, capsys, [*small, "--pipeline", "sync", "--steps", "9"], "more than the epoch's 8 prompts")
-    _bad(tmp_path, capsys, ["--pipeline", "stream"], "--pipeline needs --sim")
+    _bad(tmp_path, capsys, ["--pipeline", "stream"], "--pipeline needs --sim", command="ab")
 
 
 # -- inter-step migration (RhymeRL 6.3; verl_ext.pipe.defer) ---------------------------------------
@@ -217,7 +217,7 @@ def test_inter_step_migration_keeps_short_groups_and_the_last_step_within_the_st
 
 
 def test_inter_step_migration_is_refused_where_nothing_carries_it(tmp_path, capsys):
-    from verl_ext.ab.runner import make_arm
+    from verl_ext.ab.arms import make_arm
     from verl_ext.config.settings import VerlExtSettings
     from verl_ext.pipe.strategy import StrategyConfigError
 
@@ -231,5 +231,5 @@ def test_inter_step_migration_is_refused_where_nothing_carries_it(tmp_path, caps
     assert VerlExtSettings.from_custom(inter, async_trainer=True).options == {"inter_step": True}  # veRL's async trainers
     with pytest.raises(StrategyConfigError, match="needs histopipe=true and migration=true"):
         make_arm("rhyme[inter_step=true,migration=false]", carrier=None)
-    _bad(tmp_path, capsys, ["--sim", "--prompts", "8", "--samples", "2", "--mean-len", "64", "--max-len", "256",
+    _bad(tmp_path, capsys, ["--prompts", "8", "--samples", "2", "--mean-len", "64", "--max-len", "256",
                             "--strategies", _INTER], "a single rollout")

@@ -69,7 +69,7 @@ def test_native_replay_applies_the_same_aimd_rule():
 
 
 def test_batch_cutoff_table_and_runtime():
-    from verl_ext.sim.cost import load_cost_model
+    from verl_ext.perf.cost import load_cost_model
 
     cost = load_cost_model("h100-7b")
     table = cost.spec_batch_cutoffs(draft=2, contexts=(256, 4096))
@@ -125,7 +125,7 @@ def test_simulated_cutoff_probes_like_the_engine(probe):
     acceptance drafts again (its responses repeat their history exactly), and only with probes."""
     from verl_ext.sim.drafting import make_drafter
     from verl_ext.sim.instance import SimInstance
-    from verl_ext.sim.runner import build_requests, select_epoch
+    from verl_ext.sim.workload import build_requests, select_epoch
     from verl_ext.sim.source import TraceSource
     from test_sim import _cost, _run
 

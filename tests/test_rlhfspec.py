@@ -14,7 +14,7 @@ from verl_ext.engine.instance import FINISH_ABORT
 from verl_ext.pipe import make_strategy
 from verl_ext.pipe.realloc import Move, pick_samples, plan_reallocation, turning_point
 from verl_ext.pipe.strategy import StrategyConfigError
-from verl_ext.sim.cost import load_cost_model
+from verl_ext.perf.cost import load_cost_model
 from verl_ext.spec import SpecOptions
 from verl_ext.spec._suffix import select_chains, select_tree
 from verl_ext.spec.select import AcceptanceModel, DraftSelector, StepTimePredictor, cumulative_scores

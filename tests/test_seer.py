@@ -9,7 +9,8 @@ import pytest
 
 from test_sim import _cost, _requests, _trace
 
-from verl_ext.ab.runner import make_arm, run_strategy, split_arms
+from verl_ext.ab.arms import make_arm, split_arms
+from verl_ext.ab.runner import run_strategy
 from verl_ext.engine.instance import FINISH_LENGTH, PRIOR_TOKENS_KEY, GenRequest, SamplingSpec, chunk_seed
 from verl_ext.pipe import StrategyConfigError, make_strategy
 from verl_ext.pipe.buffer import RequestBuffer
@@ -369,7 +370,7 @@ def test_prompt_tokens_identify_the_group():
 
 def test_real_engine_arms_get_profiled_thresholds_and_no_useless_drafter():
     from verl_ext.ab.runner import ABConfig, _drafting_off, _engine_cost
-    from verl_ext.sim.cost import load_cost_model
+    from verl_ext.perf.cost import load_cost_model
 
     pytest.importorskip("vllm")
     from verl_ext.engine.vllm_local import cpu_default_dtype, is_cpu_build

@@ -15,7 +15,7 @@ from verl_ext.pipe import make_strategy
 from verl_ext.pipe.oracle import TRUE_LEN
 from verl_ext.pipe.strategy import StrategyConfigError
 from verl_ext.sim.clock import SimulationStalled, run_virtual
-from verl_ext.sim.cost import CostModel
+from verl_ext.perf.cost import CostModel
 from verl_ext.sim.drafting import ReplayDrafter
 from verl_ext.sim.instance import SimInstance
 from verl_ext.sim.source import TraceSource

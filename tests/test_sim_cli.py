@@ -17,7 +17,7 @@ TRACE = Path(__file__).resolve().parents[1] / "data" / "traces" / "smollm2_arith
 def test_sim_ab_on_the_committed_trace(tmp_path, capsys):
     out = tmp_path / "ab"
     arms = "baseline,baseline+spec:request+history,oracle"
-    rc = main(["ab", "--sim", "--trace", str(TRACE), "--preset", "cpu-smollm2", "--instances", "2",
+    rc = main(["sim", "--trace", str(TRACE), "--preset", "cpu-smollm2", "--instances", "2",
                "--strategies", arms, "--out", str(out), "--no-progress"])
     assert rc == 0, capsys.readouterr().err
     s = json.loads((out / "summary.json").read_text())
@@ -40,7 +40,7 @@ def test_sim_ab_on_the_committed_trace(tmp_path, capsys):
 def test_sim_ab_default_scenario_shape(tmp_path):
     """The synthetic workload path of the default scenario, shrunk by flags."""
     out = tmp_path / "ab"
-    rc = main(["ab", "--sim", "--strategies", "baseline,oracle", "--prompts", "16", "--samples", "4",
+    rc = main(["sim", "--strategies", "baseline,oracle", "--prompts", "16", "--samples", "4",
                "--mean-len", "256", "--max-len", "1024", "--instances", "4", "--out", str(out), "--no-progress"])
     assert rc == 0
     s = json.loads((out / "summary.json").read_text())
@@ -52,7 +52,7 @@ def test_sim_ab_default_scenario_shape(tmp_path):
 
 def _bad(tmp_path, capsys, argv, match):
     out = tmp_path / "bad"
-    rc = main(["ab", "--sim", "--out", str(out), "--no-progress", *argv])
+    rc = main(["sim", "--out", str(out), "--no-progress", *argv])
     err = capsys.readouterr().err
     assert rc == 2, err
     assert match in err and len(err.strip().splitlines()) == 1, err
@@ -65,7 +65,7 @@ def test_sim_bad_input(tmp_path, capsys):
     corrupt.write_bytes(b"PAR1 not really")
     _bad(tmp_path, capsys, ["--trace", str(corrupt)], "corrupt.parquet")
     _bad(tmp_path, capsys, ["--trace", str(tmp_path / "missing.parquet")], "missing.parquet")
-    preset = json.loads(Path(__file__).resolve().parents[1].joinpath("verl_ext/sim/presets/h100-7b.json").read_text())
+    preset = json.loads(Path(__file__).resolve().parents[1].joinpath("verl_ext/perf/presets/h100-7b.json").read_text())
     del preset["kv_capacity_tokens"]
     broken = tmp_path / "broken.json"
     broken.write_text(json.dumps(preset))
@@ -81,8 +81,8 @@ def test_sim_bad_input(tmp_path, capsys):
 
 def test_profile_from_trace_fits_the_committed_trace(tmp_path, capsys):
     """`verl-ext profile --from-trace`: step times read back from a real trace's token times."""
-    from verl_ext.sim.cost import load_cost_model
-    from verl_ext.sim.trace_fit import trace_windows
+    from verl_ext.perf.cost import load_cost_model
+    from verl_ext.measure.trace import trace_windows
 
     tr = read_trace(TRACE)
     w = trace_windows(tr, epochs=[0])
@@ -90,12 +90,28 @@ def test_profile_from_trace_fits_the_committed_trace(tmp_path, capsys):
     assert all(x["time_s"] > 0 and x["batch"] >= 1 for x in w)
     assert sum(x["prefill_tokens"] for x in w) == int(tr.prompt_lengths()[tr.epoch == 0].sum())  # every prompt once
     out = tmp_path / "fit.json"
-    assert main(["profile", "--from-trace", f"{TRACE}@0", "--base", "cpu-smollm2", "--out", str(out)]) == 0
+    assert main(["fit", "trace", f"{TRACE}@0", "--base", "cpu-smollm2", "--out", str(out)]) == 0
     cm = load_cost_model(str(out))
     assert cm.token_s > 0 and cm.kv_capacity_tokens == load_cost_model("cpu-smollm2").kv_capacity_tokens
     fit = json.loads(out.read_text())["fit"]
     assert abs(fit["total_time_error"]) < 0.15
-    assert main(["profile", "--from-trace", f"{TRACE}@9", "--base", "cpu-smollm2", "--out", str(out)]) == 2
+    assert main(["fit", "trace", f"{TRACE}@9", "--base", "cpu-smollm2", "--out", str(out)]) == 2
     assert "epoch '9' is not in the trace" in capsys.readouterr().err
     assert main(["profile", "--from-trace", str(TRACE), "--out", str(out)]) == 2
     assert "needs --base" in capsys.readouterr().err
+
+
+def test_each_command_shows_its_own_flags_and_the_old_spelling_still_works(tmp_path, capsys):
+    assert main(["sim", "--help"]) == 0
+    sim_help = capsys.readouterr().out
+    assert main(["ab", "--help"]) == 0
+    ab_help = capsys.readouterr().out
+    assert "--pipeline" in sim_help and "--model" not in sim_help and "--require-identical" not in sim_help
+    assert "--require-identical" in ab_help and "--pipeline" not in ab_help and "--sim" not in ab_help
+    # `ab --sim` (the old spelling) runs `sim`, after a note
+    assert main(["ab", "--sim", "--instances", "0", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert "deprecated; use `verl-ext sim`" in err[0] and "--instances must be >= 1" in err[1]
+    assert main(["profile", "--thresholds", "h100-7b"]) == 0
+    captured = capsys.readouterr()
+    assert "use `verl-ext fit thresholds`" in captured.err and captured.out.startswith("h100-7b: draft thresholds")

@@ -10,10 +10,10 @@ import pytest
 from test_sim import _cost, _requests, _run, _trace
 from verl_ext.engine.instance import FINISH_LENGTH, GenRequest, SamplingSpec
 from verl_ext.sim.clock import run_virtual
-from verl_ext.sim.cost import available_presets, load_cost_model
+from verl_ext.perf.cost import available_presets, load_cost_model
 from verl_ext.sim.drafting import ReplayDrafter, split_schedule, split_schedules
 from verl_ext.sim.instance import SimInstance
-from verl_ext.sim.profile import main as profile_main
+from verl_ext.cli import main as cli_main
 from verl_ext.sim.source import TraceSource
 from verl_ext.spec.adaptive import draft_caps
 from verl_ext.spec.options import SpecOptions
@@ -47,14 +47,16 @@ def test_draft_thresholds_of_presets_and_cli(capsys):
         t = load_cost_model(name).draft_thresholds()
         assert t["knee_tokens"] > 0 and 1 <= t["k_single"] <= 128, name
     assert load_cost_model("h100-7b").draft_thresholds()["knee_tokens"] == 214
-    assert profile_main(["--thresholds", "h100-7b", "cpu-smollm2"]) == 0
+    assert cli_main(["fit", "thresholds", "h100-7b", "cpu-smollm2"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 2 and out[0].startswith("h100-7b: draft thresholds: knee_tokens 214")
-    assert profile_main([]) == 2 and "--out is required" in capsys.readouterr().err
+    assert cli_main(["profile"]) == 2 and "--out is required" in capsys.readouterr().err  # the old spelling
+    assert cli_main(["fit", "grid"]) == 2 and "--out" in capsys.readouterr().err
 
 
 def test_profile_json_records_thresholds_and_still_loads(tmp_path):
-    from verl_ext.sim.profile import ProfileSample, fit_cost_model, write_profile
+    from verl_ext.measure.grid import write_profile
+    from verl_ext.perf.grid import ProfileSample, fit_cost_model
 
     truth = _cost(name="t", weight_s=0.0, kv_token_s=5e-6)
     samples = []

@@ -17,7 +17,7 @@ from verl_ext.pipe import make_strategy
 from verl_ext.pipe.bon import assign_best_of_n
 from verl_ext.pipe.pool import InstancePool
 from verl_ext.pipe.strategy import StrategyConfigError
-from verl_ext.sim.cost import load_cost_model
+from verl_ext.perf.cost import load_cost_model
 from verl_ext.spec.ladder import DraftLadder, DraftMethod, LadderError
 from verl_ext.spec.tgs import (COUPLED, DECOUPLED, AffineTime, SpecTimes, plan_decoupled, reconfigure, tau_coupled,
                                tau_decoupled, window_limit)
@@ -526,22 +526,18 @@ def test_plain_decoding_when_no_method_pays_and_clear_config_errors():
 
 
 def test_profile_ladder_cli_measures_suffix_acceptance_on_a_trace(tmp_path, capsys):
-    import argparse
     from pathlib import Path
 
-    from verl_ext.sim.acceptance import trace_acceptance
-    from verl_ext.sim.profile import add_cli
+    from verl_ext.cli import main as cli_main
     from verl_ext.spec import SpecOptions
+    from verl_ext.spec.replay import trace_acceptance
     from verl_ext.trace.format import read_trace
 
     trace_path = Path(__file__).resolve().parents[1] / "data" / "traces" / "smollm2_arith_e2.parquet"
-    parser = argparse.ArgumentParser()
-    add_cli(parser.add_subparsers())
     out = tmp_path / "ladder.json"
-    args = parser.parse_args(["profile", "--ladder", "cpu-smollm2", "--ladder-trace", f"{trace_path}@0", "--ladder-k", "8",
-                              "--method", "ngram=suffix:request@trace", "--method", "fixed=suffix:request+group@0.5",
-                              "--out", str(out)])
-    assert args.func(args) == 0
+    assert cli_main(["fit", "ladder", "cpu-smollm2", "--trace", f"{trace_path}@0", "--k", "8",
+                     "--method", "ngram=suffix:request@trace", "--method", "fixed=suffix:request+group@0.5",
+                     "--out", str(out)]) == 0
     lad = DraftLadder.load(out)
     trace = read_trace(trace_path)
     ref = trace_acceptance(trace, np.flatnonzero(trace.epoch == 0), SpecOptions(scopes="request", k=8))
@@ -549,9 +545,8 @@ def test_profile_ladder_cli_measures_suffix_acceptance_on_a_trace(tmp_path, caps
     assert lad.methods["ngram"].acceptance == pytest.approx(ref["acceptance"])
     assert lad.methods["fixed"].acceptance == 0.5 and lad.methods["ngram"].draft_s[0] > 0
     assert "initial selection" in capsys.readouterr().out
-    bad = parser.parse_args(["profile", "--ladder", "cpu-smollm2", "--method", "x=suffix:request@trace", "--out", str(out)])
-    with pytest.raises(LadderError, match="--ladder-trace"):
-        bad.func(bad)
+    assert cli_main(["fit", "ladder", "cpu-smollm2", "--method", "x=suffix:request@trace", "--out", str(out)]) == 2
+    assert "needs a trace (--trace" in capsys.readouterr().err
 
 
 # -- the simulator's synthetic drafting (draft-model methods) --------------------------------------
@@ -595,7 +590,7 @@ def test_synthetic_drafter_accepts_at_the_methods_rate():
 
 
 def test_synthetic_rates_are_per_request_and_method_and_draft_models_cost_time():
-    from verl_ext.sim.cost import load_cost_model
+    from verl_ext.perf.cost import load_cost_model
     from verl_ext.sim.synthetic import SyntheticDrafter, SyntheticMethod
     from verl_ext.spec import SpecOptions
 
@@ -615,7 +610,7 @@ def test_synthetic_rates_are_per_request_and_method_and_draft_models_cost_time()
 def test_decoupled_rounds_overlap_drafting_and_waste_the_window_after_a_rejection():
     """Decoupled: a round takes max(draft, verify) instead of their sum, and each rejection is
     followed by a round over stale drafts that emits one token (the relaxed barrier's waste)."""
-    from verl_ext.sim.cost import load_cost_model
+    from verl_ext.perf.cost import load_cost_model
     from verl_ext.sim.synthetic import SyntheticMethod
 
     p, w = 0.7, 4
@@ -635,7 +630,7 @@ def test_a_request_switched_to_coupled_drafts_before_the_verification_and_wastes
     """Algorithm 2's per-request mode in decoupled execution (SyntheticDrafter.set_mode): a mixed
     step takes max(V + D_coupled, D_decoupled); only decoupled requests verify stale windows."""
     from verl_ext.engine.instance import GenRequest, SamplingSpec
-    from verl_ext.sim.cost import load_cost_model
+    from verl_ext.perf.cost import load_cost_model
     from verl_ext.sim.synthetic import SyntheticDrafter, SyntheticMethod
     from verl_ext.spec import SpecOptions
 
@@ -662,7 +657,7 @@ def test_algorithm_2_switches_low_acceptance_requests_to_coupled_in_decoupled_ex
     """In decoupled execution, below-average requests get the better of the best coupled and
     the best decoupled window at b = 1; with a draft model that rejects most of their drafts,
     coupled wins (no wasted window). Outputs are the target's."""
-    from verl_ext.sim.cost import load_cost_model
+    from verl_ext.perf.cost import load_cost_model
     from verl_ext.sim.synthetic import SyntheticMethod
 
     cost = load_cost_model("h100-7b")
@@ -691,7 +686,7 @@ def test_a_copy_that_finishes_first_wins_and_the_original_is_aborted(tmp_path):
     """Best-of-N: the originals draft with a method that accepts nothing for them, the copies with
     one that accepts almost everything; copies started on freed instances finish first, win, and
     their originals are aborted (a copy started after the wait began must still be waited for)."""
-    from verl_ext.sim.cost import load_cost_model
+    from verl_ext.perf.cost import load_cost_model
     from verl_ext.sim.synthetic import SyntheticMethod
 
     cost = load_cost_model("h100-7b")
@@ -730,7 +725,7 @@ def test_windows_open_in_the_tail_when_the_step_decodes_plainly(tmp_path):
     """The initial selection finds no method that pays at the step's batch (plain decoding), but
     one pays for a lone request: requests carry it with window 0, and reconfiguration opens their
     windows once their instance's batch has drained."""
-    from verl_ext.sim.cost import load_cost_model
+    from verl_ext.perf.cost import load_cost_model
     from verl_ext.sim.synthetic import SyntheticMethod
 
     cost = load_cost_model("h100-7b")
@@ -755,7 +750,7 @@ def test_windows_open_in_the_tail_when_the_step_decodes_plainly(tmp_path):
 def test_specactor_drafts_model_methods_per_request_in_the_simulator(tmp_path):
     """With model_methods, the ladder's draft-model methods are selected and sent per request
     (spec_method); without it, a ladder of model methods leaves real engines decoding plainly."""
-    from verl_ext.sim.cost import load_cost_model
+    from verl_ext.perf.cost import load_cost_model
     from verl_ext.sim.synthetic import SyntheticMethod
 
     cost = load_cost_model("h100-7b")

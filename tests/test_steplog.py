@@ -6,10 +6,10 @@ import json
 import numpy as np
 import pytest
 
-from verl_ext.sim.cost import CostModel, load_cost_model
-from verl_ext.sim.profile import main as profile_main
-from verl_ext.sim.steplog_fit import WINDOW_STEPS, fit_draft_costs, steplog_windows
-from verl_ext.spec.steplog import ENV, FIELDS, read_steplog
+from verl_ext.perf.cost import CostModel, load_cost_model
+from verl_ext.cli import main as cli_main
+from verl_ext.perf.steplog_fit import WINDOW_STEPS, fit_draft_costs, steplog_windows
+from verl_ext.perf.steplog import ENV, FIELDS, read_steplog
 
 BASE = dict(name="toy-cpu", overhead_s=0.02, weight_s=0.0, token_s=1e-3, kv_token_s=5e-6, prefill_token_s=0.0,
             draft_token_s=0.0, kv_capacity_tokens=50_000, max_num_seqs=64, max_batched_tokens=65_536)
@@ -126,12 +126,12 @@ def test_profile_cli_fits_steplogs_onto_a_base(tmp_path, capsys):
     base = tmp_path / "base.json"
     base.write_text(json.dumps(BASE))
     out = tmp_path / "fit.json"
-    assert profile_main(["--from-steplog", str(tmp_path / "s.*.jsonl"), "--base", str(base), "--out", str(out)]) == 0
+    assert cli_main(["fit", "steplog", str(tmp_path / "s.*.jsonl"), "--base", str(base), "--out", str(out)]) == 0
     fitted = load_cost_model(str(out))
     assert fitted.name == "fit" and fitted.draft_kv_token_s == pytest.approx(4e-6, rel=0.2)
     assert json.loads(out.read_text())["fit"]["files"] == 1
     assert "draft_kv_token_s" in capsys.readouterr().out
-    assert profile_main(["--from-steplog", str(tmp_path / "s.*.jsonl"), "--out", str(out)]) == 2
+    assert cli_main(["profile", "--from-steplog", str(tmp_path / "s.*.jsonl"), "--out", str(out)]) == 2  # the old spelling
     assert "needs --base" in capsys.readouterr().err
-    assert profile_main(["--from-steplog", str(tmp_path / "none*.jsonl"), "--base", str(base), "--out", str(out)]) == 2
+    assert cli_main(["fit", "steplog", str(tmp_path / "none*.jsonl"), "--base", str(base), "--out", str(out)]) == 2
     assert "no such file" in capsys.readouterr().err

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from verl_ext.trace import read_trace
-from verl_ext.trace.record import RecordConfig, arecord_trace, main
+from verl_ext.cli import main as cli_main
+from verl_ext.trace.record import RecordConfig, arecord_trace
 
 
 @pytest.mark.parametrize(
@@ -23,17 +24,17 @@ from verl_ext.trace.record import RecordConfig, arecord_trace, main
 )
 def test_bad_input_exits_2(args, match, capsys, tmp_path):
     out = [] if "--out" in args else ["--out", str(tmp_path / "t.parquet")]
-    assert main(["record", *args, *out]) == 2
+    assert cli_main(["trace", "record", *args, *out]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("verl-ext: error: ") and match in err and "\n" not in err
     assert not (tmp_path / "t.parquet").exists()
 
 
 def test_bad_model_and_out_dir(capsys, tmp_path):
-    assert main(["--model", str(tmp_path / "nope"), "--out", str(tmp_path / "t.parquet")]) == 2
+    assert cli_main(["trace", "record", "--model", str(tmp_path / "nope"), "--out", str(tmp_path / "t.parquet")]) == 2
     assert "is not a directory" in capsys.readouterr().err
     (tmp_path / "d.parquet").mkdir()
-    assert main(["trace", "record", "--out", str(tmp_path / "d.parquet")]) == 2
+    assert cli_main(["trace", "record", "--out", str(tmp_path / "d.parquet")]) == 2
     assert "is a directory" in capsys.readouterr().err
 
 

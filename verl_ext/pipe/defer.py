@@ -65,5 +65,5 @@ def require_carrier(strategy, carries: bool, where: str) -> None:
         raise StrategyConfigError(
             f"strategy '{strategy.name}': inter_step=true defers samples to the next training step, which "
             f"{where} cannot do: it changes which step (and which weights) train on a sample, so it needs an "
-            f"off-policy pipeline that carries them (`verl-ext ab --sim --pipeline one_step_off|stream`). "
+            f"off-policy pipeline that carries them (`verl-ext sim --pipeline one_step_off|stream`). "
             f"Set inter_step=false here")

@@ -1,5 +1,5 @@
 """What each strategy's mechanisms did in a run: the ``mechanisms`` object of ``verl-ext ab``,
-``verl-ext ab --sim`` and ``scripts/verl_e2e.sh`` summaries (names in docs/ARCHITECTURE.md,
+``verl-ext sim`` and ``scripts/verl_e2e.sh`` summaries (names in docs/ARCHITECTURE.md,
 "Mechanisms").
 
 A strategy declares its mechanisms (``Strategy.mechanisms``: name -> source). A ``"strategy"``

@@ -24,7 +24,7 @@ def true_len(request: GenRequest) -> int:
     except (KeyError, TypeError, ValueError):
         raise StrategyConfigError(
             "oracle scheduling (strategy 'oracle', seer's lengths=oracle) needs each request's true "
-            "response length, which only the simulator provides (`verl-ext ab --sim`)"
+            "response length, which only the simulator provides (`verl-ext sim`)"
         ) from None
 
 

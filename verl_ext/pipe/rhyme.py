@@ -23,7 +23,7 @@ HistoPipe scheduling from last epoch's lengths.
   goes to the least-loaded instance. Tau counts HistoSpec's rate as the engines measured it (and
   its batch cut-off); ``t0`` is at least the last training time (``t_train_s`` or
   ``observe_train_time``). The alternation pays only where each instance moves on to the next
-  step by itself (RhymeRL's streaming pipeline; measured with ``verl-ext ab --sim --pipeline``).
+  step by itself (RhymeRL's streaming pipeline; measured with ``verl-ext sim --pipeline``).
 * **Weak-signal fallback.** Where historical ranks barely predict the next rollout (small models
   at temperature 1), pinning ranking groups to blocks only unbalances the instances. Before each
   plan the strategy measures the Spearman correlation between the last planned step's predicted
@@ -46,7 +46,7 @@ HistoPipe scheduling from last epoch's lengths.
   re-prefilled, the same request) and its group trains with that step. This changes which step
   trains on the sample and with which weights (its first tokens come one step earlier than the
   step's own), so it needs an off-policy trainer: only drivers that carry deferred samples accept
-  it: ``verl-ext ab --sim --pipeline one_step_off|stream``, and veRL's async trainers
+  it: ``verl-ext sim --pipeline one_step_off|stream``, and veRL's async trainers
   (``trainer.v1.trainer_mode=colocate_async|separate_async``, whose dispatcher holds the request
   until the manager starts the next step, ``verl_ext.rollout.dispatcher``). veRL's synchronous
   and one-step-off-policy recipe trainers, single rollouts and the ``sync`` pipeline refuse it
@@ -270,7 +270,7 @@ class RhymeStrategy(Strategy):
     def _load_profile(self):
         if not self.options.profile:
             return None
-        from verl_ext.sim.cost import load_cost_model
+        from verl_ext.perf.cost import load_cost_model
 
         try:
             return load_cost_model(self.options.profile)

@@ -6,7 +6,7 @@ lightweight sample reallocation.
   RLHFSpec drafts with a small model, this project without one) and select, every step, the
   draft tokens that maximise predicted tokens per second (Equation 2) from the step-time
   regression of the profiled cost model and an acceptance map ``F`` fitted offline
-  (``acceptance_profile``, ``verl-ext profile --acceptance``) and updated online. On vLLM the
+  (``acceptance_profile``, ``verl-ext fit acceptance``) and updated online. On vLLM the
   selection becomes per-request draft lengths. ``selection=false`` drafts a fixed ``spec_k``
   (the paper's *Spec* baseline); ``speculation=false`` decodes plainly.
 * **Allocation.** A sample first goes to the instance with the fewest samples (veRL's balancer).
@@ -69,10 +69,10 @@ class RlhfSpecOptions:
     #: first placement: "least_loaded" (veRL's balancer: fewest samples in flight) or "grouped"
     #: (RLHFSpec's sequential allocation: a group's samples together, so its tree is on one engine)
     allocation: str = "least_loaded"
-    #: cost model (preset name or `verl-ext profile` JSON) for step times and the threshold on
+    #: cost model (preset name or `verl-ext fit grid` JSON) for step times and the threshold on
     #: real engines; "" = the one A/B runs and the simulator pass (`--preset`)
     profile: str = ""
-    #: F's offline fit (`verl-ext profile --acceptance` JSON); "" = F(score) = score before online data
+    #: F's offline fit (`verl-ext fit acceptance` JSON); "" = F(score) = score before online data
     acceptance_profile: str = ""
     #: consecutive falls of the objective that end the search (0 = exhaustive)
     patience: int = 4
@@ -142,7 +142,7 @@ class RlhfSpecStrategy(Strategy):
         super().__init__(options)
         self._cost = None
         if self.options.profile:
-            from verl_ext.sim.cost import load_cost_model
+            from verl_ext.perf.cost import load_cost_model
 
             try:
                 self._cost = load_cost_model(self.options.profile)
@@ -190,7 +190,7 @@ class RlhfSpecStrategy(Strategy):
             else:
                 raise StrategyConfigError(
                     "strategy 'rlhfspec': selection needs the engines' step times: set options.profile to a cost-model "
-                    "preset (h100-7b, ...) or a `verl-ext profile` JSON, or selection=false")
+                    "preset (h100-7b, ...) or a `verl-ext fit grid` JSON, or selection=false")
         return SpecOptions(scopes=o.scopes, k=o.spec_k, min_prob=0.0, select=o.selection, select_profile=profile,
                            acceptance=self._acceptance, select_patience=o.patience)
 

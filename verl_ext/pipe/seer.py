@@ -124,7 +124,7 @@ class SeerOptions:
     adaptive_draft: bool = True
     #: most draft tokens per request per step
     spec_k: int = 8
-    #: adaptive thresholds: a cost-model preset or JSON (``verl-ext profile``) to derive them
+    #: adaptive thresholds: a cost-model preset or JSON (``verl-ext fit grid``) to derive them
     #: from; "" = the simulator's own cost model there, and no batch threshold on real engines
     draft_profile: str = ""
     #: distributed grouped draft server (Ray actors) for engines that can import group trees:
@@ -549,7 +549,7 @@ class SeerStrategy(Strategy):
         knee = 0
         if o.adaptive_draft:
             if o.draft_profile:
-                from verl_ext.sim.cost import load_cost_model
+                from verl_ext.perf.cost import load_cost_model
 
                 try:
                     cost = load_cost_model(o.draft_profile)

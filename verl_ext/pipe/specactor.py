@@ -2,7 +2,7 @@
 speculation planning, request-level reconfiguration, and lossless Best-of-N drafting for the tail.
 
 * **Initial selection (section 4.2, ``verl_ext.spec.ladder``).** At engine start and at every
-  training step, the ladder (``options.ladder``, built by ``verl-ext profile --ladder``; or built
+  training step, the ladder (``options.ladder``, built by ``verl-ext fit ladder``; or built
   from ``options.profile`` with this project's drafting methods) ranks the methods by their
   speedup at the historical acceptance rate (the ladder's, then what the engines measured in the
   previous step) at the per-worker batch size, and the best one drafts the step; when none beats
@@ -82,9 +82,9 @@ class SpecActorOptions:
 
     #: speculate at all (false: plain decoding, no copies)
     speculation: bool = True
-    #: draft ladder JSON (``verl-ext profile --ladder``); "" = built from ``profile``
+    #: draft ladder JSON (``verl-ext fit ladder``); "" = built from ``profile``
     ladder: str = ""
-    #: the engines' cost model (preset or ``verl-ext profile`` JSON) to build the ladder and plan
+    #: the engines' cost model (preset or ``verl-ext fit grid`` JSON) to build the ladder and plan
     #: from when ``ladder`` is ""; "" = the one A/B runs and the simulator pass (``--preset``)
     profile: str = ""
     #: historical acceptance overriding the ladder's, "method=rate,method=rate"
@@ -231,7 +231,7 @@ class SpecActorStrategy(Strategy):
         self._cost = None
         self._ladder = None
         if o.profile:
-            from verl_ext.sim.cost import load_cost_model
+            from verl_ext.perf.cost import load_cost_model
 
             try:
                 self._cost = load_cost_model(o.profile)
@@ -248,7 +248,7 @@ class SpecActorStrategy(Strategy):
                 raise StrategyConfigError(
                     f"strategy 'specactor': execution=decoupled plans from the verifier's cost model, and the ladder "
                     f"{o.ladder} was measured on an engine ({self._ladder.target}); set options.profile to that "
-                    f"engine's cost model, or use a `verl-ext profile --ladder PRESET` ladder")
+                    f"engine's cost model, or use a `verl-ext fit ladder PRESET` ladder")
         self._history = parse_acceptance(o.acceptance)
         self._method: Optional[str] = None  # the initial selection (None: plain decoding)
         self._engine_drafts: Optional[bool] = None  # whether the engines were started with a drafter
@@ -273,8 +273,8 @@ class SpecActorStrategy(Strategy):
             cost = self._cost or cost
             if cost is None:
                 raise StrategyConfigError(
-                    "strategy 'specactor' needs a draft ladder: set options.ladder (`verl-ext profile --ladder`) or "
-                    "options.profile (a cost-model preset such as h100-7b, or a `verl-ext profile` JSON)")
+                    "strategy 'specactor' needs a draft ladder: set options.ladder (`verl-ext fit ladder`) or "
+                    "options.profile (a cost-model preset such as h100-7b, or a `verl-ext fit grid` JSON)")
             from verl_ext.spec.ladder import DraftLadder, DraftMethod, measure_suffix_draft
 
             draft_s = measure_suffix_draft(k=self.options.spec_k)
@@ -319,7 +319,7 @@ class SpecActorStrategy(Strategy):
         method beats plain decoding for a lone request, the tail, and (coupled execution) drafting
         is expected to save more than an engine with a drafter costs while nothing is drafted
         (``DraftLadder.drafter_gain`` from ``options.batch`` down to 1; the idle cost is known
-        for ladders measured on the engine, ``verl-ext profile --ladder-engine``); each step's
+        for ladders measured on the engine, ``verl-ext fit engine-ladder``); each step's
         initial selection then decides the windows at the step's batch (0: no drafts). Else the
         engines decode plainly, as ``baseline``'s do, and no Best-of-N copies are made."""
         o = self.options
@@ -410,7 +410,7 @@ class SpecActorStrategy(Strategy):
     def _times(self, method: str):
         """The method's TGS times (``verl_ext.spec.tgs.SpecTimes``) against the ladder's verifier."""
         if self._cost is None:
-            from verl_ext.sim.cost import load_cost_model
+            from verl_ext.perf.cost import load_cost_model
 
             self._cost = load_cost_model(self.ladder().target)
         return self.ladder().methods[method].times(self._cost, verify_gpus=self.options.verify_gpus)

@@ -18,7 +18,7 @@ Before each training rollout the manager tells the dispatcher the step and how m
 it brings (``begin_step``). For strategies that read history (``rhyme``), every finished
 trajectory goes to the history workers through the dispatcher's ``ingest``: from the V0 output
 ``DataProto`` here, from the agent-loop workers' post-processing in V1
-(``verl_ext.trace._verl_v1``), where the manager never sees the outputs. Validation rollouts
+(``verl_ext.rollout.workers_v1``), where the manager never sees the outputs. Validation rollouts
 feed nothing.
 """
 
@@ -40,7 +40,7 @@ from verl_ext.pipe.strategy import StrategyConfigError, get_strategy_class
 from verl_ext.rollout.dispatcher import StrategyDispatcher, prompt_group_id, server_handles_from_load_balancer
 from verl_ext.rollout.finish import model_stop_ids
 from verl_ext.rollout.trajectory import TRAJECTORY_UID
-from verl_ext.trace import verl_hook
+from verl_ext.rollout import trace_hook
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class _TracingClient(LLMServerClient):
         submit_t = time.time()
         output = await super().generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs)
         try:  # per-request trace info; the trace hook removes it before veRL stores the output
-            output.extra_fields[verl_hook.TRACE_KEY] = verl_hook.request_info(
+            output.extra_fields[trace_hook.TRACE_KEY] = trace_hook.request_info(
                 output, sampling_params, self.verl_ext_trace[2], submit_t, time.time(), self.verl_ext_stop_ids
             )
         except Exception as exc:
@@ -221,25 +221,25 @@ class _VerlExtManagerMixin:
         return step
 
     def _verl_ext_setup_trace(self, config):
-        """Trace recording (``custom.verl_ext.trace``): None when off; see ``verl_ext.trace.verl_hook``."""
+        """Trace recording (``custom.verl_ext.trace``): None when off; see ``verl_ext.rollout.trace_hook``."""
         settings = self.verl_ext_settings.trace
         if not settings.enabled:
             return None
-        directory = verl_hook.prepare_dir(settings.dir)
+        directory = trace_hook.prepare_dir(settings.dir)
         if directory is None:
             return None
-        meta = verl_hook.base_meta(config, self.verl_ext_settings, self._verl_ext_flavour)
+        meta = trace_hook.base_meta(config, self.verl_ext_settings, self._verl_ext_flavour)
         if self._verl_ext_flavour == "v1":
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
             node = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=True)
             self.verl_ext_trace_collector = (
-                ray.remote(verl_hook.StepTraceCollector).options(num_cpus=0, scheduling_strategy=node).remote(directory, meta)
+                ray.remote(trace_hook.StepTraceCollector).options(num_cpus=0, scheduling_strategy=node).remote(directory, meta)
             )
         else:
-            self.verl_ext_trace_recorder = verl_hook.V0Recorder(directory, settings.every, meta)
+            self.verl_ext_trace_recorder = trace_hook.V0Recorder(directory, settings.every, meta)
         logger.warning("verl_ext: recording rollout traces to %s (every %d step(s))", directory, settings.every)
-        response_length = verl_hook._int_or_none(config.actor_rollout_ref.rollout.get("response_length"))
+        response_length = trace_hook._int_or_none(config.actor_rollout_ref.rollout.get("response_length"))
         return (self.verl_ext_trace_collector, settings, response_length)
 
     def verl_ext_metrics(self) -> dict[str, float]:
@@ -255,7 +255,7 @@ class VerlExtAgentLoopManagerV0(_VerlExtManagerMixin, AgentLoopManager):
 
     @staticmethod
     def _verl_ext_worker_cls(tracing: bool):
-        from verl_ext.trace._verl_v0 import TracingAgentLoopWorker, TrajectoryAgentLoopWorker
+        from verl_ext.rollout.workers_v0 import TracingAgentLoopWorker, TrajectoryAgentLoopWorker
 
         return TracingAgentLoopWorker if tracing else TrajectoryAgentLoopWorker
 
@@ -277,7 +277,7 @@ class VerlExtAgentLoopManagerV0(_VerlExtManagerMixin, AgentLoopManager):
         """Send the step's trajectories to the history workers (through the dispatcher; not awaited)."""
         try:
             step = int(step if step is not None else -1)
-            t = verl_hook.trace_from_dataproto(output, step, prompts=prompts)
+            t = trace_hook.trace_from_dataproto(output, step, prompts=prompts)
             items = [(prompt_group_id(t.prompt(i)), int(t.sample_index[i]), t.response(i), float(t.reward[i]))
                      for i in range(len(t))]
             self.verl_ext_dispatcher.ingest.remote(step, items)
@@ -295,7 +295,7 @@ def _v1_cls():
 
         @staticmethod
         def _verl_ext_worker_cls(tracing: bool):
-            from verl_ext.trace._verl_v1 import TracingAgentLoopWorkerTQ
+            from verl_ext.rollout.workers_v1 import TracingAgentLoopWorkerTQ
 
             return TracingAgentLoopWorkerTQ
 

@@ -5,5 +5,5 @@
 * ``source``: what each simulated request emits (the trace's response);
 * ``drafting``: speculative decoding by exact-match replay with the real draft index;
 * ``cost``: the per-step cost model, GPU presets, fitted CPU profiles; ``profile``: the fitter;
-* ``runner`` / ``report``: ``verl-ext ab --sim``.
+* ``runner`` / ``report``: ``verl-ext sim``.
 """

@@ -1,4 +1,4 @@
-"""The documented default scenario of ``verl-ext ab --sim`` (no workload or preset flags):
+"""The documented default scenario of ``verl-ext sim`` (no workload or preset flags):
 a synthetic long-tail GRPO rollout on a GPU cluster preset."""
 
 DEFAULT_PRESET = "h100-7b"

@@ -22,14 +22,14 @@ from collections import OrderedDict
 from typing import Hashable, Optional
 
 #: default pool link bandwidth per GPU, bytes/s: a 200 Gb/s RDMA NIC (25 GB/s) per GPU, the
-#: usual H100/H800 node (8 x 200-400 Gb/s). An assumption; ``verl-ext ab --sim --kv-pool-gbps``.
+#: usual H100/H800 node (8 x 200-400 Gb/s). An assumption; ``verl-ext sim --kv-pool-gbps``.
 DEFAULT_POOL_BW = 25e9
 
 
 def kv_bytes_per_token(derivation: dict) -> float:
     """KV bytes per token on one GPU of a TP group (K and V, every layer): the input of a GPU
-    preset's ``derivation`` section (``verl_ext.sim.cost.derive_roofline``)."""
-    from verl_ext.sim.cost import kv_bytes_per_gpu
+    preset's ``derivation`` section (``verl_ext.perf.cost.derive_roofline``)."""
+    from verl_ext.perf.cost import kv_bytes_per_gpu
 
     try:
         d = derivation

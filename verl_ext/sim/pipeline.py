@@ -369,12 +369,12 @@ def run_pipeline_arm(label: str, cfg, cost, trace, rows, history, batches, max_t
                      t_train: float, progress: bool = False, keep_completions: bool = False) -> PipelineResult:
     """One ``--strategies`` entry over ``batches`` (trace rows per step) in ``mode``: a fresh
     strategy object per step (steps overlap), the instances and their drafter shared."""
-    from verl_ext.ab.runner import make_arm
+    from verl_ext.ab.arms import make_arm
     from verl_ext.pipe.rhyme import LocalHistory
     from verl_ext.sim.clock import run_virtual
     from verl_ext.sim.drafting import make_drafter
     from verl_ext.sim.instance import SimInstance
-    from verl_ext.sim.runner import build_requests, trace_history
+    from verl_ext.sim.workload import build_requests, trace_history
     from verl_ext.sim.source import TraceSource
     from verl_ext.spec import SCOPE_HISTORY
 
@@ -460,7 +460,7 @@ def arm_mode(label: str, default: str) -> tuple[str, str]:
 
 
 def run_pipeline_ab(cfg, progress: bool = True, trace=None) -> dict:
-    """``verl-ext ab --sim --pipeline MODE``: every strategy over the epoch's ``cfg.steps`` steps in
+    """``verl-ext sim --pipeline MODE``: every strategy over the epoch's ``cfg.steps`` steps in
     ``cfg.pipeline`` mode (``label@mode`` for another), plus the reference ``baseline@sync``
     (veRL's synchronous loop) unless listed; writes ``cfg.out``."""
     import datetime as _dt
@@ -470,9 +470,10 @@ def run_pipeline_ab(cfg, progress: bool = True, trace=None) -> dict:
     from pathlib import Path
 
     from verl_ext.ab.metrics import SCHEMA
-    from verl_ext.ab.runner import _check_out_dir, make_arm, write_staged
-    from verl_ext.sim.cost import load_cost_model
-    from verl_ext.sim.runner import load_workload, select_epoch
+    from verl_ext.ab.arms import make_arm
+    from verl_ext.ab.outputs import check_out_dir, write_staged
+    from verl_ext.perf.cost import load_cost_model
+    from verl_ext.sim.workload import load_workload, select_epoch
 
     cfg.validate()
     cost = load_cost_model(cfg.preset)
@@ -480,7 +481,7 @@ def run_pipeline_ab(cfg, progress: bool = True, trace=None) -> dict:
     for label, mode in arms:  # bad labels fail before any work
         make_arm(label, cfg.spec_k, allow_history=True, cost=cost, carrier=_carrier(mode))
     out = Path(cfg.out)
-    _check_out_dir(out)
+    check_out_dir(out)
     trace = trace if trace is not None else load_workload(cfg)
     epoch, rows, history = select_epoch(trace, cfg.epoch)
     batches = split_steps(trace.prompt_uid, rows, cfg.steps, cfg.seed)
@@ -527,7 +528,7 @@ def run_pipeline_ab(cfg, progress: bool = True, trace=None) -> dict:
 
 # -- report ----------------------------------------------------------------------------------------
 def format_pipeline_table(summary: dict) -> str:
-    from verl_ext.ab.runner import render_table
+    from verl_ext.ab.outputs import render_table
 
     return render_table(summary, [
         ("strategy", None, "{}"), ("total s", "pipeline_s", "{:.1f}"), ("s/step", "step_s", "{:.1f}"),

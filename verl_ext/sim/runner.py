@@ -1,9 +1,9 @@
-"""``verl-ext ab --sim``: strategies side by side on simulated instances over a trace.
+"""``verl-ext sim``: strategies side by side on simulated instances over a trace.
 
 The same strategies (``verl_ext.pipe``) and drafters (``verl_ext.spec``) as on real engines run
 on ``SimInstance``s in virtual time. The workload is one epoch of a trace (recorded, or
 synthetic: ``verl_ext.trace.synth``); the instances' step times come from a cost model
-(``verl_ext.sim.cost``: a GPU preset or a ``verl-ext profile`` fit). Outputs: the same
+(``verl_ext.perf.cost``: a GPU preset or a ``verl-ext fit`` result). Outputs: the same
 ``summary.json`` schema as real runs (``kind: "sim"``), ``requests.jsonl``, and ``report.md``
 with its PNGs (``verl_ext.sim.report``).
 """
@@ -21,12 +21,14 @@ from typing import Optional
 import numpy as np
 
 from verl_ext.ab.metrics import SCHEMA
-from verl_ext.ab.runner import _check_out_dir, make_arm, run_strategy, validate_strategies, write_staged
-from verl_ext.engine.instance import GenRequest, SamplingSpec
+from verl_ext.ab.arms import make_arm, validate_strategies
+from verl_ext.ab.outputs import check_out_dir, write_staged
+from verl_ext.ab.runner import run_strategy
+from verl_ext.engine.instance import GenRequest
 from verl_ext.pipe.lifecycle import UNSET, Lifecycle
-from verl_ext.pipe.oracle import TRUE_LEN
-from verl_ext.sim.defaults import DEFAULT_INSTANCES, DEFAULT_PRESET, DEFAULT_SYNTH
+from verl_ext.sim.defaults import DEFAULT_INSTANCES, DEFAULT_PRESET
 from verl_ext.sim.kv_pool import DEFAULT_POOL_BW
+from verl_ext.sim.workload import build_requests, load_workload, select_epoch, trace_history
 
 #: an arm label ending in this runs its instances with a cluster KV pool (``verl_ext.sim.kv_pool``)
 KV_POOL_SUFFIX = "@kvpool"
@@ -41,7 +43,7 @@ def split_kv_pool(label: str) -> tuple[str, bool]:
 
 def make_kv_pool(cfg: "SimConfig"):
     """A fresh cluster KV pool for one arm: the preset's KV bytes per token over ``cfg.kv_pool_gbps``."""
-    from verl_ext.sim.cost import preset_derivation
+    from verl_ext.perf.cost import preset_derivation
     from verl_ext.sim.kv_pool import KVPool, kv_bytes_per_token
 
     der = preset_derivation(cfg.preset)
@@ -105,55 +107,9 @@ class SimArm:
     instances: list  # SimInstance (timelines, counters)
 
 
-def load_workload(cfg: SimConfig):
-    """The trace to replay: a file, or the synthetic default scenario."""
-    from verl_ext.trace.format import read_trace
-
-    if cfg.trace:
-        return read_trace(cfg.trace)
-    from verl_ext.trace.synth import SynthConfig, load_source, synthesize, with_level
-
-    params = {**DEFAULT_SYNTH, **cfg.synth, "seed": cfg.seed}
-    return synthesize(with_level(SynthConfig(**params), cfg.similarity), load_source())
-
-
-def select_epoch(trace, epoch: Optional[int] = None):
-    """(epoch, its rows, history) where history = (trace, rows of the epoch before) or None;
-    the default epoch is the last one."""
-    epochs = trace.epochs()
-    epoch = epochs[-1] if epoch is None else epoch
-    if epoch not in epochs:
-        raise ValueError(f"epoch {epoch} is not in the trace (epochs: {epochs})")
-    earlier = [e for e in epochs if e < epoch]
-    history = (trace, np.flatnonzero(trace.epoch == earlier[-1])) if earlier else None
-    return epoch, np.flatnonzero(trace.epoch == epoch), history
-
-
-def build_requests(trace, rows: np.ndarray, max_tokens: int) -> list[GenRequest]:
-    """The requests of ``rows``, sampled at the temperature the trace was recorded at (its
-    ``meta["temperature"]``; 1.0 where it does not say, as for synthetic traces): strategies that
-    treat greedy requests differently (``specactor``'s Best-of-N) see what the engines saw."""
-    lengths = trace.response_lengths()
-    temperature = float((trace.meta or {}).get("temperature", 1.0))
-    out = []
-    for i in rows.tolist():
-        uid, j = str(trace.prompt_uid[i]), int(trace.sample_index[i])
-        out.append(
-            GenRequest(
-                request_id=f"{uid}-s{j}",
-                group_id=uid,
-                prompt_ids=trace.prompt(i).tolist(),
-                sampling=SamplingSpec(temperature=temperature, max_tokens=max_tokens),
-                sample_index=j,
-                extra={TRUE_LEN: int(lengths[i])},
-            )
-        )
-    return out
-
-
 def run_sim_ab(cfg: SimConfig, progress: bool = True, trace=None) -> dict:
     """Run every strategy in ``cfg`` on simulated instances; write outputs into ``cfg.out``."""
-    from verl_ext.sim.cost import load_cost_model
+    from verl_ext.perf.cost import load_cost_model
 
     cfg.validate()
     if cfg.pipeline is not None:
@@ -167,7 +123,7 @@ def run_sim_ab(cfg: SimConfig, progress: bool = True, trace=None) -> dict:
         strategy, spec = make_arm(base, cfg.spec_k, allow_history=True, cost=cost)
         arms.append((label, strategy, spec, make_kv_pool(cfg) if pooled else None))
     out = Path(cfg.out)
-    _check_out_dir(out)
+    check_out_dir(out)
     t_load = time.perf_counter()
     trace = trace if trace is not None else load_workload(cfg)
     epoch, rows, history = select_epoch(trace, cfg.epoch)
@@ -200,20 +156,6 @@ def run_sim_ab(cfg: SimConfig, progress: bool = True, trace=None) -> dict:
     }
     _write(out, summary, results)
     return summary
-
-
-def trace_history(trace, epoch: int):
-    """A ``HistoryStore`` holding the trace's rollouts of the epochs before ``epoch``, one training
-    step per epoch (step = epoch + 1), with each epoch's growth rates recorded."""
-    from verl_ext.history.store import HistoryStore, Trajectory
-
-    store = HistoryStore(keep=1, max_bytes=0x7FFFFFFFFFFFFFFF)
-    for e in [e for e in trace.epochs() if e < epoch]:
-        idx = np.flatnonzero(trace.epoch == e)
-        store.ingest(Trajectory(str(trace.prompt_uid[i]), e + 1, int(trace.sample_index[i]), trace.response(i),
-                                float(trace.reward[i])) for i in idx)
-        store.close_step(e + 1)
-    return store
 
 
 def run_arm(label, strategy, spec, trace, rows, history, cost, instances: int, replay: str, requests,

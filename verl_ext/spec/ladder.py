@@ -3,7 +3,7 @@
 A ladder maps, for each drafting method, an acceptance rate to the speedup of speculation over
 plain decoding, at a few per-worker batch sizes. It is built offline without the trained model's
 outputs: the drafter's and the verifier's step times come from profiled cost models
-(``verl-ext profile``, or a GPU preset), and the verifier is simulated by accepting each draft
+(``verl-ext fit grid``, or a GPU preset), and the verifier is simulated by accepting each draft
 token with probability ``p`` (the expected tokens per step, ``verl_ext.spec.tgs``). Methods:
 
 * ``model``: a small draft model (its ``CostModel`` on one GPU: ``D(b)`` is its decode step),
@@ -36,7 +36,7 @@ RATES = tuple(round(x, 2) for x in np.linspace(0.0, 0.95, 20))
 BATCHES = (1, 16, 64, 128, 256)
 #: a method must beat plain decoding by this factor to be chosen
 MIN_SPEEDUP = 1.02
-#: ``DraftLadder.target`` of a ladder measured on an engine (``verl_ext.spec.ladder_engine``)
+#: ``DraftLadder.target`` of a ladder measured on an engine (``verl_ext.measure.engine_ladder``)
 #: rather than built against a verifier cost model
 ENGINE_LADDER_PREFIX = "engine:"
 
@@ -69,7 +69,7 @@ class DraftMethod:
             raise LadderError(f"draft method {self.name!r}: a model method needs drafter (a cost-model preset or JSON)")
 
     def times(self, verifier, context: float = 1024.0, verify_gpus: int = 1) -> SpecTimes:
-        from verl_ext.sim.cost import load_cost_model
+        from verl_ext.perf.cost import load_cost_model
 
         if self.kind == "model":
             return SpecTimes.from_cost(verifier, load_cost_model(self.drafter), context=context, verify_gpus=verify_gpus)
@@ -95,7 +95,7 @@ class DraftLadder:
     #: per batch: seconds per step of plain decoding (weights the batches in ``drafter_gain``)
     step_s: list = field(default_factory=list)
     #: per batch: how much slower an engine started with a drafter decodes when nothing is drafted
-    #: (measured ladders: ``verl_ext.spec.ladder_engine``; empty: not measured, taken as 0)
+    #: (measured ladders: ``verl_ext.measure.engine_ladder``; empty: not measured, taken as 0)
     idle: list = field(default_factory=list)
 
     # -- building --------------------------------------------------------------------------------
@@ -269,7 +269,7 @@ def measure_suffix_draft(k: int = 8, context: int = 1024, batches: Sequence[int]
 
 def parse_method(text: str) -> tuple[DraftMethod, bool]:
     """``--method`` values: ``NAME=model:PRESET_OR_JSON@RATE`` or ``NAME=suffix:SCOPES@RATE``;
-    ``@trace`` instead of a rate: measured by ``run_cli`` on ``--ladder-trace`` (the flag)."""
+    ``@trace`` instead of a rate: measured on a trace by ``verl-ext fit ladder --trace``."""
     name, sep, rest = text.partition("=")
     kind, sep2, rest = rest.partition(":")
     what, _, rate = rest.partition("@")
@@ -280,62 +280,3 @@ def parse_method(text: str) -> tuple[DraftMethod, bool]:
     if kind == "model":
         return DraftMethod(name, "model", acc, drafter=what), measure
     return DraftMethod(name, kind, acc, scopes=what), measure
-
-
-def resolve_methods(args, default=("suffix=suffix:request+group@trace", "ngram=suffix:request@trace")) -> list:
-    """``--method`` values (or ``default``) as ``DraftMethod``s with their acceptance, measured on
-    ``--ladder-trace`` where the rate is ``@trace``, and suffix methods' measured proposal time."""
-    parsed = [parse_method(m) for m in (args.method or default)]
-    draft_s = None
-    rates = {}
-    trace = None
-    for m, measured in parsed:
-        if measured and not args.ladder_trace:
-            raise LadderError(f"method {m.name}: '@trace' needs --ladder-trace TRACE[@EPOCH]")
-        if m.kind == "suffix" and draft_s is None:
-            draft_s = measure_suffix_draft(k=args.ladder_k)
-        if measured:
-            from verl_ext.sim.acceptance import trace_acceptance
-            from verl_ext.spec.options import SpecOptions
-            from verl_ext.trace.format import read_trace
-
-            if trace is None:
-                path, _, epoch = args.ladder_trace.partition("@")
-                trace = read_trace(path)
-                e = int(epoch) if epoch else trace.epochs()[0]
-                rows = np.flatnonzero(trace.epoch == e)
-            if m.kind != "suffix":
-                raise LadderError(f"method {m.name}: only suffix methods can be measured on a trace (model drafters need their model)")
-            rates[m.name] = trace_acceptance(trace, rows, SpecOptions(scopes=m.scopes, k=args.ladder_k))["acceptance"]
-    import dataclasses
-
-    return [dataclasses.replace(m, acceptance=rates.get(m.name, m.acceptance),
-                                draft_s=draft_s if m.kind == "suffix" else (0.0, 0.0)) for m, _ in parsed]
-
-
-def print_ladder(lad: DraftLadder, out) -> None:
-    print(f"draft ladder for {lad.target} ({lad.hardware}, {lad.model}) -> {out}")
-    print("method    acc   " + "  ".join(f"b={b:<4d}" for b in lad.batches))
-    for n, m in lad.methods.items():
-        print(f"{n:9s} {m.acceptance:.2f}  " + "  ".join(f"{lad.lookup(n, m.acceptance, b):5.2f}x" for b in lad.batches))
-    if lad.idle:
-        print("drafting engine, nothing drafted: " + "  ".join(f"{1 + o:5.3f}x time" for o in lad.idle))
-    for b in lad.batches:
-        print(f"initial selection at batch {b}: {lad.select(b) or 'plain decoding'}; a drafter for engines starting "
-              f"at this batch saves {100 * lad.drafter_gain(b):+.1f}% of decode time")
-
-
-def run_cli(args) -> int:
-    """``verl-ext profile --ladder PRESET_OR_JSON --method ... --out LADDER.json``."""
-    from verl_ext.sim.cost import load_cost_model
-
-    out = Path(args.out)
-    if out.suffix != ".json":
-        raise ValueError(f"--out must name a .json file, got '{out}'")
-    verifier = load_cost_model(args.ladder)
-    methods = resolve_methods(args)
-    lad = DraftLadder.build(verifier, methods, verify_gpus=args.verify_gpus, max_window=args.ladder_k)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    lad.save(out)
-    print_ladder(lad, out)
-    return 0

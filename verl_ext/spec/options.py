@@ -83,14 +83,14 @@ class SpecOptions:
     (``CostModel.spec_batch_cutoffs``, ``verl_ext.spec.cutoff``); an engine whose batch exceeds the
     cut-off for its batch's mean context and its measured acceptance rate does not draft that
     step. Empty: no cut-off. ``cutoff_profile``: a cost-model preset name or profile JSON path
-    (``verl-ext profile``) to compute that table from (``CostModel.spec_batch_cutoffs`` at a
+    (``verl-ext fit grid``) to compute that table from (``CostModel.spec_batch_cutoffs`` at a
     draft of ``aimd_start`` tokens) when ``batch_cutoffs`` is empty; "" = none.
 
     Workload-aware selection (RLHFSpec section 5, ``verl_ext.spec.select``): with ``select`` on,
     each step drafts candidates of up to ``k`` tokens per request and keeps the draft tokens that
     maximise predicted tokens per second (Equation 2): ``F`` from ``acceptance`` (an offline fit's
     table, or the path of its JSON; () = ``F(s) = s``), updated online, and step times from ``select_profile`` (a
-    cost-model preset, a ``verl-ext profile`` JSON path, or an inline JSON object; the simulator
+    cost-model preset, a ``verl-ext fit grid`` JSON path, or an inline JSON object; the simulator
     uses its instances' own model when empty). ``select_patience``: consecutive falls of the
     objective that end the search (0 = exhaustive).
 
@@ -148,7 +148,7 @@ class SpecOptions:
         if self.select_patience < 0:
             raise ValueError(f"spec select_patience must be >= 0 (0 = exhaustive), got {self.select_patience}")
         acc = self.acceptance
-        if isinstance(acc, str):  # a `verl-ext profile --acceptance` JSON (veRL's engine_kwargs)
+        if isinstance(acc, str):  # a `verl-ext fit acceptance` JSON (veRL's engine_kwargs)
             acc = load_acceptance(acc) if acc.strip() else ()
         try:
             rows = [tuple(float(x) for x in r) for r in acc] if acc and not isinstance(acc[0], (int, float)) \
@@ -166,7 +166,7 @@ class SpecOptions:
 
         cutoffs = self.batch_cutoffs
         if self.cutoff_profile and not cutoffs:
-            from verl_ext.sim.cost import load_cost_model
+            from verl_ext.perf.cost import load_cost_model
 
             try:
                 cutoffs = load_cost_model(self.cutoff_profile).spec_batch_cutoffs(self.aimd_start)
@@ -174,7 +174,7 @@ class SpecOptions:
                 raise ValueError(f"spec cutoff_profile: {exc}") from exc
         object.__setattr__(self, "batch_cutoffs", check_cutoffs(cutoffs))
         if self.knee_profile and not self.knee_tokens:
-            from verl_ext.sim.cost import load_cost_model
+            from verl_ext.perf.cost import load_cost_model
 
             try:
                 knee = int(load_cost_model(self.knee_profile).draft_thresholds()["knee_tokens"])
@@ -201,7 +201,7 @@ class SpecOptions:
             cost = load_select_cost(self.select_profile)
         if cost is None:
             raise ValueError("spec select needs step times: set select_profile (a cost-model preset, a "
-                             "`verl-ext profile` JSON, or an inline JSON object)")
+                             "`verl-ext fit grid` JSON, or an inline JSON object)")
         return DraftSelector(cost, AcceptanceModel(prior=self.acceptance or None), self.select_patience)
 
     def aimd_windows(self):
@@ -240,7 +240,7 @@ class SpecOptions:
 
 
 def load_acceptance(path: str) -> tuple:
-    """F's table from a ``verl-ext profile --acceptance`` JSON."""
+    """F's table from a ``verl-ext fit acceptance`` JSON."""
     from verl_ext.spec.select import AcceptanceModel
 
     try:
@@ -251,7 +251,7 @@ def load_acceptance(path: str) -> tuple:
 
 def load_select_cost(profile: str):
     """The ``CostModel`` of ``select_profile``: a preset name, a JSON path, or an inline JSON object."""
-    from verl_ext.sim.cost import CostModel, load_cost_model
+    from verl_ext.perf.cost import CostModel, load_cost_model
 
     try:
         if profile.lstrip().startswith("{"):

@@ -9,8 +9,8 @@ keeps the standard rejection sampler: a request carries its known greedy continu
 replaces each one, independently with probability ``1 - p``, by another token id. Greedy
 verification then accepts every draft token up to the first replaced one: the accepted length
 of a ``w``-token draft is that of a verifier accepting each token with probability ``p``
-(``verl_ext.spec.tgs``), and the outputs stay the plain run's. Profiling only: ``verl-ext profile
---ladder-engine`` (``verl_ext.spec.ladder_engine``).
+(``verl_ext.spec.tgs``), and the outputs stay the plain run's. Profiling only: ``verl-ext fit
+engine-ladder`` (``verl_ext.measure.engine_ladder``).
 """
 
 from __future__ import annotations

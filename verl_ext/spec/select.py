@@ -11,11 +11,11 @@ Every engine step the selector picks the draft tokens that maximise Equation 2,
   logit; this project drafts without a model, so the score is the node's cumulative empirical
   probability in the suffix tree (``DraftIndex.batch_propose``'s conditional probabilities,
   multiplied along the draft); with a draft model it would be the logit product. ``F`` is fitted
-  offline from replayed traces (``fit_acceptance``, ``verl-ext profile --acceptance``) and
+  offline from replayed traces (``fit_acceptance``, ``verl-ext fit acceptance``) and
   updated online from the acceptances the engine observes (``observe``).
 * ``t_sd(n)``, the predicted step time: a regression on ``N_seq`` (KV tokens of the batch) and
   ``N_draft`` (draft tokens verified), fitted by the profiler: the instance's ``CostModel``
-  (``verl-ext profile``; presets for GPUs). ``StepTimePredictor`` puts the paper's bucket cache in
+  (``verl-ext fit grid``; presets for GPUs). ``StepTimePredictor`` puts the paper's bucket cache in
   front of it: ``N_seq`` in geometric buckets (``SEQ_BUCKETS_PER_OCTAVE``), each holding the
   predicted times over ``N_draft``, so a prediction is an array lookup (a miss costs one
   vectorised evaluation, microseconds). A step also carries the prefill the engine schedules with

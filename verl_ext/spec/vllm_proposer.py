@@ -56,7 +56,7 @@ from verl_ext.spec.dgds import IMPORT_REFUSED, import_deltas
 from verl_ext.spec.options import MAX_K, SCOPE_NAMES, SEQ_OFFSET_KEY, SpecOptions, request_drafting
 from verl_ext.spec.reference import ReferenceDraft
 from verl_ext.spec.select import cumulative_scores
-from verl_ext.spec.steplog import StepLog
+from verl_ext.perf.steplog import StepLog
 
 
 def step_prefill_tokens(sched) -> int:
@@ -128,7 +128,7 @@ class SuffixProposer:
         self.import_calls = 0
         self.imported_tokens = 0
         self.import_refused = 0
-        self.steplog = StepLog.from_env()  # VERL_EXT_STEPLOG: per-step record for `verl-ext profile --from-steplog`
+        self.steplog = StepLog.from_env()  # VERL_EXT_STEPLOG: per-step record for `verl-ext fit steplog`
 
     # -- vLLM proposer interface ---------------------------------------------------------
     def load_model(self, *args, **kwargs) -> None:

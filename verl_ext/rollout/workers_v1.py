@@ -1,6 +1,6 @@
 """V1 (TransferQueue) agent-loop worker: runs each trajectory with its ``uid`` known to the
 dispatching client (``verl_ext.rollout.trajectory``), and reports finished trajectories: trace rows
-(see ``verl_ext.trace.verl_hook``) and the history workers' feed (``StrategyDispatcher.ingest``).
+(see ``verl_ext.rollout.trace_hook``) and the history workers' feed (``StrategyDispatcher.ingest``).
 
 Imported only by the V1 manager (it needs veRL's V1 module and TransferQueue). The collector handle, trace settings and dispatcher handle travel on the worker's
 LLM client (``StrategyLLMClient.verl_ext_trace`` / ``verl_ext_history``), which veRL passes to
@@ -14,7 +14,7 @@ import logging
 from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopWorkerTQ
 
 from verl_ext.rollout.trajectory import trajectory as trajectory_of
-from verl_ext.trace.verl_hook import TRACE_KEY, history_items, v1_rows
+from verl_ext.rollout.trace_hook import TRACE_KEY, history_items, v1_rows
 
 logger = logging.getLogger(__name__)
 

@@ -1,19 +1,17 @@
-"""Offline fit of RLHFSpec's acceptance map ``F`` (seed 002 section 5.2) from replayed traces.
+"""The drafter replayed over recorded responses (a trace): what it would have drafted and
+accepted, with no engine.
 
-Each prompt's responses are replayed in lockstep through a ``DraftIndex`` (the drafter's scopes):
-every step, every response drafts a full candidate of ``k`` tokens (``min_prob=0``), each node
-scored by its cumulative empirical probability, and a node counts as accepted iff it and every
-node before it match the trace's next tokens (exact-match acceptance, the law of the engine's
-rejection sampler for one-hot drafts, as in ``verl_ext.sim.drafting``). The response then
-advances by its accepted tokens plus one. ``AcceptanceModel.fit`` bins the (score, accepted)
-pairs into ``F``'s table (monotone). ``verl-ext profile --acceptance TRACE --out F.json`` writes
-it; ``rollout=rlhfspec`` reads it through ``options.acceptance_profile``.
+* ``replay_observations`` / ``fit_from_trace``: RLHFSpec's acceptance map ``F`` (seed 002
+  section 5.2). Each prompt's responses advance in lockstep through a ``DraftIndex``; every step
+  drafts a full candidate of ``k`` tokens, each node scored by its cumulative empirical
+  probability and accepted iff it and every node before it match the trace (exact-match
+  acceptance, the law of the rejection sampler for one-hot drafts). ``AcceptanceModel.fit`` bins
+  the (score, accepted) pairs into ``F``'s monotone table (``verl-ext fit acceptance``).
+* ``trace_acceptance``: the acceptance rate of a scope set on a trace (SpecActor's ladder).
+* ``replay_drafts``: the request-scope drafts of each step (``verl-ext fit trace``).
 """
 
 from __future__ import annotations
-
-import json
-from pathlib import Path
 
 import numpy as np
 
@@ -82,29 +80,6 @@ def fit_from_trace(trace, rows, spec: SpecOptions) -> tuple[AcceptanceModel, dic
     return model, {"nodes": int(len(s)), "accepted": int(a.sum()), "scopes": spec.scopes, "k": spec.k}
 
 
-def run_cli(args) -> int:
-    """``verl-ext profile --acceptance TRACE[@EPOCH] --out F.json``."""
-    from verl_ext.trace.format import read_trace
-
-    out = Path(args.out)
-    if out.suffix != ".json":
-        raise ValueError(f"--out must name a .json file, got '{out}'")
-    path, _, epoch = args.acceptance.partition("@")
-    trace = read_trace(path)
-    epochs = trace.epochs()
-    e = int(epoch) if epoch else epochs[-1]
-    if e not in epochs:
-        raise ValueError(f"--acceptance {args.acceptance}: epoch {e} is not in the trace (epochs: {epochs})")
-    rows = np.flatnonzero(trace.epoch == e)
-    spec = SpecOptions(scopes=args.acceptance_scopes, k=args.acceptance_k, min_prob=0.0)
-    model, info = fit_from_trace(trace, rows, spec)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"acceptance": model.to_dict(), "fit": {**info, "trace": path, "epoch": e}}, indent=1))
-    print(f"F fitted on {info['nodes']} draft nodes ({info['accepted']} accepted): "
-          f"{' '.join(f'{x:.2f}' for x in model.table()[0][::4])} at scores 0, 0.2, ..., 1 (depth 0) -> {out}")
-    return 0
-
-
 def trace_acceptance(trace, rows, spec: SpecOptions) -> dict:
     """Per-token acceptance rate of drafting with ``spec`` on ``rows`` of ``trace`` (SpecActor's
     historical acceptance for the draft ladder): each group is replayed in lockstep through the
@@ -136,3 +111,19 @@ def trace_acceptance(trace, rows, spec: SpecOptions) -> dict:
     p = acc / (acc + rej) if acc + rej else 0.0
     return {"acceptance": p, "accepted_tokens": acc, "draft_tokens": drafted, "rejections": rej, "steps": steps,
             "scopes": spec.scopes, "k": spec.k}
+
+
+def replay_drafts(trace, rows, spec: SpecOptions) -> dict[int, np.ndarray]:
+    """Per row: tokens drafted at each of its steps when ``spec``'s request-scope drafter runs
+    alone over the recorded response (exact for greedy decoding)."""
+    idx = DraftIndex(spec.max_depth, spec.max_bytes, spec.k)
+    out = {}
+    for i in rows:
+        prompt, resp = trace.prompt(i), trace.response(i)
+        row = np.concatenate([prompt, resp]).astype(np.int32)
+        idx.start_request("r", prompt, scopes=spec.mask)
+        (_, drafted), = idx.replay(["r"], [row], [len(prompt)], [len(row)], spec.k, scopes=spec.mask,
+                                   min_match=spec.min_match, max_match=spec.max_match, min_prob=spec.min_prob)
+        idx.finish("r")
+        out[i] = drafted
+    return out

