@@ -22,7 +22,7 @@ def run(args) -> int:
     epochs = trace.epochs()
     e = int(epoch) if epoch else epochs[-1]
     if e not in epochs:
-        raise ValueError(f"--acceptance {args.acceptance}: epoch {e} is not in the trace (epochs: {epochs})")
+        raise ValueError(f"{args.acceptance}: epoch {e} is not in the trace (epochs: {epochs})")
     rows = np.flatnonzero(trace.epoch == e)
     spec = SpecOptions(scopes=args.acceptance_scopes, k=args.acceptance_k, min_prob=0.0)
     model, info = fit_from_trace(trace, rows, spec)

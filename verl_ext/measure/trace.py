@@ -91,7 +91,7 @@ def run(args) -> int:
         tr = read_trace(path)
         if epoch:
             if not epoch.isdigit() or int(epoch) not in tr.epochs():
-                raise ValueError(f"--from-trace {spec}: epoch '{epoch}' is not in the trace (epochs: {tr.epochs()})")
+                raise ValueError(f"{spec}: epoch '{epoch}' is not in the trace (epochs: {tr.epochs()})")
             tr = tr.select(tr.epoch == int(epoch))  # keeps meta
         traces.append(tr)
         names.append(spec)
