@@ -186,3 +186,23 @@ def test_the_lifecycle_wires_only_what_the_driver_gives_and_steps_after_the_trai
 
     st.acted["moved"] = 7  # before the mark: not counted
     assert asyncio.run(span()) == {"moved": 3, "drafted": 5}
+
+
+def test_a_bursts_step_clock_starts_once_the_instance_stepped_in_the_burst():
+    """``BurstClock`` (rlhfspec's and specactor's step timing): the first reading of a burst may
+    date from the previous one (veRL's servers are read only while requests run), so the clock
+    starts at the first reading that shows a new step, and ``clear`` starts a new burst."""
+    from verl_ext.engine.instance import Telemetry
+    from verl_ext.pipe.pool import BurstClock
+
+    def tel(steps, ts):
+        return Telemetry(running=1, steps=steps, timestamp=ts)
+
+    clock = BurstClock()
+    assert clock.start("a", tel(10, 100.0)) is None  # stale: taken before the idle gap
+    assert clock.start("a", tel(10, 500.0)) is None  # not stepped yet: still no clock
+    assert clock.start("a", tel(12, 501.0)) == (12, 501.0)  # starts here, not at 100 s
+    assert clock.start("a", tel(20, 502.0)) == (12, 501.0)
+    clock.clear()
+    assert clock.start("a", tel(20, 900.0)) is None
+    assert clock.start("a", tel(21, 901.0)) == (21, 901.0)

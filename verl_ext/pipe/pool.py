@@ -36,6 +36,35 @@ class RequestRecord:
     num_steps: Optional[int] = None
 
 
+class BurstClock:
+    """Where each instance's engine steps start to be timed in one burst of requests.
+
+    Strategies that pace or rate by engine steps (``rlhfspec``'s reallocation, ``specactor``'s
+    rounds) run one burst per rollout, and inside veRL the engines idle between bursts (the
+    trainer's turn), while veRL's servers are read only while requests run, so a burst's first
+    reading can date from the last burst. A burst's clock of an instance therefore starts at the
+    first reading taken after the instance stepped in the burst. ``clear`` at each burst."""
+
+    def __init__(self):
+        self._start: dict[str, tuple] = {}  # instance -> (steps, timestamp or None before it stepped)
+
+    def clear(self) -> None:
+        self._start.clear()
+
+    def start(self, name: str, telemetry) -> Optional[tuple]:
+        """``(steps, timestamp)`` the burst's timing of ``name`` starts at, or None until a reading
+        shows it stepped in the burst (the first reading only notes its steps)."""
+        first = self._start.get(name)
+        if first is None:
+            self._start[name] = (telemetry.steps, None)
+            return None
+        if first[1] is None:
+            if telemetry.steps <= first[0]:
+                return None
+            first = self._start[name] = (telemetry.steps, telemetry.timestamp)
+        return first
+
+
 class InstancePool:
     def __init__(self, instances: Sequence[Instance], seed: int = 0, clock=time.monotonic):
         if not instances:

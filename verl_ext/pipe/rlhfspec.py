@@ -42,7 +42,7 @@ from typing import Optional
 
 from verl_ext.engine.instance import FINISH_ABORT, FINISH_LENGTH, Completion, GenRequest, Instance
 from verl_ext.pipe.chunks import Chunked, is_whole
-from verl_ext.pipe.pool import InstancePool
+from verl_ext.pipe.pool import BurstClock, InstancePool
 from verl_ext.pipe.realloc import TURN, pick_samples, plan_reallocation, turning_point
 from verl_ext.pipe.strategy import Strategy, StrategyConfigError, register_strategy
 
@@ -162,7 +162,8 @@ class RlhfSpecStrategy(Strategy):
         self._loop_task: Optional[asyncio.Task] = None
         self._warned = False
         self._m = Counter()
-        self._last_telemetry: dict[str, tuple] = {}
+        self._clock = BurstClock()  # where this burst's engine steps start to be timed
+        self._last_telemetry: dict[str, tuple] = {}  # instance -> (steps, time) of its last timed reading
 
     def begin_step(self, step: int) -> None:
         """A new training step: per-step metrics restart; finished groups' placements are dropped."""
@@ -286,10 +287,8 @@ class RlhfSpecStrategy(Strategy):
             self._loop_task = asyncio.ensure_future(self._realloc_loop(pool))
 
     async def _realloc_loop(self, pool: InstancePool) -> None:
-        # a new burst of samples: seconds per engine step are measured afresh, from readings taken
-        # after the engines stepped in it (across the idle gap since the last rollout, the
-        # trainer's turn, one engine step would seem to last it all; veRL's servers are read only
-        # while requests run, so the burst's first reading can date from the last one)
+        # a new burst of samples: engine steps are timed afresh (BurstClock)
+        self._clock.clear()
         self._last_telemetry.clear()
         steps_at, _ = self._poll(pool, rates=False)
         poll = FIRST_POLL_S
@@ -329,14 +328,11 @@ class RlhfSpecStrategy(Strategy):
             tot += t.steps
             if not rates:
                 continue
+            if self._clock.start(name, t) is None:  # not stepped in this burst yet
+                continue
             last = self._last_telemetry.get(name)
-            if last is None:  # the burst's first reading: its steps, no clock yet
-                self._last_telemetry[name] = (t.steps, None)
-                continue
-            if last[1] is None and t.steps <= last[0]:  # not stepped since: the reading may be stale
-                continue
             self._last_telemetry[name] = (t.steps, t.timestamp)
-            if last[1] is not None and t.steps > last[0] and t.timestamp > last[1]:
+            if last is not None and t.steps > last[0] and t.timestamp > last[1]:
                 per_step.append((t.timestamp - last[1]) / (t.steps - last[0]))
         return tot / len(pool.instances), (min(per_step) if per_step else None)
 

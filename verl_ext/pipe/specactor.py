@@ -63,7 +63,7 @@ from typing import Optional
 from verl_ext.engine.instance import FINISH_ABORT, Completion, GenRequest, Instance
 from verl_ext.pipe.bon import assign_best_of_n
 from verl_ext.pipe.chunks import is_whole
-from verl_ext.pipe.pool import InstancePool
+from verl_ext.pipe.pool import BurstClock, InstancePool
 from verl_ext.pipe.strategy import Strategy, StrategyConfigError, register_strategy
 from verl_ext.spec.ladder import ENGINE_LADDER_PREFIX
 
@@ -262,7 +262,7 @@ class SpecActorStrategy(Strategy):
         self._live: dict[str, _Live] = {}
         self._worker_method: dict[str, str] = {}  # instances given a method by Best-of-N
         self._loop_task: Optional[asyncio.Task] = None
-        self._first_tel: dict[str, tuple] = {}  # instance -> (steps, time) this burst's rates start at
+        self._clock = BurstClock()  # where this burst's engine steps start to be timed
         self._warned_sampled = False
         self._m = Counter()
 
@@ -554,9 +554,7 @@ class SpecActorStrategy(Strategy):
 
     async def _bon_loop(self, pool: InstancePool) -> None:
         """Every ``cooldown`` engine steps: Algorithm 2 on the running requests, then Algorithm 3."""
-        # a new burst of requests: seconds per engine step are timed afresh (not across the idle
-        # gap since the last rollout, the trainer's turn inside veRL)
-        self._first_tel.clear()
+        self._clock.clear()  # a new burst of requests: engine steps are timed afresh
         poll = FIRST_POLL_S
         while self._live:
             await asyncio.sleep(poll)
@@ -693,22 +691,16 @@ class SpecActorStrategy(Strategy):
 
     def _step_seconds(self, pool: InstancePool) -> Optional[float]:
         """Seconds per engine step in this burst of requests, averaged since each instance's
-        first reading taken after it stepped in the burst (a simulated engine advances its step
-        counter a whole plan at a time, so short windows mislead; veRL's servers are read only
-        while requests run, so the reading a burst starts with can date from the last one); the
-        median over the instances that have stepped."""
+        clock started (``BurstClock``: a simulated engine advances its step counter a whole plan
+        at a time, so short windows mislead); the median over the instances that have stepped."""
         per = []
         for name, inst in pool.instances.items():
             try:
                 t = inst.telemetry()
             except Exception:
                 continue
-            first = self._first_tel.get(name)
-            if first is None or first[1] is None:  # (steps at the burst's start, no clock yet)
-                if first is None or t.steps > first[0]:
-                    self._first_tel[name] = (t.steps, None if first is None else t.timestamp)
-                continue
-            if t.steps > first[0] and t.timestamp > first[1]:
+            first = self._clock.start(name, t)
+            if first is not None and t.steps > first[0] and t.timestamp > first[1]:
                 per.append((t.timestamp - first[1]) / (t.steps - first[0]))
         return sorted(per)[len(per) // 2] if per else None
 
@@ -800,7 +792,6 @@ class SpecActorStrategy(Strategy):
             self._selected = True
             if self._method is not None:
                 self._plan_for(len(requests), len(pool.instances) * self.options.verify_gpus)
-        self._first_tel.clear()
         before = self._drafting(pool)
         try:
             return await super().rollout(requests, pool)
