@@ -501,9 +501,9 @@ def test_proposer_group_write_switches_a_remote_engine_to_local_trees():
 
 
 def test_verl_server_imports_are_strict():
-    """``ReplicaInstance.import_drafts`` over veRL's ``collective_rpc`` (which returns nothing): True
-    when taken, False when the drafter refused a delta (the client resends in full), other errors
-    raise."""
+    """``ReplicaInstance.import_drafts`` over veRL's ``collective_rpc`` (which returns nothing): per
+    blob 0 when taken, -1 when the drafter refused a delta (the client resends in full), as local
+    engines answer; other errors raise."""
     from verl_ext.rollout.replica_instance import ReplicaInstance
 
     class _Rpc:
@@ -524,10 +524,10 @@ def test_verl_server_imports_are_strict():
             self.collective_rpc = _Rpc(error)
 
     ok = _Handle()
-    assert asyncio.run(ReplicaInstance("s0", ok, drafting=True).import_drafts([b"x"])) is True
-    assert ok.collective_rpc.calls == [("verl_ext_drafter", ("import_groups", [b"x"], True))]
+    assert asyncio.run(ReplicaInstance("s0", ok, drafting=True).import_drafts([b"x", b"y"])) == [0, 0]
+    assert ok.collective_rpc.calls == [("verl_ext_drafter", ("import_groups", [b"x", b"y"], True))]
     refused = _Handle(RuntimeError(f"worker 0: ValueError: {IMPORT_REFUSED}: 1 of 1 group deltas"))
-    assert asyncio.run(ReplicaInstance("s0", refused, drafting=True).import_drafts([b"x"])) is False
+    assert asyncio.run(ReplicaInstance("s0", refused, drafting=True).import_drafts([b"x", b"y"])) == [-1, -1]
     with pytest.raises(RuntimeError, match="gone"):
         asyncio.run(ReplicaInstance("s0", _Handle(RuntimeError("gone")), drafting=True).import_drafts([b"x"]))
 

@@ -156,20 +156,21 @@ class ReplicaInstance(Instance):
         got = self._progress.get(request_id)
         return None if got is None or got[2] is None else list(got[2])
 
-    async def import_drafts(self, blobs: list) -> bool:
-        """Import grouped draft server deltas (``verl_ext.spec.dgds``) into the server's drafter.
-        ``collective_rpc`` returns nothing, so the import is strict: True when every worker took
-        every delta, False when one was refused (the client then resends those groups in full);
-        other errors raise (the client retries, then stops pushing to this server)."""
+    async def import_drafts(self, blobs: list) -> list[int]:
+        """Import grouped draft server deltas (``verl_ext.spec.dgds``) into the server's drafter;
+        per blob, as ``VLLMInstance.import_drafts``: 0 when taken, -1 when refused (the client
+        then resends in full). veRL's ``collective_rpc`` returns nothing, so the import is strict:
+        one refused delta marks every blob refused; other errors raise (the client retries, then
+        pauses pushing to this server)."""
         from verl_ext.spec.dgds import IMPORT_REFUSED
 
         try:
             await self.drafter_call("import_groups", list(blobs), True)
         except Exception as exc:
             if IMPORT_REFUSED in str(exc):
-                return False
+                return [-1] * len(blobs)
             raise
-        return True
+        return [0] * len(blobs)
 
     async def generate(self, request: GenRequest, on_tokens=None) -> Completion:
         engine_id = uuid.uuid4().hex  # veRL sends a fresh id per turn, too

@@ -533,6 +533,8 @@ class DGDSClient:
         t0 = time.perf_counter()
         try:
             res = await asyncio.wait_for(s.instance.import_drafts(blobs), self.timeout_s)
+            if len(res) != len(blobs):
+                raise RuntimeError(f"import_drafts answered {len(res)} results for {len(blobs)} blobs")
         except Exception as exc:  # the engine's problem, not DGDS's: retry the same deltas later
             self._m["import_errors"] += 1
             s.fails += 1
@@ -551,8 +553,6 @@ class DGDSClient:
         s.pause_s = 0.0
         self._m["imports"] += 1
         self._m["blobs"] += len(blobs)
-        if not isinstance(res, (list, tuple)) or len(res) != len(blobs):
-            res = [0 if res else -1] * len(blobs)
         for (g, version), r in zip(meta, res):
             if g not in s.groups:
                 continue  # unserved meanwhile
