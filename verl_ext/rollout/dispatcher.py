@@ -32,30 +32,6 @@ from verl_ext.rollout.replica_instance import BASE_LEN_KEY, KWARGS_KEY, SAMPLING
 logger = logging.getLogger(__name__)
 
 
-def _lb_server_handles(load_balancer) -> dict:
-    """Runs inside veRL's load-balancer actor (via Ray's public ``__ray_call__``).
-
-    Version-specific hook point: veRL 0.9.1's ``GlobalRequestLoadBalancer`` keeps its
-    ``server_id -> handle`` registry in ``_servers`` and has no public getter for the handles.
-    """
-    return dict(load_balancer._servers)
-
-
-def server_handles_from_load_balancer(load_balancer_handle) -> dict:
-    import ray
-
-    try:
-        handles = ray.get(load_balancer_handle.__ray_call__.remote(_lb_server_handles))
-    except Exception as exc:
-        raise RuntimeError(
-            "verl_ext could not read the rollout server handles from veRL's load balancer "
-            f"({type(exc).__name__}: {exc}); this veRL version is not supported (need 0.9.x)"
-        ) from exc
-    if not handles:
-        raise RuntimeError("veRL's load balancer has no rollout servers registered")
-    return handles
-
-
 #: seconds between reads of the servers' load (``ReplicaInstance.refresh``) while requests run
 LOAD_POLL_S = 0.5
 

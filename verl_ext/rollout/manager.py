@@ -37,7 +37,8 @@ from verl.workers.rollout.llm_server import FullyAsyncLLMServerClient, LLMServer
 from verl_ext.config.check import check_drafter_config, runs_verl_ext_drafter
 from verl_ext.config.settings import VerlExtSettings
 from verl_ext.pipe.strategy import StrategyConfigError, get_strategy_class
-from verl_ext.rollout.dispatcher import StrategyDispatcher, prompt_group_id, server_handles_from_load_balancer
+from verl_ext.rollout.dispatcher import StrategyDispatcher, prompt_group_id
+from verl_ext.rollout.verl_compat import client_load_balancer, server_handles
 from verl_ext.rollout.finish import model_stop_ids
 from verl_ext.rollout.trajectory import TRAJECTORY_UID
 from verl_ext.rollout import trace_hook
@@ -156,10 +157,8 @@ class _VerlExtManagerMixin:
         self.verl_ext_trace_recorder = None  # V0
         self.verl_ext_trace_collector = None  # V1
         trace = self._verl_ext_setup_trace(config)
-        load_balancer = getattr(llm_client, "_load_balancer", None)
-        if load_balancer is None:
-            raise RuntimeError("verl_ext needs veRL's LLMServerClient with a load balancer handle")
-        servers = server_handles_from_load_balancer(load_balancer)
+        load_balancer = client_load_balancer(llm_client)
+        servers = server_handles(load_balancer)
         check_drafter_config(self.verl_ext_settings, rollout)
         strategy_cls = get_strategy_class(self.verl_ext_settings.strategy)
         self.verl_ext_history = strategy_cls.uses_history

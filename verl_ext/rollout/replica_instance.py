@@ -34,6 +34,7 @@ from typing import Any, Iterable, Optional
 
 from verl_ext.engine.instance import Completion, GenRequest, Instance, Telemetry, chunk_seed
 from verl_ext.rollout.finish import finish_reason
+from verl_ext.rollout.verl_compat import server_engine
 from verl_ext.spec.options import REQUEST_DRAFT_KEYS
 
 SAMPLING_KEY = "verl_sampling_params"
@@ -258,13 +259,13 @@ def _drafter_rpc(server, op: str, args: tuple, timeout_s: float):
     """Runs inside a veRL ``vLLMHttpServer`` actor, on one of Ray's threads (``__ray_call__``): the
     drafter RPC through the server's vLLM engine client on the actor's event loop (where its
     output handler runs), returning every worker's answer."""
-    return _on_engine_loop(server.engine, lambda e: e.collective_rpc("verl_ext_drafter", args=(op, *args)), timeout_s)
+    return _on_engine_loop(server_engine(server), lambda e: e.collective_rpc("verl_ext_drafter", args=(op, *args)), timeout_s)
 
 
 def _engine_abort(server, request_id: str, timeout_s: float):
     """Runs inside a veRL ``vLLMHttpServer`` actor, like ``_drafter_rpc``: aborts the request the
     server's ``generate`` started with id ``request_id`` (vLLM maps it to its internal ids)."""
-    return _on_engine_loop(server.engine, lambda e: e.abort(request_id), timeout_s)
+    return _on_engine_loop(server_engine(server), lambda e: e.abort(request_id), timeout_s)
 
 
 def _on_engine_loop(engine, call, timeout_s: float):

@@ -20,10 +20,12 @@ from __future__ import annotations
 import logging
 import weakref
 
+from verl_ext.rollout.verl_compat import TRAINER_METRICS_HOOK
+
 logger = logging.getLogger(__name__)
 
 #: the wrapped method of veRL's V1 trainer
-HOOK = "_consume_sync_metrics"
+HOOK = TRAINER_METRICS_HOOK
 
 _sources: list = []  # weakref.WeakMethod of each live manager's metrics method
 

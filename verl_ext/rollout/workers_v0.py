@@ -15,6 +15,9 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
 
 from verl_ext.rollout.trajectory import trajectory
 from verl_ext.rollout.trace_hook import TRACE_KEY
+from verl_ext.rollout.verl_compat import WORKER_HOOKS_V0, require_methods
+
+require_methods(AgentLoopWorker, WORKER_HOOKS_V0)
 
 
 class TrajectoryAgentLoopWorker(AgentLoopWorker):

@@ -15,11 +15,13 @@ from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopWorkerTQ
 
 from verl_ext.rollout.trajectory import trajectory as trajectory_of
 from verl_ext.rollout.trace_hook import TRACE_KEY, history_items, v1_rows
+from verl_ext.rollout.verl_compat import WORKER_HOOKS_V1, require_methods
 
 logger = logging.getLogger(__name__)
 
 # veRL decorates AgentLoopWorkerTQ with @ray.remote; subclass the plain class underneath.
 _Base = getattr(AgentLoopWorkerTQ, "__ray_actor_class__", AgentLoopWorkerTQ)
+require_methods(_Base, WORKER_HOOKS_V1)
 
 
 class TracingAgentLoopWorkerTQ(_Base):
