@@ -595,3 +595,29 @@ def test_rhyme_places_a_prompt_that_arrives_after_the_plan_by_its_history():
     assert m["late_prompts"] == 1 and m["history_prompts"] == 4
     assert {"p3-s0", "p3-s1"} <= set(insts[3].seen) and not any(r.startswith("p3") for i in insts[:3] for r in i.seen)
     assert insts[3].proposer.rpc("stats")["histories"] == 2  # p2's and p3's
+
+
+def test_one_drafting_policy_caps_engine_steps_and_simulated_plans_alike():
+    """``DraftPolicy`` (verl_ext.spec.policy) is the one combination of the engine-side drafting
+    rules: an engine step (``step_caps``) and a simulated plan (``plan_caps``) get the same caps
+    from per-request windows, the adaptive budget and the cut-off."""
+    from verl_ext.spec.options import SpecOptions
+    from verl_ext.spec.policy import DraftBatch, DraftPolicy
+
+    opts = SpecOptions(k=8, adaptive=True, knee_tokens=14, sibling_boost=1.0)
+    batch = DraftBatch(["a", "b", "c"], 100.0, [None, 2, None], lambda: np.array([0.0, 0.0, 1.0]))
+    engine = DraftPolicy(opts).step_caps(batch, np.full(3, 8, dtype=np.int64))
+    plan, cut = DraftPolicy(opts).plan_caps(batch)
+    assert cut is None and engine.tolist() == plan.tolist()
+    assert engine[1] == 2 and engine[2] > engine[0] and engine.sum() <= 14 - 3  # window; boost; budget
+    # nothing binds: the plan keeps the replayed schedule (None), the engine its room
+    free = DraftBatch(["a"], 100.0, None, None)
+    assert DraftPolicy(SpecOptions(k=8)).plan_caps(free) == (None, None)
+    assert DraftPolicy(SpecOptions(k=8)).step_caps(free, np.array([5])).tolist() == [5]
+    # above the cut-off: no drafts on either path until a probe is due
+    cut_opts = SpecOptions(k=8, batch_cutoffs=((0, 0.0, 1), (0, 0.9, 64)))
+    policy = DraftPolicy(cut_opts)
+    policy.cutoff.cutoff.observe(16, 4)  # rate 0.25: batches above 1 do not draft
+    assert policy.step_caps(DraftBatch(["a", "b"], 10.0), np.full(2, 8)).tolist() == [0, 0]
+    caps, cut = policy.plan_caps(DraftBatch(["a", "b"], 10.0), commit=False)
+    assert caps.tolist() == [0, 0] and cut < 0

@@ -32,11 +32,11 @@ It models one vLLM engine's continuous batching in virtual time (``verl_ext.sim.
   preemption too), and an admitted request whose context is not cached here loads the missing
   whole blocks from it instead of prefilling them; the load time is added to that step.
   Counter: ``pool_loaded_tokens``.
-* Adaptive drafting (``SpecOptions.adaptive`` with ``knee_tokens > 0``, Seer section 4.4): every
-  planned step caps each running request's draft at ``draft_caps(k, B, knee_tokens, f,
-  sibling_boost)`` (``verl_ext.spec.adaptive``), ``B`` the running batch and ``f`` the fraction
-  of the request's group that has completely finished anywhere in the cluster (kept by the
-  shared drafter). ``B`` is constant within a plan; a finish of a sibling on another instance
+* The engine's drafting rules (``verl_ext.spec.policy.DraftPolicy.plan_caps``, the same rules
+  the vLLM proposer applies): per-request windows, Seer's adaptive budget (``B`` the running
+  batch and ``f`` the fraction of the request's group that has completely finished anywhere in
+  the cluster, kept by the shared drafter) and HistoSpec's cut-off; the drafter replays the AIMD
+  window by position. ``B`` is constant within a plan; a finish of a sibling on another instance
   ends the current plan at the next step boundary, so ``f`` is current at every step. Replayed
   schedules are split to the cap (``verl_ext.sim.drafting.split_schedule``, an approximation);
   HistoSpec's batch-size cut-off (``SpecOptions.batch_cutoffs``, the engine's ``BatchCutoff``
@@ -65,8 +65,8 @@ import numpy as np
 from verl_ext.engine.instance import FINISH_ABORT, FINISH_LENGTH, Completion, GenRequest, Instance, Telemetry
 from verl_ext.sim.drafting import split_schedules
 from verl_ext.sim.source import Target, TokenView, TraceSource
-from verl_ext.spec.adaptive import draft_caps
 from verl_ext.spec.options import SCOPE_NAMES, request_drafting
+from verl_ext.spec.policy import DraftBatch, DraftPolicy
 
 
 class _Req:
@@ -138,16 +138,17 @@ class SimInstance(Instance):
         self.kv_pool = kv_pool
         self._load_s = 0.0  # this step's KV loads from the pool, seconds
         self.pool_loaded_tokens = 0  # cumulative: context tokens loaded from the pool instead of prefilled
-        # adaptive drafting
+        # the engine's drafting rules (verl_ext.spec.policy; the drafter replays AIMD by position)
         spec = drafter.spec if drafter is not None else None
-        self._adaptive = bool(spec is not None and spec.adaptive and spec.knee_tokens > 0)
+        self._policy = DraftPolicy(spec, aimd=False) if spec is not None else None
+        self._adaptive = self._policy is not None and self._policy.adaptive is not None
         self._adaptive_f = self._adaptive and spec.sibling_boost > 0  # caps depend on group progress
         self._groups: Counter = Counter()  # running requests per group (when _adaptive_f)
         self._plan_caps: Optional[np.ndarray] = None  # the current plan's draft caps (adaptive)
         if self._adaptive_f:
             drafter.attach(self)
         # HistoSpec's batch-size cut-off: read with this instance's acceptance so far
-        self._cutoff = spec.batch_cutoff() if spec is not None else None
+        self._cutoff = self._policy.cutoff.cutoff if self._policy is not None and self._policy.cutoff else None
         self.cutoff_plans = 0  # plans (runs of steps) without drafts because of the cut-off
         self._cut_plan: Optional[int] = None  # this plan: 1 = a probe step, -n = off for at most n steps
         # RLHFSpec's workload-aware selection: this engine's own selector over its cost model
@@ -559,34 +560,20 @@ class SimInstance(Instance):
         self._plan = (E, D, P0, split)
 
     def _draft_caps(self, commit: bool = True) -> Optional[np.ndarray]:
-        """This step's draft caps: adaptive caps (or None: ``k`` each), all zero when the batch is
-        above HistoSpec's cut-off for this instance's acceptance rate so far (except a probe step,
-        ``BatchCutoff``). ``commit``: this is the next plan's decision (else only a comparison)."""
-        caps = self._caps() if self._adaptive else None
-        windows = [r.window for r in self.running]
-        if any(w is not None for w in windows):  # per-request windows (``spec_window``)
-            k = self.drafter.spec.k
-            win = np.array([k if w is None else min(w, k) for w in windows], dtype=np.int64)
-            caps = win if caps is None else np.minimum(caps, win)
-        cut = None
-        if self._cutoff is not None:
-            B = len(self.running)
-            if not self._cutoff.pays(B, context=self._kv / max(1, B)):
-                if self._cutoff.probe_due():  # the engine drafts one step to re-measure the rate
-                    cut = 1
-                else:  # off until the next probe at most
-                    cut = -(self._cutoff.steps_to_probe() or 1 << 62)
-                    caps = np.zeros(B, dtype=np.int64)
+        """This plan's draft caps (None: ``k`` each) by the engine's drafting rules
+        (``DraftPolicy.plan_caps``), all zero while the batch is above HistoSpec's cut-off (except
+        a probe step). ``commit``: this is the next plan's decision (else only a comparison)."""
+        if self._policy is None:
+            return None
+        B = len(self.running)
+        batch = DraftBatch(self.running, self._kv / max(1, B), [r.window for r in self.running], self._fractions)
+        caps, cut = self._policy.plan_caps(batch, commit)
         if commit:
             self._cut_plan = cut
-            if cut == 1:
-                self._cutoff.note_probe()
         return caps
 
-    def _caps(self) -> np.ndarray:
-        """Most draft tokens per running request this step (adaptive drafting)."""
-        spec = self.drafter.spec
-        f = None
-        if self._adaptive_f:
-            f = self.drafter.finished_fraction([r.request.group_id for r in self.running])
-        return draft_caps(spec.k, len(self.running), spec.knee_tokens, f, spec.sibling_boost)
+    def _fractions(self) -> Optional[np.ndarray]:
+        """The finished fraction of each running request's group (adaptive drafting)."""
+        if not self._adaptive_f:
+            return None
+        return self.drafter.finished_fraction([r.request.group_id for r in self.running])

