@@ -574,3 +574,23 @@ async def test_a_run_of_late_answers_shorter_than_stall_s_does_not_degrade(ray_s
                                                   timeout_s=0.2, stall_s=20.0)
     assert m["degraded"] == 0 and m["slow_calls"] >= late and m["dropped_tokens"] == 0
     assert not warnings
+
+
+def test_every_drafting_engine_offers_the_same_typed_interface():
+    """``DraftingInstance``: local vLLM engines and veRL's servers offer the drafter with the same
+    methods and the same return types (a per-blob list from ``import_drafts``, a count from
+    ``set_spec_windows``)."""
+    import inspect
+    import typing
+
+    from verl_ext.engine.instance import DraftingInstance
+    from verl_ext.engine.vllm_local import VLLMInstance
+    from verl_ext.rollout.replica_instance import ReplicaInstance
+
+    assert isinstance(ReplicaInstance("s0", object(), drafting=True), DraftingInstance)
+    for cls in (VLLMInstance, ReplicaInstance):
+        for name in ("import_drafts", "set_spec_windows"):
+            want = typing.get_type_hints(getattr(DraftingInstance, name))["return"]
+            got = typing.get_type_hints(getattr(cls, name))["return"]
+            assert got == want, (cls, name, got)
+            assert inspect.iscoroutinefunction(getattr(cls, name)), (cls, name)

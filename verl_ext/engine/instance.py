@@ -38,7 +38,7 @@ import abc
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable, Optional, Sequence
+from typing import Any, AsyncIterator, Callable, Optional, Protocol, Sequence, runtime_checkable
 
 #: ``generate``'s streaming callback: called with each batch of newly generated token ids
 TokenCallback = Callable[[Sequence[int]], None]
@@ -213,3 +213,25 @@ class Instance(abc.ABC):
 
     async def shutdown(self) -> None:
         """Release the instance's resources (idempotent)."""
+
+
+@runtime_checkable
+class DraftingInstance(Protocol):
+    """What an instance whose engine runs verl_ext's drafter (``verl_ext.spec.vllm_proposer``)
+    offers besides ``Instance``: local vLLM engines and veRL's vLLM servers. Strategies check
+    ``isinstance(inst, DraftingInstance) and inst.drafting`` before they use it."""
+
+    #: whether the engine runs the drafter (False: every method below is a no-op or refuses)
+    drafting: bool
+
+    async def drafter_call(self, op: str, *args) -> Any:
+        """One drafter RPC op on every worker; the first worker's answer where the engine's RPC
+        returns one (None on veRL's servers, whose ``collective_rpc`` returns nothing)."""
+
+    async def set_spec_windows(self, windows: dict, modes: Optional[dict] = None) -> int:
+        """New draft windows of running requests (``{request id: window}``); how many were set."""
+
+    async def import_drafts(self, blobs: list) -> list[int]:
+        """Grouped draft server deltas into the drafter; per blob, the tokens it added (0: nothing
+        new) or -1 where the drafter refused it (the server then resends that group in full)."""
+

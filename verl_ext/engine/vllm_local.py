@@ -327,7 +327,7 @@ class VLLMInstance(Instance):
             return 0
         return int(await self.drafter_call("set_windows", {str(k): int(v) for k, v in windows.items()}))
 
-    async def import_drafts(self, blobs: list[bytes]) -> list[int]:
+    async def import_drafts(self, blobs: list) -> list[int]:
         """Import group-tree deltas from the grouped draft server (``verl_ext.spec.dgds``) into
         the engine's drafter, all in one ``collective_rpc``. Returns, per blob, the tokens it
         added (0: nothing new) or -1 where a worker refused it (e.g. a delta against a tree the
