@@ -177,7 +177,7 @@ def test_load_cost_model_names_and_paths(tmp_path):
     assert "unknown cost-model preset 'h100-70b'" in msg
     for name in REQUIRED_PRESETS:
         assert name in msg
-    # a JSON file by path, e.g. written by `verl-ext profile`
+    # a JSON file by path, e.g. written by `verl-ext fit grid`
     path = tmp_path / "mine.json"
     path.write_text(json.dumps({**_toy().to_dict(), "fit": {"r2": 0.99}}))
     assert load_cost_model(str(path)) == _toy()
@@ -289,7 +289,7 @@ def test_shipped_cpu_profile_matches_its_samples():
 
     raw = json.loads((cost_mod._preset_dir() / "cpu-smollm2.json").read_text())
     shipped = CostModel.from_dict(raw, "cpu-smollm2")
-    if "from_traces" in raw["fit"]:  # `verl-ext profile --from-trace`: the windows it fitted
+    if "from_traces" in raw["fit"]:  # `verl-ext fit trace`: the windows it fitted
         from verl_ext.perf.trace_fit import fit_windows
 
         refit, rep = fit_windows(raw["fit"]["windows"], shipped)
@@ -307,7 +307,7 @@ def test_shipped_cpu_profile_matches_its_samples():
 
 def test_shipped_avx2_profile_matches_what_it_records():
     """cpu-smollm2-avx2.json (float32 engines on AVX2-only x86): its base fields are the
-    `verl-ext profile` fit of the samples it records, and its draft costs the step-log fit of the
+    `verl-ext fit grid` fit of the samples it records, and its draft costs the step-log fit of the
     windows it records on top of that base."""
     from verl_ext.perf import cost as cost_mod
     from verl_ext.perf.steplog_fit import fit_draft_costs

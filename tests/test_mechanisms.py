@@ -1,6 +1,6 @@
 """Each strategy's mechanisms are counted the same way on every driver (``verl_ext.pipe.mechanisms``).
 
-Here: the counting itself, and the simulator (``verl-ext ab --sim``), under conditions that make
+Here: the counting itself, and the simulator (``verl-ext sim``), under conditions that make
 each mechanism act. Real engines: test_seer_engine, test_rlhfspec_engine, test_specactor_engine
 (``verl-ext ab``'s ``run_strategy``); real veRL: test_verl_e2e_on_cpu (``--check-mechanisms``).
 """
@@ -79,7 +79,7 @@ SIM_ARMS = {  # each under the conditions that make its mechanisms act
 
 @pytest.fixture(scope="module")
 def sim_run(tmp_path_factory):
-    """``verl-ext ab --sim`` (its ``run_sim_ab``) on a small synthetic workload taken as recorded
+    """``verl-ext sim`` (its ``run_sim_ab``) on a small synthetic workload taken as recorded
     greedy (``meta["temperature"] = 0``: Best-of-N copies only greedy requests), ``exact`` replay
     (so that drafts from several scopes are attributed)."""
     from verl_ext.sim.runner import SimConfig, load_workload, run_sim_ab

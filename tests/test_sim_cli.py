@@ -1,4 +1,4 @@
-"""`verl-ext ab --sim` end to end (committed trace and a small synthetic workload) and its bad
+"""`verl-ext sim` end to end (committed trace and a small synthetic workload) and its bad
 input: each gets one error line naming the problem, exit code 2, and no outputs."""
 
 import json
@@ -80,7 +80,7 @@ def test_sim_bad_input(tmp_path, capsys):
 
 
 def test_profile_from_trace_fits_the_committed_trace(tmp_path, capsys):
-    """`verl-ext profile --from-trace`: step times read back from a real trace's token times."""
+    """`verl-ext fit trace`: step times read back from a real trace's token times."""
     from verl_ext.perf.cost import load_cost_model
     from verl_ext.measure.trace import trace_windows
 

@@ -1,5 +1,5 @@
 """Drafting engines' step logs (``VERL_EXT_STEPLOG``) and the draft-cost fit on them
-(``verl-ext profile --from-steplog``). CPU only; the proposer runs behind a runner stand-in."""
+(``verl-ext fit steplog``). CPU only; the proposer runs behind a runner stand-in."""
 
 import json
 
