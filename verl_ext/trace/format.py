@@ -169,9 +169,9 @@ class Trace:
 
     def _views(self) -> None:
         # taken once: the hot paths (prompt/response/times per row) are two numpy slices
-        self._po, self._pv = _views(self._prompts)
-        self._ro, self._rv = _views(self._responses)
-        self._to, self._tv = (None, None) if self._times is None else _views(self._times)
+        self._po, self._pv = _numpy_views(self._prompts)
+        self._ro, self._rv = _numpy_views(self._responses)
+        self._to, self._tv = (None, None) if self._times is None else _numpy_views(self._times)
 
     def __getstate__(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k not in ("_po", "_pv", "_ro", "_rv", "_to", "_tv")}
@@ -327,7 +327,7 @@ class Trace:
 
         def ids(lists, column):  # wide first, so that out-of-range ids are seen, not wrapped
             arr = pa.array(lists, type=pa.large_list(pa.int64()))
-            _check_ids(_views(arr)[1], column, "in-memory trace")
+            _check_ids(_numpy_views(arr)[1], column, "in-memory trace")
             return arr.cast(pa.large_list(pa.int32()), safe=False)
 
         times = None
@@ -495,7 +495,7 @@ def _normalized(lists):
     return pa.LargeListArray.from_arrays(pa.array(offsets - lo), lists.values.slice(lo, hi - lo))
 
 
-def _views(lists) -> tuple[np.ndarray, np.ndarray]:
+def _numpy_views(lists) -> tuple[np.ndarray, np.ndarray]:
     """(offsets, values) of a list array as read-only zero-copy numpy arrays."""
     return lists.offsets.to_numpy(), lists.values.to_numpy()
 
