@@ -1,4 +1,4 @@
-"""Synthetic long-tail workloads (verl_ext/trace/synth.py): CPU-only, a few seconds.
+"""Synthetic long-tail workloads (verl_ext/trace/synth/): CPU-only, a few seconds.
 
 The token source is the committed real trace (data/traces/smollm2_arith_e2.parquet) or, before
 it exists, the replay data it supersedes (data/replay_smollm2_arith.json.gz)."""

@@ -3,6 +3,7 @@ committed real trace. CPU only, no engine."""
 
 import json
 import math
+import pickle
 import time
 from pathlib import Path
 
@@ -82,6 +83,8 @@ def test_round_trip(tmp_path, with_times):
     write_trace(t, path)
     back = read_trace(path)
     assert_same(t, back)
+    assert back.response_lists.type == pa.large_list(pa.int32()) and len(back.prompt_lists) == 12
+    assert_same(pickle.loads(pickle.dumps(back)), back)
     assert [p.name for p in tmp_path.iterdir()] == ["t.parquet"]  # no temp file left behind
     # rows survive too (NaN for unknown values, None for unknown instance / token times)
     out = back.to_rows()
@@ -258,23 +261,40 @@ def test_token_times_count_mismatch_in_file(tmp_path):
         read_trace(write_table(bad, tmp_path / "tt.parquet"))
 
 
+def rebuilt(t: Trace, **changes) -> Trace:
+    """A trace from ``t``'s flat arrays with some of the constructor's arguments changed."""
+    kw = {name: getattr(t, name) for name in (
+        "epoch", "step", "prompt_uid", "sample_index", "prompt_tokens", "prompt_offsets", "response_tokens",
+        "response_offsets", "reward", "finish_reason", "instance", "submit_s", "finish_s", "token_times",
+        "token_time_offsets", "meta")}
+    return Trace(**{**kw, **changes})
+
+
 def test_bad_in_memory_traces(tmp_path):
     t = Trace.from_rows(make_rows())
-    t.response_offsets[3] = t.response_offsets[2] - 1
+    assert_same(rebuilt(t), t)
+    with pytest.raises(ValueError, match="read-only"):  # the token lists are immutable views
+        t.response_offsets[3] = 0
+    # malformed offsets: the constructor refuses them (a trace cannot hold them)
+    ro = t.response_offsets.copy()
+    ro[3] = ro[2] - 1
     with pytest.raises(TraceFormatError, match=r"in-memory trace: response_ids offsets decrease at row"):
+        rebuilt(t, response_offsets=ro)
+    with pytest.raises(TraceFormatError, match=r"prompt_ids offsets have shape \(12,\), expected \(13,\)"):
+        rebuilt(t, prompt_offsets=t.prompt_offsets[:-1])
+    ro = t.response_offsets.copy()
+    ro[-1] += 1
+    with pytest.raises(TraceFormatError, match="response_ids offsets end at"):
+        rebuilt(t, response_offsets=ro)
+    with pytest.raises(TraceFormatError, match="token_times and token_time_offsets must both be set"):
+        rebuilt(t, token_time_offsets=None)
+    # per-row columns may be edited; validate (and so write_trace) checks them
+    t.reward = t.reward[:-1]
+    with pytest.raises(TraceFormatError, match=r"column 'reward' has shape \(11,\), expected \(12,\)"):
         t.validate()
-    with pytest.raises(TraceFormatError, match="offsets decrease"):
+    with pytest.raises(TraceFormatError, match=r"column 'reward' has shape"):
         write_trace(t, tmp_path / "x.parquet")  # write validates first
     assert not (tmp_path / "x.parquet").exists()
-
-    t = Trace.from_rows(make_rows())
-    t.prompt_offsets = t.prompt_offsets[:-1]
-    with pytest.raises(TraceFormatError, match=r"prompt_ids offsets have shape \(12,\), expected \(13,\)"):
-        t.validate()
-    t = Trace.from_rows(make_rows())
-    t.response_offsets[-1] += 1
-    with pytest.raises(TraceFormatError, match="response_ids offsets end at"):
-        t.validate()
     t = Trace.from_rows(make_rows())
     t.finish_reason[2] = "eos"
     with pytest.raises(TraceFormatError, match=r"row 2 has finish_reason 'eos'; valid: \['stop', 'length', 'abort'\]"):

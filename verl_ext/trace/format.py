@@ -49,9 +49,12 @@ Version policy: the version is bumped on any change that an older reader would m
 not bump it. Readers accept exactly the versions they support and refuse any other one with
 a ``TraceFormatError`` that names the file, the version found and the version supported.
 
-In memory (``Trace``) the token lists are flat arrays plus ``int64`` offsets (row ``i`` is
-``values[offsets[i]:offsets[i+1]]``), converted to and from Arrow list arrays without
-per-row Python loops.
+In memory (``Trace``) the per-row columns are numpy arrays and the three token-list columns
+are the file's Arrow ``large_list`` arrays (``prompt_lists``, ``response_lists``,
+``token_time_lists``): reading and writing pass them through, and ``select``/``concat`` are
+Arrow's ``filter``/``take``/``concat_arrays``. Their flat values and ``int64`` offsets are
+read-only, zero-copy numpy views (row ``i`` is ``values[offsets[i]:offsets[i+1]]``), taken
+once per trace, so ``prompt(i)``/``response(i)``/``times(i)`` are two slices.
 """
 
 from __future__ import annotations
@@ -60,7 +63,6 @@ import contextlib
 import json
 import os
 import secrets
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
@@ -91,80 +93,158 @@ COLUMNS = (
     "finish_s",
 )
 OPTIONAL_COLUMNS = ("token_times",)
+#: the per-row (non-list) columns, in file order
+_ROW_COLUMNS = ("epoch", "step", "prompt_uid", "sample_index", "reward", "finish_reason", "instance", "submit_s", "finish_s")
 
 
 class TraceFormatError(ValueError):
     """A trace file or in-memory trace is malformed; the message names the file and the problem."""
 
 
-def _empty_offsets(n: int = 0) -> np.ndarray:
-    return np.zeros(n + 1, dtype=np.int64)
-
-
-@dataclass(eq=False)
 class Trace:
-    """One row per response. Token lists are stored flat + offsets (zero-copy from Arrow)."""
+    """One row per response. Per-row columns are numpy arrays (``epoch``, ``step``, ``prompt_uid``,
+    ``sample_index``, ``reward``, ``finish_reason``, ``instance``, ``submit_s``, ``finish_s``; they
+    may be edited in place, ``validate`` checks them). The token lists are immutable Arrow
+    ``large_list`` arrays (``prompt_lists``, ``response_lists``, ``token_time_lists`` or None)
+    with read-only zero-copy numpy views: ``prompt_tokens``/``prompt_offsets``,
+    ``response_tokens``/``response_offsets``, ``token_times``/``token_time_offsets``.
 
-    epoch: np.ndarray  # int32 [n]
-    step: np.ndarray  # int32 [n]
-    prompt_uid: np.ndarray  # object [n] of str
-    sample_index: np.ndarray  # int32 [n]
-    prompt_tokens: np.ndarray  # int32 flat
-    prompt_offsets: np.ndarray  # int64 [n+1]
-    response_tokens: np.ndarray  # int32 flat
-    response_offsets: np.ndarray  # int64 [n+1]
-    reward: np.ndarray  # float32 [n], nan if unknown
-    finish_reason: np.ndarray  # object [n] of str
-    instance: np.ndarray  # object [n] of str or None
-    submit_s: np.ndarray  # float64 [n], nan if unknown
-    finish_s: np.ndarray  # float64 [n], nan if unknown
-    token_times: Optional[np.ndarray] = None  # float32 flat, seconds from submit, per token
-    token_time_offsets: Optional[np.ndarray] = None  # int64 [n+1]
-    meta: dict = field(default_factory=dict)
+    The constructor takes the lists as flat values plus ``int64`` offsets (row ``i`` is
+    ``values[offsets[i]:offsets[i+1]]``), wraps them without copying, and refuses malformed
+    offsets with a ``TraceFormatError`` (a trace cannot hold them)."""
 
-    def __post_init__(self) -> None:
-        self.epoch = np.asarray(self.epoch, dtype=np.int32)
-        self.step = np.asarray(self.step, dtype=np.int32)
-        self.sample_index = np.asarray(self.sample_index, dtype=np.int32)
-        self.prompt_uid = _object_array(self.prompt_uid)
-        self.finish_reason = _object_array(self.finish_reason)
-        self.instance = _object_array(self.instance)
-        self.prompt_tokens = _int32_tokens(self.prompt_tokens)
-        self.response_tokens = _int32_tokens(self.response_tokens)
-        self.prompt_offsets = np.asarray(self.prompt_offsets, dtype=np.int64)
-        self.response_offsets = np.asarray(self.response_offsets, dtype=np.int64)
-        self.reward = np.asarray(self.reward, dtype=np.float32)
-        self.submit_s = np.asarray(self.submit_s, dtype=np.float64)
-        self.finish_s = np.asarray(self.finish_s, dtype=np.float64)
-        if (self.token_times is None) != (self.token_time_offsets is None):
+    def __init__(
+        self,
+        epoch,
+        step,
+        prompt_uid,
+        sample_index,
+        prompt_tokens,
+        prompt_offsets,
+        response_tokens,
+        response_offsets,
+        reward,
+        finish_reason,
+        instance,
+        submit_s,
+        finish_s,
+        token_times=None,
+        token_time_offsets=None,
+        meta: Optional[dict] = None,
+    ) -> None:
+        if (token_times is None) != (token_time_offsets is None):
             raise TraceFormatError("in-memory trace: token_times and token_time_offsets must both be set or both None")
-        if self.token_times is not None:
-            self.token_times = np.asarray(self.token_times, dtype=np.float32)
-            self.token_time_offsets = np.asarray(self.token_time_offsets, dtype=np.int64)
-        if self.meta is None:
-            self.meta = {}
+        n = np.shape(epoch)[0] if np.ndim(epoch) else 0
+        prompts = _list_array(_int32_tokens(prompt_tokens), prompt_offsets, n, "prompt_ids")
+        responses = _list_array(_int32_tokens(response_tokens), response_offsets, n, "response_ids")
+        times = None
+        if token_times is not None:
+            times = _list_array(np.asarray(token_times, dtype=np.float32).reshape(-1), token_time_offsets, n, "token_times")
+        self._set(epoch, step, prompt_uid, sample_index, reward, finish_reason, instance, submit_s, finish_s,
+                  prompts, responses, times, meta)
+
+    @classmethod
+    def _from_lists(cls, *, prompt_lists, response_lists, token_time_lists=None, meta=None, **rows) -> "Trace":
+        """A trace over Arrow list arrays of the in-memory types (``large_list<int32>`` token ids,
+        ``large_list<float32>`` times), which it keeps (no copy unless sliced)."""
+        self = cls.__new__(cls)
+        self._set(meta=meta, prompts=_normalized(prompt_lists), responses=_normalized(response_lists),
+                  times=None if token_time_lists is None else _normalized(token_time_lists), **rows)
+        return self
+
+    def _set(self, epoch, step, prompt_uid, sample_index, reward, finish_reason, instance, submit_s, finish_s,
+             prompts, responses, times, meta) -> None:
+        self.epoch = np.asarray(epoch, dtype=np.int32)
+        self.step = np.asarray(step, dtype=np.int32)
+        self.prompt_uid = _object_array(prompt_uid)
+        self.sample_index = np.asarray(sample_index, dtype=np.int32)
+        self.reward = np.asarray(reward, dtype=np.float32)
+        self.finish_reason = _object_array(finish_reason)
+        self.instance = _object_array(instance)
+        self.submit_s = np.asarray(submit_s, dtype=np.float64)
+        self.finish_s = np.asarray(finish_s, dtype=np.float64)
+        self.meta = {} if meta is None else meta
+        self._prompts, self._responses, self._times = prompts, responses, times
+        self._views()
+
+    def _views(self) -> None:
+        # taken once: the hot paths (prompt/response/times per row) are two numpy slices
+        self._po, self._pv = _numpy_views(self._prompts)
+        self._ro, self._rv = _numpy_views(self._responses)
+        self._to, self._tv = (None, None) if self._times is None else _numpy_views(self._times)
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k not in ("_po", "_pv", "_ro", "_rv", "_to", "_tv")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._views()
+
+    def __repr__(self) -> str:
+        return (f"Trace({len(self)} rows, epochs {self.epochs()}, {self._rv.size} response tokens, "
+                f"token_times {'yes' if self._times is not None else 'no'}, meta keys {sorted(self.meta)})")
+
+    # -- the token lists -------------------------------------------------------------------------
+    @property
+    def prompt_lists(self):
+        """``prompt_ids`` as a ``pyarrow.LargeListArray`` of int32."""
+        return self._prompts
+
+    @property
+    def response_lists(self):
+        """``response_ids`` as a ``pyarrow.LargeListArray`` of int32."""
+        return self._responses
+
+    @property
+    def token_time_lists(self):
+        """``token_times`` as a ``pyarrow.LargeListArray`` of float32, or None without the column."""
+        return self._times
+
+    @property
+    def prompt_tokens(self) -> np.ndarray:
+        return self._pv
+
+    @property
+    def prompt_offsets(self) -> np.ndarray:
+        return self._po
+
+    @property
+    def response_tokens(self) -> np.ndarray:
+        return self._rv
+
+    @property
+    def response_offsets(self) -> np.ndarray:
+        return self._ro
+
+    @property
+    def token_times(self) -> Optional[np.ndarray]:
+        return self._tv
+
+    @property
+    def token_time_offsets(self) -> Optional[np.ndarray]:
+        return self._to
 
     # -- access ------------------------------------------------------------------------------
     def __len__(self) -> int:
         return int(self.epoch.shape[0])
 
     def prompt(self, i: int) -> np.ndarray:
-        return self.prompt_tokens[self.prompt_offsets[i] : self.prompt_offsets[i + 1]]
+        return self._pv[self._po[i] : self._po[i + 1]]
 
     def response(self, i: int) -> np.ndarray:
-        return self.response_tokens[self.response_offsets[i] : self.response_offsets[i + 1]]
+        return self._rv[self._ro[i] : self._ro[i + 1]]
 
     def times(self, i: int) -> Optional[np.ndarray]:
         """Per-token arrival times of row ``i`` (empty if unknown), or None without the column."""
-        if self.token_times is None:
+        if self._tv is None:
             return None
-        return self.token_times[self.token_time_offsets[i] : self.token_time_offsets[i + 1]]
+        return self._tv[self._to[i] : self._to[i + 1]]
 
     def prompt_lengths(self) -> np.ndarray:
-        return np.diff(self.prompt_offsets)
+        return np.diff(self._po)
 
     def response_lengths(self) -> np.ndarray:
-        return np.diff(self.response_offsets)
+        return np.diff(self._ro)
 
     def epochs(self) -> list[int]:
         return sorted(int(e) for e in np.unique(self.epoch))
@@ -172,37 +252,27 @@ class Trace:
     # -- transforms ----------------------------------------------------------------------------
     def select(self, mask_or_indices) -> "Trace":
         """A new trace with the given rows (a boolean mask of length ``n`` or row indices)."""
+        import pyarrow as pa
+
         sel = np.asarray(mask_or_indices)
         if sel.dtype == bool:
             if sel.shape != (len(self),):
                 raise IndexError(f"boolean mask has shape {sel.shape}, trace has {len(self)} rows")
-            idx = np.flatnonzero(sel)
+            rows = sel
+            keep = pa.array(sel)
+            pick = lambda lists: lists.filter(keep)  # noqa: E731
         else:
-            idx = sel.astype(np.int64, copy=False).reshape(-1)
-            if idx.size and (idx.min() < -len(self) or idx.max() >= len(self)):
+            rows = sel.astype(np.int64, copy=False).reshape(-1)
+            if rows.size and (rows.min() < -len(self) or rows.max() >= len(self)):
                 raise IndexError(f"row index out of range for a trace of {len(self)} rows")
-            idx = np.where(idx < 0, idx + len(self), idx)
-        pt, po = _gather(self.prompt_tokens, self.prompt_offsets, idx)
-        rt, ro = _gather(self.response_tokens, self.response_offsets, idx)
-        tt = to = None
-        if self.token_times is not None:
-            tt, to = _gather(self.token_times, self.token_time_offsets, idx)
-        return Trace(
-            epoch=self.epoch[idx],
-            step=self.step[idx],
-            prompt_uid=self.prompt_uid[idx],
-            sample_index=self.sample_index[idx],
-            prompt_tokens=pt,
-            prompt_offsets=po,
-            response_tokens=rt,
-            response_offsets=ro,
-            reward=self.reward[idx],
-            finish_reason=self.finish_reason[idx],
-            instance=self.instance[idx],
-            submit_s=self.submit_s[idx],
-            finish_s=self.finish_s[idx],
-            token_times=tt,
-            token_time_offsets=to,
+            rows = np.where(rows < 0, rows + len(self), rows)
+            take = pa.array(rows)
+            pick = lambda lists: lists.take(take)  # noqa: E731
+        return Trace._from_lists(
+            **{name: getattr(self, name)[rows] for name in _ROW_COLUMNS},
+            prompt_lists=pick(self._prompts),
+            response_lists=pick(self._responses),
+            token_time_lists=None if self._times is None else pick(self._times),
             meta=dict(self.meta),
         )
 
@@ -210,43 +280,20 @@ class Trace:
     def concat(cls, traces: Sequence["Trace"]) -> "Trace":
         """Rows of all ``traces`` in order; ``meta`` is the first trace's. If any trace has
         ``token_times``, rows of the others get empty (unknown) time lists."""
+        import pyarrow as pa
+
         traces = list(traces)
         if not traces:
             return cls.from_rows([])
-        with_times = any(t.token_times is not None for t in traces)
-
-        def flat(tokens, offsets):
-            vals = [tokens(t) for t in traces]
-            offs = [offsets(t) for t in traces]
-            shift = np.cumsum([0] + [int(o[-1]) for o in offs[:-1]])
-            out = np.concatenate([np.zeros(1, np.int64)] + [o[1:] + s for o, s in zip(offs, shift)])
-            return np.concatenate(vals), out
-
-        pt, po = flat(lambda t: t.prompt_tokens, lambda t: t.prompt_offsets)
-        rt, ro = flat(lambda t: t.response_tokens, lambda t: t.response_offsets)
-        tt = to = None
-        if with_times:
-            tt, to = flat(
-                lambda t: t.token_times if t.token_times is not None else np.zeros(0, np.float32),
-                lambda t: t.token_time_offsets if t.token_time_offsets is not None else _empty_offsets(len(t)),
-            )
-        cat = lambda name: np.concatenate([getattr(t, name) for t in traces])  # noqa: E731
-        return cls(
-            epoch=cat("epoch"),
-            step=cat("step"),
-            prompt_uid=cat("prompt_uid"),
-            sample_index=cat("sample_index"),
-            prompt_tokens=pt,
-            prompt_offsets=po,
-            response_tokens=rt,
-            response_offsets=ro,
-            reward=cat("reward"),
-            finish_reason=cat("finish_reason"),
-            instance=cat("instance"),
-            submit_s=cat("submit_s"),
-            finish_s=cat("finish_s"),
-            token_times=tt,
-            token_time_offsets=to,
+        times = None
+        if any(t._times is not None for t in traces):
+            times = pa.concat_arrays([t._times if t._times is not None else _empty_lists(len(t), pa.float32())
+                                      for t in traces])
+        return cls._from_lists(
+            **{name: np.concatenate([getattr(t, name) for t in traces]) for name in _ROW_COLUMNS},
+            prompt_lists=pa.concat_arrays([t._prompts for t in traces]),
+            response_lists=pa.concat_arrays([t._responses for t in traces]),
+            token_time_lists=times,
             meta=dict(traces[0].meta),
         )
 
@@ -258,6 +305,8 @@ class Trace:
         ``reward`` (default NaN), ``finish_reason``, ``instance`` (default None), ``submit_s`` /
         ``finish_s`` (default NaN), ``token_times`` (optional list, one time per response token).
         The trace has a ``token_times`` column iff some row has a non-None ``token_times``."""
+        import pyarrow as pa
+
         rows = list(rows)
         n = len(rows)
         nan = float("nan")
@@ -275,34 +324,36 @@ class Trace:
         instance = [None if r.get("instance") is None else str(r["instance"]) for r in rows]
         submit = [nan if r.get("submit_s") is None else float(r["submit_s"]) for r in rows]
         finish_s = [nan if r.get("finish_s") is None else float(r["finish_s"]) for r in rows]
-        pt, po = _pack(prompts, np.int64)
-        rt, ro = _pack(responses, np.int64)
-        _check_ids(pt, "prompt_ids", "in-memory trace")
-        _check_ids(rt, "response_ids", "in-memory trace")
-        tt = to = None
+
+        def ids(lists, column):  # wide first, so that out-of-range ids are seen, not wrapped
+            arr = pa.array(lists, type=pa.large_list(pa.int64()))
+            _check_ids(_numpy_views(arr)[1], column, "in-memory trace")
+            return arr.cast(pa.large_list(pa.int32()), safe=False)
+
+        times = None
         if any(r.get("token_times") is not None for r in rows):
-            tt, to = _pack([() if r.get("token_times") is None else r["token_times"] for r in rows], np.float32)
-        return cls(
+            times = pa.array([() if r.get("token_times") is None else r["token_times"] for r in rows],
+                             type=pa.large_list(pa.float64())).cast(pa.large_list(pa.float32()), safe=False)
+        return cls._from_lists(
             epoch=np.array(epoch, dtype=np.int32).reshape(n),
             step=np.array(step, dtype=np.int32).reshape(n),
             prompt_uid=uid,
             sample_index=np.array(sample, dtype=np.int32).reshape(n),
-            prompt_tokens=pt,
-            prompt_offsets=po,
-            response_tokens=rt,
-            response_offsets=ro,
             reward=np.array(reward, dtype=np.float32).reshape(n),
             finish_reason=finish,
             instance=instance,
             submit_s=np.array(submit, dtype=np.float64).reshape(n),
             finish_s=np.array(finish_s, dtype=np.float64).reshape(n),
-            token_times=tt,
-            token_time_offsets=to,
+            prompt_lists=ids(prompts, "prompt_ids"),
+            response_lists=ids(responses, "response_ids"),
+            token_time_lists=times,
             meta=dict(meta or {}),
         )
 
     def to_rows(self) -> list[dict]:
         """The inverse of ``from_rows`` (``token_times`` is None for every row without the column)."""
+        prompts, responses = self._prompts.to_pylist(), self._responses.to_pylist()
+        times = [None] * len(self) if self._times is None else self._times.to_pylist()
         rows = []
         for i in range(len(self)):
             rows.append(
@@ -311,14 +362,14 @@ class Trace:
                     "step": int(self.step[i]),
                     "prompt_uid": self.prompt_uid[i],
                     "sample_index": int(self.sample_index[i]),
-                    "prompt_ids": self.prompt(i).tolist(),
-                    "response_ids": self.response(i).tolist(),
+                    "prompt_ids": prompts[i],
+                    "response_ids": responses[i],
                     "reward": float(self.reward[i]),
                     "finish_reason": self.finish_reason[i],
                     "instance": self.instance[i],
                     "submit_s": float(self.submit_s[i]),
                     "finish_s": float(self.finish_s[i]),
-                    "token_times": None if self.token_times is None else self.times(i).tolist(),
+                    "token_times": times[i],
                 }
             )
         return rows
@@ -328,7 +379,7 @@ class Trace:
         """Shapes, offsets, token ids, finish reasons; raises ``TraceFormatError``."""
         self._check("in-memory trace")
 
-    def _check(self, where: str) -> None:
+    def _check(self, where: str, ids: bool = True) -> None:
         n = len(self)
 
         def fail(msg: str):
@@ -338,11 +389,11 @@ class Trace:
             arr = getattr(self, name)
             if arr.shape != (n,):
                 fail(f"column '{name}' has shape {arr.shape}, expected ({n},)")
-        _check_offsets(self.prompt_offsets, self.prompt_tokens, n, "prompt_ids", fail)
-        _check_offsets(self.response_offsets, self.response_tokens, n, "response_ids", fail)
-        if self.token_times is not None:
-            _check_offsets(self.token_time_offsets, self.token_times, n, "token_times", fail)
-            counts = np.diff(self.token_time_offsets)
+        _check_offsets(self._po, self._pv, n, "prompt_ids", fail)
+        _check_offsets(self._ro, self._rv, n, "response_ids", fail)
+        if self._times is not None:
+            _check_offsets(self._to, self._tv, n, "token_times", fail)
+            counts = np.diff(self._to)
             bad = np.flatnonzero((counts != 0) & (counts != self.response_lengths()))
             if bad.size:
                 i = int(bad[0])
@@ -350,8 +401,9 @@ class Trace:
                     f"token_times of row {i} has {int(counts[i])} entries; expected 0 (unknown) or one per "
                     f"response token ({int(self.response_lengths()[i])})"
                 )
-        _check_ids(self.prompt_tokens, "prompt_ids", where)
-        _check_ids(self.response_tokens, "response_ids", where)
+        if ids:  # (read_trace checked them before narrowing to int32)
+            _check_ids(self._pv, "prompt_ids", where)
+            _check_ids(self._rv, "response_ids", where)
         if n and (self.sample_index.min() < 0):
             fail(f"negative sample_index in row {int(np.argmin(self.sample_index))}")
         ok = np.isin(self.finish_reason, np.array(FINISH_REASONS, dtype=object))
@@ -412,26 +464,40 @@ def _check_offsets(offsets: np.ndarray, values: np.ndarray, n: int, column: str,
         fail(f"{column} offsets end at {int(offsets[-1])} but there are {values.shape[0]} values")
 
 
-def _pack(lists: Sequence, dtype) -> tuple[np.ndarray, np.ndarray]:
-    lengths = np.fromiter((len(x) for x in lists), dtype=np.int64, count=len(lists))
-    offsets = np.zeros(len(lists) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    if offsets[-1] == 0:
-        return np.zeros(0, dtype=dtype), offsets
-    flat = np.concatenate([np.asarray(x, dtype=dtype).reshape(-1) for x in lists if len(x)])
-    return flat, offsets
+def _list_array(values: np.ndarray, offsets, n: int, column: str):
+    """``large_list`` over flat ``values`` and ``offsets`` (checked; wrapped, not copied)."""
+    import pyarrow as pa
+
+    offsets = np.asarray(offsets, dtype=np.int64)
+
+    def fail(msg: str):
+        raise TraceFormatError(f"in-memory trace: {msg}")
+
+    _check_offsets(offsets, values, n, column, fail)
+    return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(np.ascontiguousarray(values)))
 
 
-def _gather(values: np.ndarray, offsets: np.ndarray, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    starts = offsets[idx]
-    lengths = offsets[idx + 1] - starts
-    new = np.zeros(idx.size + 1, dtype=np.int64)
-    np.cumsum(lengths, out=new[1:])
-    total = int(new[-1])
-    if total == 0:
-        return values[:0].copy(), new
-    pos = np.repeat(starts - new[:-1], lengths) + np.arange(total, dtype=np.int64)
-    return values[pos], new
+def _empty_lists(n: int, value_type):
+    """``n`` empty lists."""
+    import pyarrow as pa
+
+    return pa.LargeListArray.from_arrays(pa.array(np.zeros(n + 1, np.int64)), pa.array([], type=value_type))
+
+
+def _normalized(lists):
+    """``lists`` with offsets starting at 0 and exactly its rows' values (a slice is re-based)."""
+    import pyarrow as pa
+
+    offsets = lists.offsets.to_numpy()
+    lo, hi = int(offsets[0]), int(offsets[-1])
+    if lo == 0 and hi == len(lists.values):
+        return lists
+    return pa.LargeListArray.from_arrays(pa.array(offsets - lo), lists.values.slice(lo, hi - lo))
+
+
+def _numpy_views(lists) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets, values) of a list array as read-only zero-copy numpy arrays."""
+    return lists.offsets.to_numpy(), lists.values.to_numpy()
 
 
 # -- Arrow / Parquet -------------------------------------------------------------------------------
@@ -457,27 +523,27 @@ def _schema(with_times: bool):
 
 
 def to_table(trace: Trace):
-    """The trace as a ``pyarrow.Table`` with the format's schema and metadata."""
+    """The trace as a ``pyarrow.Table`` with the format's schema and metadata (the token lists
+    are the trace's own Arrow arrays)."""
     import pyarrow as pa
 
     trace.validate()
-    lst = lambda offsets, values: pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values))  # noqa: E731
     arrays = [
         pa.array(trace.epoch),
         pa.array(trace.step),
         pa.array(trace.prompt_uid, type=pa.string()),
         pa.array(trace.sample_index),
-        lst(trace.prompt_offsets, trace.prompt_tokens),
-        lst(trace.response_offsets, trace.response_tokens),
+        trace.prompt_lists,
+        trace.response_lists,
         pa.array(trace.reward),
         pa.array(trace.finish_reason, type=pa.string()),
         pa.array(trace.instance, type=pa.string(), from_pandas=False),
         pa.array(trace.submit_s),
         pa.array(trace.finish_s),
     ]
-    with_times = trace.token_times is not None
+    with_times = trace.token_time_lists is not None
     if with_times:
-        arrays.append(lst(trace.token_time_offsets, trace.token_times))
+        arrays.append(trace.token_time_lists)
     metadata = {
         _KEY_FORMAT: TRACE_FORMAT.encode(),
         _KEY_VERSION: str(TRACE_VERSION).encode(),
@@ -569,7 +635,7 @@ def read_trace(path) -> Trace:
     except (pa.ArrowException, OSError) as exc:
         raise TraceFormatError(f"{where}: corrupt Parquet data ({exc})") from None
     trace = _from_table(table, meta, where)
-    trace._check(where)
+    trace._check(where, ids=False)  # _from_table checked the ids
     return trace
 
 
@@ -605,48 +671,39 @@ def _from_table(table, meta: dict, where: str) -> Trace:
             fail(f"column '{name}' has {arr.null_count} null value(s)")
         return _object_array(arr.to_numpy(zero_copy_only=False))
 
-    def lists(name, value_dtype, ids: bool):
+    def lists(name, value_type, ids: bool):
         arr = column(name)
         if not (pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type)):
             fail(f"column '{name}' has type {arr.type}, expected a list")
         if arr.null_count:
             fail(f"column '{name}' has {arr.null_count} null row(s)")
-        offsets = np.asarray(arr.offsets.to_numpy(zero_copy_only=False), dtype=np.int64)
-        values = arr.values
+        values = arr.flatten()  # the rows' values (a slice of the child array, no copy)
         if values.null_count:
             fail(f"column '{name}' has null values inside its lists")
-        vals = values.to_numpy(zero_copy_only=False)
-        if offsets.size:
-            lo, hi = int(offsets[0]), int(offsets[-1])
-            if lo or hi != len(vals):
-                vals = vals[lo:hi]
-                offsets = offsets - lo
         if ids:
-            if not np.issubdtype(vals.dtype, np.integer):
+            if not pa.types.is_integer(values.type):
                 fail(f"column '{name}' holds {values.type}, expected integer token ids")
-            _check_ids(vals, name, where)
-        return vals.astype(value_dtype, copy=False), offsets
+            _check_ids(values.to_numpy(), name, where)  # before narrowing to int32
+        elif not (pa.types.is_integer(values.type) or pa.types.is_floating(values.type)):
+            fail(f"column '{name}' holds {values.type}, expected numbers")
+        target = pa.large_list(value_type)
+        return arr if arr.type == target else arr.cast(target, safe=False)
 
-    pt, po = lists("prompt_ids", np.int32, ids=True)
-    rt, ro = lists("response_ids", np.int32, ids=True)
-    tt = to = None
-    if "token_times" in table.column_names:
-        tt, to = lists("token_times", np.float32, ids=False)
-    return Trace(
+    prompts = lists("prompt_ids", pa.int32(), ids=True)
+    responses = lists("response_ids", pa.int32(), ids=True)
+    times = lists("token_times", pa.float32(), ids=False) if "token_times" in table.column_names else None
+    return Trace._from_lists(
         epoch=scalar("epoch", np.int32),
         step=scalar("step", np.int32),
         prompt_uid=strings("prompt_uid"),
         sample_index=scalar("sample_index", np.int32),
-        prompt_tokens=pt,
-        prompt_offsets=po,
-        response_tokens=rt,
-        response_offsets=ro,
         reward=scalar("reward", np.float32),
         finish_reason=strings("finish_reason"),
         instance=strings("instance", nullable=True),
         submit_s=scalar("submit_s", np.float64),
         finish_s=scalar("finish_s", np.float64),
-        token_times=tt,
-        token_time_offsets=to,
+        prompt_lists=prompts,
+        response_lists=responses,
+        token_time_lists=times,
         meta=meta,
     )

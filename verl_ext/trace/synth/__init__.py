@@ -1,0 +1,36 @@
+"""Synthetic long-tail rollout workloads for the simulator, from real tokens.
+
+``synthesize(cfg, source)`` (``content``) returns a ``Trace`` whose response lengths follow a
+long-tail model (``lengths``) and whose tokens are real responses of ``source`` with tunable
+within-group, cross-epoch and self similarity. ``SynthConfig`` (``config``) sets both;
+``with_level`` applies one of the two calibrated similarity levels (``calibration``, fitted and
+measured by ``similarity``). The papers' figures, the model and its limits: docs/ARCHITECTURE.md,
+"Synthetic workloads"."""
+
+from verl_ext.trace.synth.calibration import (
+    CALIBRATION_CONFIG,
+    CALIBRATION_STATS,
+    SEED_TARGETS,
+    SIMILARITY_LEVELS,
+    with_level,
+)
+from verl_ext.trace.synth.config import SynthConfig
+from verl_ext.trace.synth.content import default_source_path, load_source, synthesize
+from verl_ext.trace.synth.lengths import length_stats, sample_lengths
+from verl_ext.trace.synth.similarity import calibrate_levels, similarity_stats
+
+__all__ = [
+    "SynthConfig",
+    "SIMILARITY_LEVELS",
+    "SEED_TARGETS",
+    "CALIBRATION_CONFIG",
+    "CALIBRATION_STATS",
+    "with_level",
+    "synthesize",
+    "sample_lengths",
+    "similarity_stats",
+    "length_stats",
+    "calibrate_levels",
+    "load_source",
+    "default_source_path",
+]

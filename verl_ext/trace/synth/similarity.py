@@ -1,0 +1,315 @@
+"""The similarity measurement and the fit of the levels. ``similarity_stats(trace)``, on a real
+or synthetic trace: RhymeRL §5.1's reuse fraction (response tokens whose 3-token prefix and token
+occur in the prompt's previous-epoch responses) and Seer §3.3 / Table 2's grouped gain (accepted
+draft tokens of exact-match replay with the native ``DraftIndex``, k = 8, with the group's other
+responses as references vs the request alone), plus the history-scope gain.
+``calibrate_levels(source)`` bisects the knobs until synthetic traces show each level's targets
+(minutes); its output is ``calibration.SIMILARITY_LEVELS``."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import numpy as np
+
+from verl_ext.history.store import history_weight
+from verl_ext.trace.format import Trace
+from verl_ext.trace.synth.calibration import CALIBRATION_CONFIG, CALIBRATION_STATS
+from verl_ext.trace.synth.config import SynthConfig
+from verl_ext.trace.synth.content import _expand, synthesize
+from verl_ext.trace.synth.lengths import _groups
+
+
+_H1 = np.uint64(0x9E3779B97F4A7C15)
+_H2 = np.uint64(0xC2B2AE3D27D4EB4F)
+
+
+def _ngram_keys(trace: Trace, rows: np.ndarray, labels: np.ndarray, n_prefix: int = 3) -> tuple[np.ndarray, np.ndarray]:
+    """For each response token of ``rows``: a 64-bit hash of (label, previous ``n_prefix``
+    tokens, the token), the context being the prompt's last ``n_prefix`` tokens + the response.
+    Returns the keys and the row (position in ``rows``) of each key."""
+    seqs = []
+    for i in rows.tolist():
+        pr = trace.prompt(i)[-n_prefix:]
+        if len(pr) < n_prefix:
+            pr = np.concatenate([np.full(n_prefix - len(pr), -1, np.int64), pr])
+        seqs.append(pr.astype(np.int64))
+        seqs.append(trace.response(i).astype(np.int64))
+    if not seqs:
+        return np.zeros(0, np.uint64), np.zeros(0, np.int64)
+    flat = np.concatenate(seqs).astype(np.uint64)
+    rl = trace.response_lengths()[rows]
+    seq_len = rl + n_prefix
+    seq_start = np.cumsum(seq_len) - seq_len
+    # windows ending at each response token: positions seq_start + n_prefix + t
+    end = _expand(seq_start + n_prefix, rl)
+    h = np.zeros(end.size, np.uint64)
+    with np.errstate(over="ignore"):
+        for d in range(n_prefix, -1, -1):
+            h = h * _H1 + flat[end - d] + np.uint64(1)
+        lab = np.repeat(labels.astype(np.uint64), rl)
+        h ^= (lab + np.uint64(1)) * _H2
+    return h, np.repeat(np.arange(rows.size), rl)
+
+
+def _reuse(trace: Trace, cur_rows, cur_lab, hist_rows, hist_lab) -> tuple[float, float]:
+    ck, crow = _ngram_keys(trace, cur_rows, cur_lab)
+    hk, _ = _ngram_keys(trace, hist_rows, hist_lab)
+    if ck.size == 0:
+        return float("nan"), float("nan")
+    hs = np.sort(hk)
+    at = np.minimum(np.searchsorted(hs, ck), max(0, hs.size - 1))
+    hit = hs[at] == ck if hs.size else np.zeros(ck.size, bool)
+    per = np.bincount(crow, weights=hit, minlength=cur_rows.size) / np.maximum(1, np.bincount(crow, minlength=cur_rows.size))
+    return float(hit.mean()), float(per.mean())
+
+
+def _replay_accept(items, k: int, min_prob: float, scopes: int, max_tokens: int, ref_tokens: Optional[int]):
+    """Exact-match replay of target responses. ``items``: (prompt, response, group refs,
+    history refs [(tokens, weight)]). Returns (accepted draft tokens, steps, tokens)."""
+    from verl_ext.spec import DraftIndex
+
+    idx = DraftIndex(32, 0, max(1, k))
+    keys, rows, starts, ends = [], [], [], []
+    for t, (prompt, resp, refs, hist) in enumerate(items):
+        g, h = f"g{t}", f"h{t}"
+        for r_i, ref in enumerate(refs):
+            ref = ref[:ref_tokens] if ref_tokens else ref
+            if len(ref):
+                idx.group_append(g, f"r{r_i}", np.ascontiguousarray(ref, np.int32))
+        for ref, w in hist:
+            ref = ref[:ref_tokens] if ref_tokens else ref
+            if len(ref):
+                idx.add_history(h, np.ascontiguousarray(ref, np.int32), float(w))
+        key = f"t{t}"
+        idx.start_request(key, np.ascontiguousarray(prompt, np.int32), group=g, history=h)
+        row = np.concatenate([prompt, resp[:max_tokens]]).astype(np.int32)
+        keys.append(key)
+        rows.append(row)
+        starts.append(len(prompt))
+        ends.append(len(row))
+    if hasattr(idx, "replay"):
+        res = idx.replay(keys, rows, starts, ends, k, scopes=scopes, min_prob=min_prob)
+        emitted = np.concatenate([np.asarray(e, np.int64) for e, _ in res]) if res else np.zeros(0, np.int64)
+        steps, toks = emitted.size, int(emitted.sum())
+        return toks - steps, steps, toks
+    # fallback: lockstep loop over batch_propose_lists (older native module)
+    pos = list(starts)
+    live = [i for i in range(len(keys)) if pos[i] < ends[i]]
+    acc_total = steps = toks = 0
+    while live:
+        drafts = idx.batch_propose_lists([keys[i] for i in live], [k] * len(live), scopes=scopes, min_prob=min_prob)
+        for i, d in zip(live, drafts):
+            row, left = rows[i], ends[i] - pos[i]
+            acc = 0
+            while acc < len(d) and acc + 1 < left and d[acc] == row[pos[i] + acc]:
+                acc += 1
+            emit = min(acc + 1, left)
+            idx.append(keys[i], row[pos[i]:pos[i] + emit])
+            pos[i] += emit
+            acc_total += emit - 1
+            steps += 1
+            toks += emit
+        live = [i for i in live if pos[i] < ends[i]]
+    return acc_total, steps, toks
+
+
+def similarity_stats(
+    trace: Trace,
+    *,
+    k: int = 8,
+    groups: int = 8,
+    targets: int = 2,
+    max_tokens: int = 2048,
+    ref_tokens: Optional[int] = None,
+    reuse_prompts: int = 64,
+    min_prob: float = 0.0,
+    with_prompt: bool = False,
+    seed: int = 0,
+) -> dict:
+    """Calibration metrics of a (real or synthetic) trace.
+
+    ``reuse_fraction`` (RhymeRL §5.1): over the responses of every epoch ``e >= 1`` of up to
+    ``reuse_prompts`` prompts, the fraction of response tokens ``t`` such that the 3 tokens
+    before ``t`` (the prompt's last tokens before the response starts) followed by ``t`` occur
+    in some epoch ``e-1`` response of the same prompt. This is the token set that the paper's
+    routine (3-token prefix, accept the longest identical continuation, else generate one)
+    accepts when it takes the longest continuation over all matches. ``reuse_fraction_mean``
+    averages per response; ``reuse_other_prompt`` is the same against a *different* prompt's
+    previous-epoch responses (chance level of the text).
+
+    ``group`` (Seer Table 2): exact-match replay with the native ``DraftIndex`` (linear drafts
+    of up to ``k`` = 8 tokens, the paper's max draft length) of ``targets`` responses in each
+    of ``groups`` groups (the last epoch, first ``max_tokens`` tokens). ``accepted_request``:
+    draft tokens accepted with the request scope only: the response's own tokens so far, which
+    is Seer's n = 0 baseline ("each request's own generation history"); ``with_prompt=True``
+    adds the prompt to that context (what the deployed drafter sees; see the note below);
+    ``accepted_group``: with the other ``samples-1`` complete responses of the group as
+    references (Seer's CST with reference count n = G-1). ``gain = group / request - 1``
+    (bonus tokens excluded, as in the paper). ``history``: the same with request + history
+    scope (the previous epoch's responses of the prompt, weighted by reward, RhymeRL).
+
+    Note: a synthetic response's chapters after the first are relabelled answers to *other*
+    prompts, so the numbers they copy from their own prompts are not in the synthetic prompt.
+    Measured with the prompt in context, the request-only baseline of synthetic traces is then
+    lower than a real trace's, and the gains higher; the default (no prompt) compares like
+    with like.
+    """
+    from verl_ext.spec import SCOPE_GROUP, SCOPE_HISTORY, SCOPE_REQUEST
+
+    rng = np.random.default_rng(seed)
+    by = _groups(trace)
+    epochs = trace.epochs()
+    out: dict = {"params": {"k": k, "groups": groups, "targets": targets, "max_tokens": max_tokens, "ref_tokens": ref_tokens,
+                            "reuse_prompts": reuse_prompts, "min_prob": min_prob, "with_prompt": with_prompt, "seed": seed}}
+    # (a) RhymeRL reuse
+    uids = sorted({u for (e, u) in by if e == epochs[-1]})
+    pick = [uids[i] for i in sorted(rng.choice(len(uids), size=min(reuse_prompts, len(uids)), replace=False))] if uids else []
+    cur_rows, cur_lab, hist_rows, hist_lab, oth_rows, oth_lab = [], [], [], [], [], []
+    lab = 0
+    for e_prev, e in zip(epochs[:-1], epochs[1:]):
+        for pi, u in enumerate(pick):
+            if (e, u) not in by or (e_prev, u) not in by:
+                continue
+            other = pick[(pi + 1) % len(pick)]
+            c = by[(e, u)]
+            cur_rows.append(c)
+            cur_lab.append(np.full(c.size, lab))
+            hr = by[(e_prev, u)]
+            hist_rows.append(hr)
+            hist_lab.append(np.full(hr.size, lab))
+            if len(pick) > 1 and (e_prev, other) in by:
+                orr = by[(e_prev, other)]
+                oth_rows.append(orr)
+                oth_lab.append(np.full(orr.size, lab))
+            lab += 1
+    if cur_rows:
+        cat = np.concatenate
+        out["reuse_fraction"], out["reuse_fraction_mean"] = _reuse(trace, cat(cur_rows), cat(cur_lab), cat(hist_rows), cat(hist_lab))
+        out["reuse_other_prompt"] = (_reuse(trace, cat(cur_rows), cat(cur_lab), cat(oth_rows), cat(oth_lab))[0]
+                                     if oth_rows else float("nan"))
+        out["reuse_responses"] = int(sum(r.size for r in cur_rows))
+    else:
+        out["reuse_fraction"] = out["reuse_fraction_mean"] = out["reuse_other_prompt"] = float("nan")
+        out["reuse_responses"] = 0
+    # (b) grouped and history drafting
+    e_last = epochs[-1]
+    e_prev = epochs[-2] if len(epochs) > 1 else None
+    cand = [u for (e, u) in by if e == e_last and by[(e, u)].size > 1]
+    cand.sort()
+    gpick = [cand[i] for i in sorted(rng.choice(len(cand), size=min(groups, len(cand)), replace=False))] if cand else []
+    items_g, items_h = [], []
+    for u in gpick:
+        rows = by[(e_last, u)]
+        hist = []
+        if e_prev is not None and (e_prev, u) in by:
+            hist = [(trace.response(int(i)), history_weight(float(trace.reward[i]))) for i in by[(e_prev, u)]]
+        for t in sorted(rng.choice(rows.size, size=min(targets, rows.size), replace=False).tolist()):
+            i = int(rows[t])
+            refs = [trace.response(int(r)) for r in rows if int(r) != i]
+            prompt = trace.prompt(i) if with_prompt else trace.prompt(i)[-1:]
+            items_g.append((prompt, trace.response(i), refs, []))
+            items_h.append((prompt, trace.response(i), [], hist))
+
+    def run(items, scopes):
+        if not items:
+            return {"accepted": 0, "steps": 0, "tokens": 0, "tokens_per_step": float("nan")}
+        a, s, t = _replay_accept(items, k, min_prob, scopes, max_tokens, ref_tokens)
+        return {"accepted": a, "steps": s, "tokens": t, "tokens_per_step": t / max(1, s)}
+
+    req = run(items_g, SCOPE_REQUEST)
+    grp = run(items_g, SCOPE_REQUEST | SCOPE_GROUP)
+    out["group"] = {
+        "accepted_request": req["accepted"], "accepted_group": grp["accepted"],
+        "gain": grp["accepted"] / req["accepted"] - 1 if req["accepted"] else float("nan"),
+        "tokens_per_step_request": req["tokens_per_step"], "tokens_per_step_group": grp["tokens_per_step"],
+        "targets": len(items_g), "tokens": req["tokens"], "refs_per_target": (int(np.mean([len(x[2]) for x in items_g])) if items_g else 0),
+    }
+    if e_prev is not None and items_h:
+        his = run(items_h, SCOPE_REQUEST | SCOPE_HISTORY)
+        out["history"] = {
+            "accepted_request": req["accepted"], "accepted_history": his["accepted"],
+            "gain": his["accepted"] / req["accepted"] - 1 if req["accepted"] else float("nan"),
+            "tokens_per_step_history": his["tokens_per_step"],
+        }
+    return out
+
+
+def calibrate_levels(source: Trace, cfg: SynthConfig = CALIBRATION_CONFIG, *, published_reuse: float = 0.85,
+                     published_gain: float = 1.19, iters: int = 7, stats_kw: Optional[dict] = None, log=None) -> dict:
+    """Fits the knobs of both levels on ``cfg`` (minutes: ~100 synthesize + replay rounds).
+
+    Targets: ``measured``: the reuse fraction and grouped gain ``similarity_stats`` reports on
+    ``source`` itself. ``published``: ``published_reuse`` (the middle of RhymeRL §5.1's 75-95%)
+    and ``published_gain`` (Seer Table 2's +119%).
+
+    Search: for a given (group, self) pair, ``epoch_similarity`` is bisected to the reuse
+    target (0 if already above). If the gain at group = self = 0 is below the target,
+    ``group_similarity`` is bisected up to it; otherwise ``self_similarity`` is (self-repetition
+    raises the request-only baseline and so lowers the relative gain). Heavy cross-epoch reuse
+    already makes siblings share text (they copy the same previous-epoch responses), so the
+    published level needs self-similarity rather than group copies.
+    Returns {level: {knobs..., "target", "achieved"}, "real": the source's metrics}."""
+    kw = dict(CALIBRATION_STATS if stats_kw is None else stats_kw)
+    real = similarity_stats(source, **kw)
+    targets = {
+        "measured": (real["reuse_fraction"], real["group"]["gain"]),
+        "published": (published_reuse, published_gain),
+    }
+
+    def stats(g, e, sg):
+        c = dataclasses.replace(cfg, group_similarity=g, epoch_similarity=e, self_similarity=sg)
+        s = similarity_stats(synthesize(c, source), **kw)
+        if log:
+            log(f"  g={g:.4f} e={e:.4f} s={sg:.4f}: reuse={s['reuse_fraction']:.4f} gain={s['group']['gain']:.3f}")
+        return s
+
+    def fit_epoch(g, sg, t_reuse):
+        s = stats(g, 0.0, sg)
+        if s["reuse_fraction"] >= t_reuse:
+            return 0.0, s
+        lo, hi, best = 0.0, 1.0 - g - sg, (0.0, s)
+        for _ in range(iters):
+            mid = 0.5 * (lo + hi)
+            s = stats(g, mid, sg)
+            if abs(s["reuse_fraction"] - t_reuse) < abs(best[1]["reuse_fraction"] - t_reuse):
+                best = (mid, s)
+            lo, hi = (mid, hi) if s["reuse_fraction"] < t_reuse else (lo, mid)
+        return best
+
+    res = {}
+    for name, (t_reuse, t_gain) in targets.items():
+        if log:
+            log(f"{name}: target reuse {t_reuse:.4f}, gain {t_gain:.3f}")
+        e, s = fit_epoch(0.0, 0.0, t_reuse)
+        g = sg = 0.0
+        if abs(s["group"]["gain"] - t_gain) > 0.02:
+            up = s["group"]["gain"] < t_gain  # raise group copies, else self-repetition
+            lo, hi, best = 0.0, 1.0, (0.0, e, s)
+            for _ in range(iters):
+                mid = 0.5 * (lo + hi)
+                ee, ss = fit_epoch(mid if up else 0.0, 0.0 if up else mid, t_reuse)
+                if abs(ss["group"]["gain"] - t_gain) < abs(best[2]["group"]["gain"] - t_gain):
+                    best = (mid, ee, ss)
+                if (ss["group"]["gain"] < t_gain) == up:
+                    lo = mid
+                else:
+                    hi = mid
+                if mid + ee > 1:
+                    hi = mid
+            x, e, s = best
+            g, sg = (x, 0.0) if up else (0.0, x)
+        res[name] = {
+            "group_similarity": round(g, 4), "epoch_similarity": round(e, 4), "self_similarity": round(sg, 4),
+            "target": {"reuse_fraction": t_reuse, "group_gain": t_gain},
+            "achieved": {"reuse_fraction": s["reuse_fraction"], "group_gain": s["group"]["gain"],
+                         "history_gain": s.get("history", {}).get("gain"),
+                         "tokens_per_step_request": s["group"]["tokens_per_step_request"],
+                         "tokens_per_step_group": s["group"]["tokens_per_step_group"]},
+        }
+    res["real"] = {"reuse_fraction": real["reuse_fraction"], "group_gain": real["group"]["gain"],
+                   "reuse_other_prompt": real["reuse_other_prompt"], "history_gain": real.get("history", {}).get("gain"),
+                   "tokens_per_step_request": real["group"]["tokens_per_step_request"]}
+    res["stats_kw"] = kw
+    return res
