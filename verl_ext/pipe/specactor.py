@@ -1,53 +1,23 @@
-"""``specactor``: SpecActor's rollout (seed 003): draft ladder and initial selection, decoupled
-speculation planning, request-level reconfiguration, and lossless Best-of-N drafting for the tail.
+"""``specactor``: SpecActor's rollout (seed 003).
 
-* **Initial selection (section 4.2, ``verl_ext.spec.ladder``).** At engine start and at every
-  training step, the ladder (``options.ladder``, built by ``verl-ext fit ladder``; or built
-  from ``options.profile`` with this project's drafting methods) ranks the methods by their
-  speedup at the historical acceptance rate (the ladder's, then what the engines measured in the
-  previous step) at the per-worker batch size, and the best one drafts the step; when none beats
-  plain decoding the engines decode plainly (``engine_spec`` returns None, or every request gets
-  a window of 0).
-* **Methods on real engines.** This project drafts model-free, from suffix trees: a method is a
-  set of tree scopes (``suffix``: the request and its group; ``ngram``: the request alone), chosen
-  per request (``GenRequest.extra["spec_scopes"]``) on engines started with their union, so Best-of-N
-  copies need no engine restart. Draft-model methods (``kind: model`` in a ladder) are planned and
-  simulated, but an engine speculates with one method, so they are not mixed per request.
-* **Decoupled plan (section 4.1, Algorithm 1, ``verl_ext.spec.tgs``).** Computed for the selected
-  method and reported (``plan_*`` metrics). vLLM has no decoupled draft/verify mode (0.24 and
-  0.32, read; its disaggregated-drafting RFC, vllm-project/vllm#42109, is open), nor has SGLang
-  0.5.12, veRL 0.9.1's pin (its ``srt/speculative`` package, read). So engines run **coupled**
-  speculation with per-request windows
-  (``GenRequest.extra["spec_window"]``: the ladder's best window, or Algorithm 2's for a
-  below-average request's copies); ``metrics()['decoupled_engine']`` is 0 to say so.
-* **Reconfiguration of running requests (Algorithm 2, ``reconfigure``).** Every ``cooldown``
-  engine steps, each drafting request's acceptance is inferred from its tokens per step at its
-  window; those below the average get the best window for their own rate at ``b = 1`` (as
-  ``verl_ext.spec.tgs.reconfigure``), the others keep theirs. Where the step decodes plainly (no
-  method pays at the step's batch), requests carry the method that pays for a lone request with
-  window 0, and their windows open once the instance's batch has drained to where it pays.
-  Changed windows go to the engines with ``Instance.set_spec_windows`` (vLLM: the drafter's
-  ``set_windows`` op; the simulator: the request's draft cap). With ``execution=decoupled`` (the
-  simulator's ``SyntheticDrafter``; vLLM has no decoupled engine) and ``switch_modes``, a
-  below-average request gets the better of the best coupled and the best decoupled window at
-  ``b = 1`` and runs in that mode (Algorithm 2 lines 3-5; metrics ``switched_coupled`` /
-  ``switched_decoupled``); without it, its best decoupled window.
-* **Best-of-N (section 4.2, Algorithm 3, ``verl_ext.pipe.bon``).** When an instance has no
-  request left, the requests with the lowest acceptance get copies on the freed instances with
-  other methods, within ``b_max`` requests per instance. A copy resumes from the request's tokens
-  so far (a continuation, as in ``verl_ext.pipe.chunks``); the request finishes with its first
-  copy to finish, and the others are aborted (their engine slots are freed by the abort). Engines
-  that do not stream (veRL's servers) tell how far requests are through ``refresh_progress`` (the
-  drafter's ``progress`` op): token counts and engine steps before each round, a request's
-  tokens when it gets a copy.
+* Initial selection (section 4.2, ``verl_ext.spec.ladder``): each training step, the ladder
+  (``options.ladder`` or built from ``options.profile``) picks the method with the best speedup
+  at its historical acceptance and the per-worker batch, or plain decoding.
+* Methods on real engines are model-free suffix-tree scope sets (``suffix``, ``ngram``), chosen
+  per request (``spec_scopes``) on engines started with their union; draft-model methods are
+  planned and simulated only.
+* Decoupled plan (section 4.1, Algorithm 1, ``verl_ext.spec.tgs``): computed and reported; engines
+  run coupled speculation with per-request windows (``spec_window``), since neither vLLM nor
+  SGLang has a decoupled mode (``metrics()['decoupled_engine']`` is 0).
+* Reconfiguration (Algorithm 2, ``reconfigure``): every ``cooldown`` engine steps, requests whose
+  inferred acceptance is below the average get the best window for their own rate
+  (``Instance.set_spec_windows``).
+* Best-of-N (section 4.2, Algorithm 3, ``verl_ext.pipe.bon``): freed instances run copies of the
+  lowest-acceptance requests with other methods; the first copy to finish wins, the others are
+  aborted. Lossless only where copies emit the same tokens: greedy requests; sampled requests are
+  refused copies (``bon_refused_sampled``).
 
-  **Lossless.** Taking the first of independently sampled copies would favour short responses.
-  Every copy must produce the same tokens, which needs sampling keyed by (seed, request,
-  position). Greedy decoding is: copies are token-identical, so Best-of-N runs for greedy
-  requests. vLLM 0.32 offers no position-keyed sampler (custom logits processors are not applied
-  to the rejection sampler's target logits, ``vllm/v1/sample/rejection_sampler.py``
-  ``apply_logits_processors``), so requests with temperature > 0 never get copies: Best-of-N is
-  refused for them, with a warning and the ``bon_refused_sampled`` metric.
+Rationale, knobs and metrics: docs/ARCHITECTURE.md, "specactor".
 """
 
 from __future__ import annotations
