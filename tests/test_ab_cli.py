@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from verl_ext.ab.metrics import REQUIRED_FIELDS
+from verl_ext.workload.arith import DEFAULT_DIFFICULTY, make_problems
 
 VERL_EXT = [sys.executable, "-m", "verl_ext.cli"]
 
@@ -23,8 +24,11 @@ def test_ab_end_to_end(tmp_path, model_dir):
     pytest.importorskip("vllm")
     out = tmp_path / "ab"
     r = _run("ab", "--strategies", "baseline", "--out", str(out), "--prompts", "2", "--samples", "2",
-             "--max-tokens", "16", "--instances", "1", "--seed", "1", "--repeats", "2", "--no-progress")
+             "--max-tokens", "16", "--instances", "1", "--seed", "1", "--repeats", "2", "--no-progress",
+             "--difficulty", "2")
     assert r.returncode == 0, r.stderr[-3000:]
+    groups = [json.loads(line)["group_id"] for line in (out / "responses.jsonl").read_text().splitlines()]
+    assert groups == [p.uid for p in make_problems(2, seed=1, difficulty=2) for _ in range(2)]
     assert "baseline" in r.stdout and "tok/s" in r.stdout and "tail s" in r.stdout
     summary = json.loads((out / "summary.json").read_text())
     assert summary["schema"] == "verl_ext.ab/1" and summary["kind"] == "real"
@@ -135,6 +139,8 @@ def test_same_tokens_counts_the_responses_equal_to_the_first_arms():
         (["--strategies", "nope+spec"], "unknown rollout strategy 'nope'"),
         (["--spec-k", "0", "--strategies", "baseline+spec"], "spec k must be in [1, 128]"),
         (["--model", "/nonexistent/model"], "is not a directory"),
+        (["--difficulty", "9"], "difficulty must be one of 1, 2, 3, 4, got 9"),
+        (["--sim", "--difficulty", "2"], "--difficulty is for real engines"),
     ],
 )
 def test_bad_input_one_line_error(tmp_path, args, message):
@@ -188,7 +194,6 @@ def test_repeats_rotate_the_arms_and_report_the_median_round():
 
 def test_a_budget_per_epoch_reaches_each_epochs_requests_and_the_engines_fit_the_largest():
     from verl_ext.ab.runner import ABConfig, _max_len, build_requests
-    from verl_ext.workload.arith import make_problems
 
     cfg = ABConfig(prompts=2, samples=2, epochs=2, max_tokens=(16, 64))
     cfg.validate()
@@ -198,3 +203,40 @@ def test_a_budget_per_epoch_reaches_each_epochs_requests_and_the_engines_fit_the
     assert _max_len(prompt_ids, cfg) == 3 + 64 + 8
     one = ABConfig(prompts=2, samples=2, epochs=2, max_tokens=48)
     assert {r.sampling.max_tokens for r in build_requests(problems, prompt_ids, one, (0,), epoch=1)} == {48}
+
+
+class _FakeFactory:
+    """Stands in for ``VLLMInstanceFactory`` in ``run_ab``: scripted instances, and the keyword
+    arguments ``run_ab`` gave it."""
+
+    made: list = []
+
+    def __init__(self, model, **kwargs):
+        self.kwargs = kwargs
+        _FakeFactory.made.append(self)
+
+    async def create(self, n, spec=None):
+        from _util import ScriptedInstance
+
+        return [ScriptedInstance(f"fake-{i}", delay=0) for i in range(n)]
+
+    def describe(self):
+        return {"engine": "fake"}
+
+
+@pytest.mark.parametrize("flag", [[], ["--difficulty", "3"]])
+def test_difficulty_flag_reaches_the_workload(tmp_path, model_dir, monkeypatch, flag):
+    from verl_ext import cli
+    from verl_ext.engine import vllm_local
+
+    monkeypatch.setattr(vllm_local, "VLLMInstanceFactory", _FakeFactory)
+    _FakeFactory.made = []
+    out = tmp_path / "ab"
+    rc = cli.main(["ab", "--out", str(out), "--prompts", "3", "--samples", "2", "--max-tokens", "4", "--instances", "1",
+                   "--temperature", "0", "--no-progress", *flag])
+    assert rc == 0
+    difficulty = int(flag[1]) if flag else DEFAULT_DIFFICULTY
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["config"]["difficulty"] == difficulty
+    responses = [json.loads(line) for line in (out / "responses.jsonl").read_text().splitlines()]
+    assert [r["group_id"] for r in responses] == [p.uid for p in make_problems(3, difficulty=difficulty) for _ in range(2)]

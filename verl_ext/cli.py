@@ -2,6 +2,7 @@
 
     verl-ext ab --strategies baseline --out runs/ab [--model DIR] [--prompts 16] [--samples 4]
                 [--max-tokens 192] [--instances 2] [--seed 0] [--temperature 1.0] [--spec-k 8] [--epochs 1] [--repeats 1]
+                [--difficulty 1]
     verl-ext ab --strategies baseline,baseline+spec,baseline+spec:request+group   drafting off/on
     verl-ext ab --strategies 'baseline,seer[context=false,speculative=false],seer'   strategy options
     verl-ext ab --sim --strategies baseline,oracle [--trace T.parquet] [--preset h100-7b] [--instances 32]
@@ -51,6 +52,10 @@ def _ab_parser(sub) -> None:
                         "longer budget)")
     p.add_argument("--instances", type=int, default=None, help=f"engine instances (default: {d.instances}; with --sim: {sim_defaults.DEFAULT_INSTANCES})")
     p.add_argument("--seed", type=int, default=d.seed, help="workload and sampling seed (default: %(default)s)")
+    p.add_argument("--difficulty", type=int, default=None,
+                   help=f"real engines: level of the arithmetic workload, 1 (one small addition) to 4 (the original "
+                        f"2-5 operations); levels and the default model's measured reward in "
+                        f"verl_ext/workload/arith.py (default: {d.difficulty})")
     p.add_argument("--temperature", type=float, default=None, help=f"sampling temperature (default: {d.temperature})")
     p.add_argument("--spec-k", type=int, default=d.spec_k, help="most draft tokens per step in <strategy>+spec arms (default: %(default)s)")
     p.add_argument("--epochs", type=int, default=None, help=f"real engines: epochs over the same prompts, history fed between them (default: {d.epochs}; the table shows the last)")
@@ -132,7 +137,7 @@ def _given(args, *names) -> dict:
 def _run_sim(args) -> int:
     from verl_ext.sim.runner import SimConfig, run_sim_ab
 
-    for flag in ("model", "temperature", "epochs"):
+    for flag in ("model", "temperature", "epochs", "difficulty"):
         if getattr(args, flag) is not None:
             raise ValueError(f"--{flag} is for real engines; with --sim the trace decides the responses (--epoch picks one)")
     if args.repeats is not None:
@@ -194,7 +199,7 @@ def _run_ab(args) -> int:
         seed=args.seed,
         spec_k=args.spec_k,
         out=args.out or "runs/ab",
-        **_given(args, "prompts", "samples", "instances", "temperature", "preset", "epochs", "repeats"),
+        **_given(args, "prompts", "samples", "instances", "temperature", "preset", "epochs", "repeats", "difficulty"),
         **({"max_tokens": _budgets(args.max_tokens)} if args.max_tokens is not None else {}),
     )
     dtypes = ("auto", "float32", "bfloat16", "float16")
