@@ -2,7 +2,7 @@
 
     verl-ext ab --strategies baseline --out runs/ab [--model DIR] [--prompts 16] [--samples 4]
                 [--max-tokens 192] [--instances 2] [--seed 0] [--temperature 1.0] [--spec-k 8] [--epochs 1] [--repeats 1]
-                [--difficulty 1]
+                [--difficulty 1] [--engine-log FILE]
     verl-ext ab --strategies baseline,baseline+spec,baseline+spec:request+group   drafting off/on
     verl-ext ab --strategies 'baseline,seer[context=false,speculative=false],seer'   strategy options
     verl-ext ab --sim --strategies baseline,oracle [--trace T.parquet] [--preset h100-7b] [--instances 32]
@@ -68,6 +68,9 @@ def _ab_parser(sub) -> None:
     p.add_argument("--require-identical", action="store_true",
                    help="real engines: exit with status 3 unless every arm's responses are token-identical to the "
                         "first arm's (a greedy losslessness check; use float32 engines, --dtype float32)")
+    p.add_argument("--engine-log", default=None, metavar="FILE",
+                   help="real engines: write the local vLLM engines' logs and output to FILE (emptied first) instead "
+                        "of the terminal; their errors still reach stderr, and a summary line points to FILE")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     g = p.add_argument_group("simulation (--sim)")
     g.add_argument("--sim", action="store_true", help="simulated instances in virtual time instead of real engines")
@@ -143,7 +146,7 @@ def _run_sim(args) -> int:
     if args.repeats is not None:
         raise ValueError("--repeats is for real engines; simulated runs are deterministic")
     for flag, given in (("--dtype", args.dtype is not None), ("--engine-arg", args.engine_arg),
-                        ("--require-identical", args.require_identical)):
+                        ("--require-identical", args.require_identical), ("--engine-log", args.engine_log)):
         if given:
             raise ValueError(f"{flag} is for real engines; simulated instances take their step times from --preset "
                              "and their tokens from the trace")
@@ -199,7 +202,8 @@ def _run_ab(args) -> int:
         seed=args.seed,
         spec_k=args.spec_k,
         out=args.out or "runs/ab",
-        **_given(args, "prompts", "samples", "instances", "temperature", "preset", "epochs", "repeats", "difficulty"),
+        **_given(args, "prompts", "samples", "instances", "temperature", "preset", "epochs", "repeats", "difficulty",
+                 "engine_log"),
         **({"max_tokens": _budgets(args.max_tokens)} if args.max_tokens is not None else {}),
     )
     dtypes = ("auto", "float32", "bfloat16", "float16")
@@ -213,8 +217,13 @@ def _run_ab(args) -> int:
         if "dtype" in extra and args.dtype is not None:
             raise ValueError("give the dtype once: --dtype or --engine-arg dtype=..., not both")
         engine_args.update(extra)
-    summary = run_ab(cfg, progress=not args.no_progress, engine_args=engine_args or None)
+    try:
+        summary = run_ab(cfg, progress=not args.no_progress, engine_args=engine_args or None)
+    except RuntimeError:  # an engine failed: what it said is in the log file
+        _engine_log_note(cfg, sys.stderr)
+        raise
     rc = _report(summary, cfg.out, "completion_cdf.png, running_requests.png")
+    _engine_log_note(cfg, sys.stdout)
     if args.require_identical:
         from verl_ext.ab.runner import not_identical
 
@@ -223,6 +232,14 @@ def _run_ab(args) -> int:
             print(f"verl-ext: not token-identical to the first arm: {'; '.join(differ)}", file=sys.stderr)
             return 3
     return rc
+
+
+def _engine_log_note(cfg: ABConfig, stream) -> None:
+    """Where ``--engine-log`` put the engines' output, with its warnings and errors counted."""
+    if cfg.engine_log is not None and Path(cfg.engine_log).exists():
+        from verl_ext.engine.engine_log import note
+
+        print(note(cfg.engine_log), file=stream)
 
 
 def _report(summary: dict, out: str, files: str) -> int:

@@ -58,6 +58,9 @@ class ABConfig:
     repeats: int = 1
     #: level of the arithmetic workload (``verl_ext.workload.arith.LEVELS``)
     difficulty: int = DEFAULT_DIFFICULTY
+    #: file for the default local engines' logs and output (``verl_ext.engine.engine_log``);
+    #: None: the terminal
+    engine_log: Optional[str] = None
 
     def validate(self) -> None:
         validate_strategies(self.strategies)
@@ -394,7 +397,7 @@ def run_ab(cfg: ABConfig, engine_factory=None, progress: bool = True, engine_arg
 
         k = max((spec.k for _, _, spec in arms if spec is not None), default=0)
         engine_factory = VLLMInstanceFactory(str(model_dir), seed=cfg.seed, max_model_len=_max_len(prompt_ids, cfg, k),
-                                             extra_engine_args=engine_args)
+                                             extra_engine_args=engine_args, engine_log=cfg.engine_log)
 
     cost = _engine_cost(cfg) if cfg.repeats > 1 else None
     rounds: dict[str, list[StrategyRun]] = {label: [] for label, _, _ in arms}
