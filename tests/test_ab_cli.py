@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -9,12 +10,13 @@ import sys
 import pytest
 
 from verl_ext.ab.metrics import REQUIRED_FIELDS
+from verl_ext.workload.arith import DEFAULT_DIFFICULTY, make_problems
 
 VERL_EXT = [sys.executable, "-m", "verl_ext.cli"]
 
 
-def _run(*args, timeout=600):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def _run(*args, timeout=600, env=None):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run([*VERL_EXT, *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -22,9 +24,23 @@ def _run(*args, timeout=600):
 def test_ab_end_to_end(tmp_path, model_dir):
     pytest.importorskip("vllm")
     out = tmp_path / "ab"
+    log = tmp_path / "logs" / "engines.log"
     r = _run("ab", "--strategies", "baseline", "--out", str(out), "--prompts", "2", "--samples", "2",
-             "--max-tokens", "16", "--instances", "1", "--seed", "1", "--repeats", "2", "--no-progress")
+             "--max-tokens", "16", "--instances", "1", "--seed", "1", "--repeats", "2", "--no-progress",
+             "--difficulty", "2", "--engine-log", str(log), env={"VLLM_LOGGING_LEVEL": "INFO"})
     assert r.returncode == 0, r.stderr[-3000:]
+    # the engines' output went to the log file: vLLM's records of the engine core (both rounds'
+    # engines) and its worker, and what the worker wrote to its stderr (the weight loader's bar);
+    # the terminal has the table and a line pointing to the file
+    text = log.read_text()
+    assert len(set(re.findall(r"^\(EngineCore[^ ]* pid=(\d+)\) INFO ", text, re.M))) == 2
+    assert re.search(r"^\((?:Vllm)?Worker[^ ]* pid=\d+\) ", text, re.M)
+    assert "Loading safetensors checkpoint shards" in text
+    terminal = r.stdout + r.stderr
+    assert "pid=" not in terminal and "Loading safetensors" not in terminal
+    assert f"engine logs: {log} (" in r.stdout and ", 0 errors," in r.stdout
+    groups = [json.loads(line)["group_id"] for line in (out / "responses.jsonl").read_text().splitlines()]
+    assert groups == [p.uid for p in make_problems(2, seed=1, difficulty=2) for _ in range(2)]
     assert "baseline" in r.stdout and "tok/s" in r.stdout and "tail s" in r.stdout
     summary = json.loads((out / "summary.json").read_text())
     assert summary["schema"] == "verl_ext.ab/1" and summary["kind"] == "real"
@@ -135,6 +151,9 @@ def test_same_tokens_counts_the_responses_equal_to_the_first_arms():
         (["--strategies", "nope+spec"], "unknown rollout strategy 'nope'"),
         (["--spec-k", "0", "--strategies", "baseline+spec"], "spec k must be in [1, 128]"),
         (["--model", "/nonexistent/model"], "is not a directory"),
+        (["--difficulty", "9"], "difficulty must be one of 1, 2, 3, 4, got 9"),
+        (["--sim", "--difficulty", "2"], "--difficulty is for real engines"),
+        (["--sim", "--engine-log", "e.log"], "--engine-log is for real engines"),
     ],
 )
 def test_bad_input_one_line_error(tmp_path, args, message):
@@ -200,3 +219,76 @@ def test_a_budget_per_epoch_reaches_each_epochs_requests_and_the_engines_fit_the
     assert max_model_len(prompt_ids, cfg) == 3 + 64 + 8
     one = ABConfig(prompts=2, samples=2, epochs=2, max_tokens=48)
     assert {r.sampling.max_tokens for r in build_requests(problems, prompt_ids, one, (0,), epoch=1)} == {48}
+
+
+class _FakeFactory:
+    """Stands in for ``VLLMInstanceFactory`` in ``run_ab``: scripted instances, and the keyword
+    arguments ``run_ab`` gave it."""
+
+    made: list = []
+
+    def __init__(self, model, **kwargs):
+        self.kwargs = kwargs
+        _FakeFactory.made.append(self)
+
+    async def create(self, n, spec=None):
+        from _util import ScriptedInstance
+
+        return [ScriptedInstance(f"fake-{i}", delay=0) for i in range(n)]
+
+    def describe(self):
+        return {"engine": "fake"}
+
+
+@pytest.mark.parametrize("flag", [[], ["--difficulty", "3"]])
+def test_difficulty_flag_reaches_the_workload_and_the_engine_log_the_engines(tmp_path, model_dir, monkeypatch, flag):
+    from verl_ext import cli
+    from verl_ext.engine import vllm_local
+
+    monkeypatch.setattr(vllm_local, "VLLMInstanceFactory", _FakeFactory)
+    _FakeFactory.made = []
+    out = tmp_path / "ab"
+    rc = cli.main(["ab", "--out", str(out), "--prompts", "3", "--samples", "2", "--max-tokens", "4", "--instances", "1",
+                   "--temperature", "0", "--engine-log", str(tmp_path / "e.log"), "--no-progress", *flag])
+    assert rc == 0
+    difficulty = int(flag[1]) if flag else DEFAULT_DIFFICULTY
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["config"]["difficulty"] == difficulty
+    responses = [json.loads(line) for line in (out / "responses.jsonl").read_text().splitlines()]
+    assert [r["group_id"] for r in responses] == [p.uid for p in make_problems(3, difficulty=difficulty) for _ in range(2)]
+    (factory,) = _FakeFactory.made
+    assert factory.kwargs["engine_log"] == str(tmp_path / "e.log")
+
+
+class _FailingFactory(_FakeFactory):
+    """An engine that fails to start, after writing its error to the engine log, as vLLM's
+    engine core does (the driver then raises ``RuntimeError``: "See root cause above")."""
+
+    def __init__(self, model, **kwargs):
+        from verl_ext.engine.engine_log import EngineLog
+
+        super().__init__(model, **kwargs)
+        self.log = EngineLog(kwargs["engine_log"])
+
+    async def create(self, n, spec=None):
+        with open(self.log.path, "a") as f:
+            f.write("(EngineCore pid=1) WARNING 11-27 00:00:00 [cpu.py:1] slow\n"
+                    "(EngineCore pid=1) ERROR 11-27 00:00:01 [core.py:2] EngineCore failed to start: out of memory\n")
+        raise RuntimeError("Engine core initialization failed. See root cause above.")
+
+
+def test_an_engine_failure_points_to_the_engine_log_and_its_errors(tmp_path, model_dir, monkeypatch, capsys):
+    from verl_ext import cli
+    from verl_ext.engine import vllm_local
+
+    monkeypatch.setattr(vllm_local, "VLLMInstanceFactory", _FailingFactory)
+    log = tmp_path / "engines.log"
+    log.write_text("a previous run's ERROR line\n")  # emptied when the engines are set up
+    rc = cli.main(["ab", "--out", str(tmp_path / "ab"), "--prompts", "2", "--samples", "1", "--max-tokens", "4",
+                   "--engine-log", str(log), "--no-progress"])
+    assert rc == 1
+    out, err = capsys.readouterr()
+    assert err.splitlines() == [
+        f"engine logs: {log} (2 lines: 1 warnings, 1 errors, 0 tracebacks)",
+        "  (EngineCore pid=1) ERROR 11-27 00:00:01 [core.py:2] EngineCore failed to start: out of memory",
+        "verl-ext: engine failure: RuntimeError: Engine core initialization failed. See root cause above."]

@@ -202,6 +202,31 @@ def test_e2e_script_takes_a_step_count_per_strategy():
             parse_strategies(bad, 2)
 
 
+@pytest.mark.parametrize("flag", [[], ["--difficulty", "2"]])
+def test_e2e_writes_its_data_set_at_the_difficulty_asked_for(tmp_path, monkeypatch, flag):
+    """``--difficulty`` reaches the veRL data set the training runs read (they are not started:
+    the run stops once the data set is written)."""
+    import pyarrow.parquet as pq
+
+    from verl_ext.cpu import e2e
+    from verl_ext.workload import verl_data
+    from verl_ext.workload.arith import DEFAULT_DIFFICULTY, make_problems
+
+    class Written(Exception):
+        pass
+
+    def write_then_stop(*args, **kwargs):
+        raise Written(real(*args, **kwargs))
+
+    real = verl_data.write_dataset
+    monkeypatch.setattr(verl_data, "write_dataset", write_then_stop)
+    with pytest.raises(Written) as written:
+        e2e.main(["--strategies", "baseline", "--prompts", "3", "--out", str(tmp_path), "--model", str(tmp_path), *flag])
+    train = pq.read_table(written.value.args[0]["train"]).to_pylist()
+    difficulty = int(flag[1]) if flag else DEFAULT_DIFFICULTY
+    assert [r["extra_info"]["problem_id"] for r in train] == [p.uid for p in make_problems(3, difficulty=difficulty)]
+
+
 def test_e2e_side_by_side_divides_each_step_by_baselines():
     from verl_ext.cpu.e2e import side_by_side
 

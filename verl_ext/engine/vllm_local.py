@@ -19,7 +19,7 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
-from typing import AsyncIterator, Optional, Sequence
+from typing import TYPE_CHECKING, AsyncIterator, Optional, Sequence
 
 from verl_ext.engine.instance import (
     FINISH_ABORT,
@@ -31,6 +31,9 @@ from verl_ext.engine.instance import (
     SamplingSpec,
     Telemetry,
 )
+
+if TYPE_CHECKING:
+    from verl_ext.engine.engine_log import EngineLog
 
 logger = logging.getLogger(__name__)
 _ENV_LOCK = threading.Lock()
@@ -175,13 +178,16 @@ class VLLMInstance(Instance):
 
     streams_tokens = True
 
-    def __init__(self, name: str, engine_args: dict, cpu_cores: Optional[str] = None, gpus: Optional[str] = None):
+    def __init__(self, name: str, engine_args: dict, cpu_cores: Optional[str] = None, gpus: Optional[str] = None,
+                 log: Optional["EngineLog"] = None):
         """``cpu_cores``: the cores of a CPU build's engine (``VLLM_CPU_OMP_THREADS_BIND``);
-        ``gpus``: the GPUs of a CUDA build's engine (``CUDA_VISIBLE_DEVICES``); None: inherited."""
+        ``gpus``: the GPUs of a CUDA build's engine (``CUDA_VISIBLE_DEVICES``); None: inherited.
+        ``log``: an ``EngineLog`` that gets the engine's output (None: the terminal, vLLM's default)."""
         self.name = name
         self.engine_args = dict(engine_args)
         self.cpu_cores = cpu_cores
         self.gpus = gpus
+        self.log = log
         self.engine = None
         self._ids = itertools.count()
         self._live: dict[str, set[str]] = {}  # request id -> engine request ids
@@ -206,13 +212,16 @@ class VLLMInstance(Instance):
     async def start(self) -> None:
         if self.engine is not None:
             return
-        from vllm import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
+        # with a log file, the engine's processes are spawned with it as their stdout and stderr,
+        # and vLLM's import-time warnings in this process land there too
+        with self.log.capture() if self.log is not None else contextlib.nullcontext():
+            from vllm import AsyncEngineArgs
+            from vllm.v1.engine.async_llm import AsyncLLM
 
-        args = AsyncEngineArgs(**self.engine_args)
-        env = {"VLLM_CPU_OMP_THREADS_BIND": self.cpu_cores, "CUDA_VISIBLE_DEVICES": self.gpus}
-        with _pinned_env({k: v for k, v in env.items() if v is not None}):
-            self.engine = AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger_factory(self)])
+            args = AsyncEngineArgs(**self.engine_args, **(self.log.engine_args() if self.log is not None else {}))
+            env = {"VLLM_CPU_OMP_THREADS_BIND": self.cpu_cores, "CUDA_VISIBLE_DEVICES": self.gpus}
+            with _pinned_env({k: v for k, v in env.items() if v is not None}):
+                self.engine = AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger_factory(self)])
         try:  # the engine core reports its KV blocks at start-up
             cfg = self.engine.vllm_config
             blocks = cfg.cache_config.num_gpu_blocks
@@ -394,9 +403,17 @@ class VLLMInstanceFactory:
         kv_cache_gib: int = 1,
         extra_engine_args: Optional[dict] = None,
         spec=None,
+        engine_log: Optional[str] = None,
     ):
-        """``spec``: a ``verl_ext.spec.SpecOptions`` to draft with the suffix drafter, or None."""
+        """``spec``: a ``verl_ext.spec.SpecOptions`` to draft with the suffix drafter, or None.
+        ``engine_log``: a file for the engines' logs and output (``verl_ext.engine.engine_log``;
+        emptied here), or None: the terminal, vLLM's default."""
         self.model = model
+        self.log = None
+        if engine_log is not None:
+            from verl_ext.engine.engine_log import EngineLog
+
+            self.log = EngineLog(engine_log)
         self.engine_args = dict(
             model=model,
             tokenizer=model,
@@ -422,7 +439,8 @@ class VLLMInstanceFactory:
         import vllm
 
         args = {k: v for k, v in self._args().items() if k not in ("model", "tokenizer")}
-        return {"engine": "vllm", "vllm_version": vllm.__version__, "cpu": is_cpu_build(), **args}
+        log = {"engine_log": str(self.log.path)} if self.log is not None else {}
+        return {"engine": "vllm", "vllm_version": vllm.__version__, "cpu": is_cpu_build(), **args, **log}
 
     def _cores(self, n: int) -> list[Optional[str]]:
         if not is_cpu_build():
@@ -472,7 +490,7 @@ class VLLMInstanceFactory:
         args = self._args()
         if spec is not None:
             args.update(spec.engine_args())
-        instances = [VLLMInstance(f"vllm-{i}", {**args, **extra}, cores, gpus)
+        instances = [VLLMInstance(f"vllm-{i}", {**args, **extra}, cores, gpus, log=self.log)
                      for i, (cores, (gpus, extra)) in enumerate(zip(self._cores(n), self._gpus(n, args)))]
         try:
             for inst in instances:

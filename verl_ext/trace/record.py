@@ -3,8 +3,9 @@
     verl-ext trace record --prompts 64 --samples 8 --epochs 2 --max-tokens 384 \\
         --instances 2 --temperature 1.0 --seed 0 --out data/traces/smollm2_arith_e2.parquet
 
-Runs the default workload (``verl_ext.workload.arith``; the same requests ``verl-ext ab``
-builds) through the ``baseline`` strategy on ``--instances`` local vLLM engines for
+Runs the arithmetic workload (``verl_ext.workload.arith``) at its original level, the one the
+committed trace was recorded at (the same requests ``verl-ext ab --difficulty 4`` builds), through
+the ``baseline`` strategy on ``--instances`` local vLLM engines for
 ``--epochs`` epochs. Every epoch rolls out the same prompts (like RL epochs); epoch ``e``
 samples with seed ``seed + e`` (per-request seeds as in ``verl-ext ab``). The engines are
 started once and warmed up; each epoch is one ``run_strategy`` call.

@@ -9,7 +9,10 @@ function::
     reward.custom_reward_function.path=pkg://verl_ext.workload.verl_data
 
 (veRL's default function name is ``compute_score``). ``python -m verl_ext.workload.verl_data
---out DIR [--train 64] [--val 8] [--seed 0]`` writes the files.
+--out DIR [--train 64] [--val 8] [--seed 0] [--difficulty 1]`` writes the files; the problems are
+of level ``difficulty`` (:data:`verl_ext.workload.arith.LEVELS`; default
+:data:`~verl_ext.workload.arith.DEFAULT_DIFFICULTY`, the one the default model gets right about
+half the time).
 """
 
 from __future__ import annotations
@@ -17,13 +20,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from verl_ext.workload.arith import make_problems, reward
+from verl_ext.workload.arith import DEFAULT_DIFFICULTY, LEVELS, make_problems, reward
 
 DATA_SOURCE = "verl_ext/arith"
 
 
-def rows(num: int, seed: int, split: str) -> list[dict]:
-    """``num`` problems as veRL dataset rows (the same problems for the same ``num`` and ``seed``)."""
+def rows(num: int, seed: int, split: str, difficulty: int = DEFAULT_DIFFICULTY) -> list[dict]:
+    """``num`` problems of level ``difficulty`` as veRL dataset rows (the same problems for the
+    same ``num``, ``seed`` and ``difficulty``)."""
     return [
         {
             "data_source": DATA_SOURCE,
@@ -32,21 +36,22 @@ def rows(num: int, seed: int, split: str) -> list[dict]:
             "reward_model": {"style": "rule", "ground_truth": str(p.answer)},
             "extra_info": {"split": split, "index": i, "problem_id": p.uid},
         }
-        for i, p in enumerate(make_problems(num, seed=seed))
+        for i, p in enumerate(make_problems(num, seed=seed, difficulty=difficulty))
     ]
 
 
-def write_dataset(out_dir: str | Path, train: int = 64, val: int = 8, seed: int = 0) -> dict[str, Path]:
+def write_dataset(out_dir: str | Path, train: int = 64, val: int = 8, seed: int = 0,
+                  difficulty: int = DEFAULT_DIFFICULTY) -> dict[str, Path]:
     """Write ``train.parquet`` (seed ``seed``) and ``val.parquet`` (seed ``seed + 1``, so no
-    problem is in both) under ``out_dir``; returns their paths."""
+    problem is in both), both of level ``difficulty``, under ``out_dir``; returns their paths."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"train": out / "train.parquet", "val": out / "val.parquet"}
-    pq.write_table(pa.Table.from_pylist(rows(train, seed, "train")), paths["train"])
-    pq.write_table(pa.Table.from_pylist(rows(val, seed + 1, "val")), paths["val"])
+    pq.write_table(pa.Table.from_pylist(rows(train, seed, "train", difficulty)), paths["train"])
+    pq.write_table(pa.Table.from_pylist(rows(val, seed + 1, "val", difficulty)), paths["val"])
     return paths
 
 
@@ -63,8 +68,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--train", type=int, default=64, help="training prompts")
     parser.add_argument("--val", type=int, default=8, help="validation prompts")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--difficulty", type=int, choices=sorted(LEVELS), default=DEFAULT_DIFFICULTY,
+                        help="level of the problems (verl_ext/workload/arith.py; default: %(default)s)")
     args = parser.parse_args(argv)
-    for split, path in write_dataset(args.out, args.train, args.val, args.seed).items():
+    for split, path in write_dataset(args.out, args.train, args.val, args.seed, args.difficulty).items():
         print(f"{split}: {path}")
 
 
