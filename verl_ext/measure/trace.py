@@ -81,8 +81,6 @@ def trace_windows(trace, epochs=None) -> list[dict]:
 
 def run(args) -> int:
     """``verl-ext fit trace TRACE[@EPOCH] ... --base B --out P.json``: fit to recorded rollouts."""
-    if not args.base:
-        raise ValueError("fit trace needs --base (a cost model giving KV capacity and engine limits)")
     out = json_out(args.out)
     base = load_cost_model(args.base)
     traces, names = [], []

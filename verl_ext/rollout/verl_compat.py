@@ -63,13 +63,18 @@ def require_methods(cls, names) -> None:
                               f"rollout hooks override; verl_ext supports veRL >={SUPPORTED_VERL[0]},<{SUPPORTED_VERL[1]}")
 
 
+def _required(obj, name: str, what: str, needs: str):
+    """``obj.<name>``, or ``VerlCompatError`` naming ``what`` is missing and what verl_ext ``needs``."""
+    value = getattr(obj, name, None)
+    if value is None:
+        raise VerlCompatError(f"{type(obj).__name__} has no {what} ({name}); {needs}")
+    return value
+
+
 def client_load_balancer(llm_client):
     """The load-balancer actor handle of veRL's ``LLMServerClient``."""
-    handle = getattr(llm_client, "_load_balancer", None)
-    if handle is None:
-        raise VerlCompatError(f"veRL {verl_version()}: {type(llm_client).__name__} has no load balancer handle "
-                              "(_load_balancer); verl_ext needs veRL's LLMServerClient")
-    return handle
+    return _required(llm_client, "_load_balancer", "load balancer handle",
+                     f"verl_ext needs veRL's LLMServerClient (veRL {verl_version()})")
 
 
 def _lb_servers(load_balancer) -> dict:
@@ -96,8 +101,5 @@ def server_handles(load_balancer_handle) -> dict:
 
 def server_engine(server):
     """The vLLM engine client of a veRL rollout server actor (call inside the actor)."""
-    engine = getattr(server, "engine", None)
-    if engine is None:
-        raise VerlCompatError(f"{type(server).__name__} has no vLLM engine client (engine); verl_ext's drafter RPC "
-                              "and aborts need veRL's vLLMHttpServer")
-    return engine
+    return _required(server, "engine", "vLLM engine client",
+                     "verl_ext's drafter RPC and aborts need veRL's vLLMHttpServer")
