@@ -10,13 +10,14 @@ import os
 import subprocess
 import sys
 import time
+import types
 
 import numpy as np
 import pytest
 
 from verl_ext.spec import SCOPE_GROUP, DraftIndex
 from verl_ext.spec.dgds import (
-    IMPORT_REFUSED, SLOW_CALLS_BEFORE_DEGRADE, DGDSClient, GroupDraftServer, import_deltas, shard_of,
+    SLOW_CALLS_BEFORE_DEGRADE, DGDSClient, GroupDraftServer, import_deltas, shard_of,
 )
 from _util import ProposerBatch as _Batch, make_proposer as _proposer  # noqa: E402
 
@@ -427,9 +428,7 @@ def test_proposer_remote_groups_and_adaptive_caps():
     server.append([("ga", "done", 0, sibling, True), ("ga", "other", 0, [7, 7], False)])
     blob, _ = server.fetch({"ga": 0})["ga"]
     assert p.rpc("import_groups", [blob, b"junk"]) == [42, -1]
-    with pytest.raises(ValueError, match=IMPORT_REFUSED):  # strict: for RPCs that return nothing
-        p.rpc("import_groups", [blob, b"junk"], True)
-    assert p.rpc("import_groups", [blob], True) == [0]  # idempotent
+    assert p.rpc("import_groups", [blob]) == [0]  # idempotent
     assert p.rpc("group_counts", "ga") == (1, 2) and p.rpc("group_counts", ["ga", "x"]) == {"ga": (1, 2), "x": (0, 0)}
     before = p.index.dump(SCOPE_GROUP, "ga")
     b = _Batch(p)
@@ -449,7 +448,7 @@ def test_proposer_remote_groups_and_adaptive_caps():
     assert b.step()["c"] == sibling[3:11]  # alone: budget 11, capped at k=8
     assert p.index.group_counts("ga") == (1, 2) and "a" not in p._group_of
     st = p.rpc("stats")
-    assert st["imported_tokens"] == 42 and st["import_refused"] == 2 and st["import_calls"] == 3
+    assert st["imported_tokens"] == 42 and st["import_refused"] == 1 and st["import_calls"] == 2
 
 
 def test_proposer_local_groups_write_and_no_caps():
@@ -500,36 +499,47 @@ def test_proposer_group_write_switches_a_remote_engine_to_local_trees():
         p.rpc("group_write", "yes")
 
 
-def test_verl_server_imports_are_strict():
-    """``ReplicaInstance.import_drafts`` over veRL's ``collective_rpc`` (which returns nothing): per
-    blob 0 when taken, -1 when the drafter refused a delta (the client resends in full), as local
-    engines answer; other errors raise."""
+def test_verl_server_imports_answer_per_blob():
+    """``ReplicaInstance.import_drafts`` on a veRL server, whose ``collective_rpc`` returns nothing:
+    the import runs through the server's engine client inside the server actor (``__ray_call__``)
+    and answers per blob as local engines do: the tokens added, or -1 where any worker's drafter
+    refused the delta; an engine that cannot answer raises (the client retries, then pauses)."""
     from verl_ext.rollout.replica_instance import ReplicaInstance
 
-    class _Rpc:
-        def __init__(self, error=None):
-            self.error, self.calls = error, []
+    server = GroupDraftServer(max_depth=DEPTH)
+    server.append([("ga", "r0", 0, list(range(100, 120)), True)])
+    server.append([("gb", "r1", 0, [5, 6, 7], False)])
+    fetched = server.fetch({"ga": 0, "gb": 0})
+    blob_a, blob_b = fetched["ga"][0], fetched["gb"][0]
+    workers = [_proposer(scopes="request+group", group_source="remote") for _ in range(2)]
+    workers[1].rpc("import_groups", [blob_b])  # worker 1 already has gb: its delta adds nothing there
 
-        def remote(self, method, args=()):
-            self.calls.append((method, args))
+    class _Engine:  # the vLLM engine client of veRL's vLLMHttpServer (``server.engine``)
+        def __init__(self, loop):
+            self.output_handler = types.SimpleNamespace(get_loop=lambda: loop)
 
-            async def run():
-                if self.error is not None:
-                    raise self.error
+        async def collective_rpc(self, method, args=()):
+            assert method == "verl_ext_drafter"
+            return [w.rpc(*args) for w in workers]
 
-            return run()
+    class _Call:  # Ray's __ray_call__: the function runs on one of the actor's threads
+        def __init__(self, actor):
+            self.actor = actor
 
-    class _Handle:
-        def __init__(self, error=None):
-            self.collective_rpc = _Rpc(error)
+        def remote(self, fn, *args):
+            return asyncio.to_thread(fn, self.actor, *args)
 
-    ok = _Handle()
-    assert asyncio.run(ReplicaInstance("s0", ok, drafting=True).import_drafts([b"x", b"y"])) == [0, 0]
-    assert ok.collective_rpc.calls == [("verl_ext_drafter", ("import_groups", [b"x", b"y"], True))]
-    refused = _Handle(RuntimeError(f"worker 0: ValueError: {IMPORT_REFUSED}: 1 of 1 group deltas"))
-    assert asyncio.run(ReplicaInstance("s0", refused, drafting=True).import_drafts([b"x", b"y"])) == [-1, -1]
-    with pytest.raises(RuntimeError, match="gone"):
-        asyncio.run(ReplicaInstance("s0", _Handle(RuntimeError("gone")), drafting=True).import_drafts([b"x"]))
+    async def run(blobs, engine=True):
+        actor = types.SimpleNamespace(**({"engine": _Engine(asyncio.get_running_loop())} if engine else {}))
+        handle = types.SimpleNamespace(__ray_call__=_Call(actor))
+        return await ReplicaInstance("s0", handle, drafting=True).import_drafts(blobs, timeout_s=5.0)
+
+    assert asyncio.run(run([blob_a, blob_b])) == [20, 0]  # gb: the least any worker added
+    assert asyncio.run(run([blob_a, b"junk"])) == [0, -1]
+    with pytest.raises(RuntimeError, match="vLLM engine client"):
+        asyncio.run(run([blob_a], engine=False))
+    with pytest.raises(RuntimeError, match="no verl_ext drafter"):
+        asyncio.run(ReplicaInstance("s0", None).import_drafts([blob_a]))
 
 
 def test_an_engine_keeps_one_group_sequence_per_chunked_response_beside_the_server_copy():

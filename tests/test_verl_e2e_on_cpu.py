@@ -222,6 +222,10 @@ def test_every_mechanism_within_reach_acted_inside_verl(e2e):
         rows = _tracking(out, strategy)
         assert got == {k: max(int(r.get(f"verl_ext/mechanisms/{k}", 0)) for r in rows) for k in got}
     assert "kv_fraction=0.02" in (out / "seer" / "command.txt").read_text()
+    # the grouped draft server pushed its deltas into veRL's server, which answered per blob
+    first = _tracking(out, "seer")[0]
+    assert first["verl_ext/seer/dgds_imports"] > 0 and first["verl_ext/seer/dgds_tokens"] > 0
+    assert first["verl_ext/seer/dgds_import_errors"] == 0 and first["verl_ext/seer/dgds_import_failures"] == 0
 
 
 def test_a_killed_dispatcher_falls_back_to_verls_load_balancer_mid_step(e2e):

@@ -15,10 +15,9 @@ group and prompt key and the strategy's per-request drafting keys (``spec_window
 ``spec_scopes``: ``REQUEST_DRAFT_KEYS``) in ``SamplingParams.extra_args["verl_ext"]`` (read only
 by the drafter), and ``drafter_call`` reaches the drafter through veRL's public
 ``vLLMHttpServer.collective_rpc`` (which returns nothing: calls are fire-and-check, errors raise).
-``import_drafts`` takes the grouped draft server's deltas that way; veRL's servers do not stream,
-so ``generate`` hands a chunk's tokens to ``on_tokens`` (and so to the draft server) when the
-chunk ends. ``drafter_stats`` and ``refresh_progress`` (running requests' tokens so far, for
-``progress`` and ``partial``: the drafter's ``progress`` op) need the drafter's answer, which
+veRL's servers do not stream, so ``generate`` hands a chunk's tokens to ``on_tokens`` (and so to
+the grouped draft server) when the chunk ends. ``import_drafts``, ``drafter_stats`` and ``refresh_progress`` (running requests'
+tokens so far, for ``progress`` and ``partial``: the drafter's ``progress`` op) need the drafter's answer, which
 ``collective_rpc`` drops: they run the same RPC through the server's engine client inside the
 server actor (Ray's ``__ray_call__``), and so does ``abort`` (veRL's ``abort_request`` misses vLLM
 0.32's internal request ids).
@@ -157,21 +156,18 @@ class ReplicaInstance(Instance):
         got = self._progress.get(request_id)
         return None if got is None or got[2] is None else list(got[2])
 
-    async def import_drafts(self, blobs: list) -> list[int]:
-        """Import grouped draft server deltas (``verl_ext.spec.dgds``) into the server's drafter;
-        per blob, as ``VLLMInstance.import_drafts``: 0 when taken, -1 when refused (the client
-        then resends in full). veRL's ``collective_rpc`` returns nothing, so the import is strict:
-        one refused delta marks every blob refused; other errors raise (the client retries, then
-        pauses pushing to this server)."""
-        from verl_ext.spec.dgds import IMPORT_REFUSED
-
-        try:
-            await self.drafter_call("import_groups", list(blobs), True)
-        except Exception as exc:
-            if IMPORT_REFUSED in str(exc):
-                return [-1] * len(blobs)
-            raise
-        return [0] * len(blobs)
+    async def import_drafts(self, blobs: list, timeout_s: float = 30.0) -> list[int]:
+        """Import grouped draft server deltas (``verl_ext.spec.dgds``) into the server's drafter,
+        as ``VLLMInstance.import_drafts``: per blob, the tokens it added (0: nothing new) or -1
+        where a worker refused it (the client then resends that group in full). The answer needs
+        the drafter's return value, which ``collective_rpc`` drops: the RPC runs through the
+        server's engine client (``__ray_call__``); errors raise (the client retries, then pauses
+        pushing to this server)."""
+        if not self.drafting:
+            raise RuntimeError(f"server {self.name} runs no verl_ext drafter")
+        answers = await self.handle.__ray_call__.remote(_drafter_rpc, "import_groups", (list(blobs),), timeout_s)
+        # every worker holds its own drafter: a blob counts as imported only where all took it
+        return [min(col) for col in zip(*answers)] if answers else [-1] * len(blobs)
 
     async def generate(self, request: GenRequest, on_tokens=None) -> Completion:
         engine_id = uuid.uuid4().hex  # veRL sends a fresh id per turn, too

@@ -54,11 +54,7 @@ from verl_ext.spec._suffix import DraftIndex
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DGDSClient", "GroupDraftServer", "IMPORT_REFUSED", "import_deltas", "shard_of"]
-
-#: the error of an engine drafter's strict import (``import_groups`` with ``strict``) that refused
-#: deltas, matched by text across RPC layers that return nothing (veRL's ``collective_rpc``)
-IMPORT_REFUSED = "verl_ext drafter refused group deltas"
+__all__ = ["DGDSClient", "GroupDraftServer", "import_deltas", "shard_of"]
 
 Update = tuple  # (group, seq, start, tokens, closed)
 

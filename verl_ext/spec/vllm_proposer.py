@@ -25,9 +25,8 @@ Per engine step (CPU drafters run synchronously after the step's bookkeeping):
 
 Group trees come from the engine's own requests (``group_source="local"``) or from the grouped
 draft server (``"remote"``, ``verl_ext.spec.dgds``): the front end pushes the server's deltas
-with the ``import_groups`` RPC (``strict``: raise when a delta is refused, for RPC layers that
-return nothing), and the engine's requests read the group trees but do not write
-them (the server's copy already has their tokens). The ``group_write`` RPC switches an engine to
+with the ``import_groups`` RPC (per blob: tokens added, or -1 where a delta was refused), and the
+engine's requests read the group trees but do not write them (the server's copy already has their tokens). The ``group_write`` RPC switches an engine to
 writing them itself for requests started afterwards (``seer`` with ``dgds=auto`` where no server
 runs), and ``drop_groups`` frees the trees of groups whose rollout is over (the same prompt in a
 later step is a new group: its responses come from another policy, and a request id reused
@@ -50,7 +49,7 @@ from typing import Optional
 import numpy as np
 
 from verl_ext.spec._suffix import SCOPE_GROUP, SCOPE_HISTORY, DraftIndex
-from verl_ext.spec.dgds import IMPORT_REFUSED, import_deltas
+from verl_ext.spec.dgds import import_deltas
 from verl_ext.spec.options import MAX_K, SCOPE_NAMES, SEQ_OFFSET_KEY, SpecOptions, request_drafting
 from verl_ext.spec.policy import DraftBatch, DraftPolicy
 from verl_ext.spec.reference import ReferenceDraft
@@ -360,15 +359,11 @@ class SuffixProposer:
             return self.index.save()
         if op == "load":
             return self.index.load(args[0])
-        if op == "import_groups":  # ([group delta blobs][, strict]) -> tokens applied per blob, -1 = refused
+        if op == "import_groups":  # ([group delta blobs]) -> tokens applied per blob, -1 = refused
             out = import_deltas(self.index, args[0])
             self.import_calls += 1
             self.imported_tokens += sum(n for n in out if n > 0)
             self.import_refused += sum(n < 0 for n in out)
-            if len(args) > 1 and args[1] and any(n < 0 for n in out):
-                # for callers whose RPC drops return values (veRL's collective_rpc): the others
-                # are applied; the caller resends the refused groups in full
-                raise ValueError(f"{IMPORT_REFUSED}: {sum(n < 0 for n in out)} of {len(out)} group deltas")
             return out
         if op == "group_counts":  # (group or [groups]) -> (closed, total) or {group: (closed, total)}
             if isinstance(args[0], str):
