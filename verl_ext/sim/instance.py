@@ -65,6 +65,7 @@ import numpy as np
 from verl_ext.engine.instance import FINISH_ABORT, FINISH_LENGTH, Completion, GenRequest, Instance, Telemetry
 from verl_ext.sim.drafting import split_schedules
 from verl_ext.sim.source import Target, TokenView, TraceSource
+from verl_ext.spec import SCOPE_GROUP
 from verl_ext.spec.options import SCOPE_NAMES, request_drafting
 from verl_ext.spec.policy import DraftBatch, DraftPolicy
 
@@ -87,6 +88,11 @@ class _Req:
         self.aborted = False
         self.ctx0 = target.prompt_len
         self.window: Optional[int] = request_drafting(request.extra, 0)[1]  # ``spec_window``
+
+
+#: "most siblings finished": the share of a group's responses done for its running requests to
+#: count in the late phase (``late_tokens``), where Seer reports its mean acceptance length
+LATE_FRACTION = 0.75
 
 
 class SimInstance(Instance):
@@ -118,6 +124,11 @@ class SimInstance(Instance):
         self.drafts = 0
         self.draft_tokens = 0
         self.accepted_tokens = 0
+        # Seer's late phase (Fig. 12): tokens and request-steps of requests whose group had at
+        # least LATE_FRACTION of its responses finished when the plan was made (group scope only)
+        self.late_tokens = 0
+        self.late_request_steps = 0
+        self._late: Optional[np.ndarray] = None
         # per scope: [drafted, accepted] tokens (the vLLM drafter's ``stats``), where known: per-step
         # drafting (``exact``, selection) knows each draft's scope; replayed schedules (``cached``,
         # ``lockstep``) know it only when the drafter drafts from a single scope
@@ -295,6 +306,9 @@ class SimInstance(Instance):
             per_step_drafts = int((D[:, :steps] > 0).sum())
         if self._cut_plan is not None and self._cut_plan < 0:
             self._cutoff.note_off(steps)
+        if self._late is not None and self._late.any():
+            self.late_tokens += int(emitted[self._late].sum())
+            self.late_request_steps += int(self._late.sum()) * steps
         done = []
         for r, e in zip(self.running, emitted.tolist()):
             r.pos += e
@@ -512,6 +526,9 @@ class SimInstance(Instance):
             tau = cost.step_time(B, self._kv + B * s, 0, 0)
             E = D = split = None
         else:
+            if getattr(self.drafter, "mask", 0) & SCOPE_GROUP:
+                groups = [r.request.group_id for r in self.running]
+                self._late = self.drafter.finished_fraction(groups) >= LATE_FRACTION
             caps = self._draft_caps()
             if self._cutoff is not None and caps is not None and not caps.any():
                 self.cutoff_plans += 1

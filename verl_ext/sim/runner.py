@@ -218,6 +218,11 @@ def run_arm(label, strategy, spec, trace, rows, history, cost, instances: int, r
     metrics["prefix_hit_tokens"] = sum(i.prefix_hit_tokens for i in sims)
     if kv_pool is not None:
         metrics.update(kv_pool.stats())
+    generated = sum(i.generated for i in sims)
+    # the share of output tokens that came from accepted drafts (RhymeRL Fig. 17's speculation rate)
+    metrics["speculation_rate"] = sum(i.accepted_tokens for i in sims) / generated if generated else None
+    late = sum(i.late_request_steps for i in sims)  # Seer Fig. 12: once most siblings have finished
+    metrics["late_tokens_per_step"] = sum(i.late_tokens for i in sims) / late if late else None
     metrics["kv_peak_fraction"] = max(i.kv_peak for i in sims) / cost.kv_capacity_tokens
     metrics["busy_fraction"] = sum(i.busy_s for i in sims) / (len(sims) * metrics["wall_s"]) if metrics["wall_s"] else None
     if spec is not None:

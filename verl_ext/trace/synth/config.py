@@ -30,8 +30,12 @@ class SynthConfig:
     Content knobs (probabilities per ``segment_len``-token segment, sum <= 1): copied from a
     sibling of the same epoch (``group_similarity``), from one of the prompt's previous-epoch
     responses (``epoch_similarity``), or from the response's own earlier text
-    (``self_similarity``) instead of its own real text. All 0 keeps the similarity of the
-    source's real groups; ``with_level(cfg, "measured" | "published")`` sets calibrated values.
+    (``self_similarity``) instead of its own real text. ``epoch_edit_rate`` / ``group_edit_rate``:
+    the chance that a token copied from the previous epoch / from a sibling or the response
+    itself is the response's own token instead (the copy diverges from its source there for one
+    token, as a re-sampled response does: it bounds how long a draft from a copy survives). Two
+    rates because the previous epoch was sampled from an older policy, siblings from this one.
+    All 0 keeps the similarity of the source's real groups; ``with_level(cfg, "measured" | "published")`` sets calibrated values.
     ``relabel``: see ``content``. ``prompt_len``: (lo, hi) prompt length in tokens,
     uniform, real prompts with other real prompts in front (like few-shot examples); (0, 0)
     keeps each real prompt as it is. Assumption: no seed gives prompt lengths.
@@ -51,6 +55,8 @@ class SynthConfig:
     group_similarity: float = 0.0
     epoch_similarity: float = 0.0
     self_similarity: float = 0.0
+    epoch_edit_rate: float = 0.0
+    group_edit_rate: float = 0.0
     segment_len: int = 64
     relabel: bool = True
     prompt_len: tuple[int, int] = (128, 1024)
@@ -80,7 +86,8 @@ class SynthConfig:
                 bad(name, "must be a number in [0, 5]")
         if not (isinstance(self.epoch_rho, (int, float)) and -1 <= self.epoch_rho <= 1):
             bad("epoch_rho", "must be in [-1, 1]")
-        for name in ("outlier_frac", "overlong_frac", "group_similarity", "epoch_similarity", "self_similarity"):
+        for name in ("outlier_frac", "overlong_frac", "group_similarity", "epoch_similarity", "self_similarity",
+                     "epoch_edit_rate", "group_edit_rate"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and 0 <= v <= 1):
                 bad(name, "must be in [0, 1]")

@@ -238,12 +238,18 @@ class _Plan:
         run = np.cumsum(~cont) - 1
         nrun = int(run[-1]) + 1 if run.size else 0
         run_first = np.flatnonzero(~cont)
-        # the response each run copies from
+        # the response each run copies from: one previous-epoch response per response (the
+        # solution path it follows) and one template sibling per group, so that what one
+        # response copies, its siblings hold too
         p = resp // G
         j = resp % G
-        h = rng.integers(0, G, size=nrun)
-        sib = (j[run_first] + 1 + rng.integers(0, max(1, G - 1), size=nrun)) % G
+        rng.integers(0, G, size=nrun)  # (draws kept: the stream of later draws stays the same)
+        rng.integers(0, max(1, G - 1), size=nrun)
+        paths = np.random.default_rng([cfg.seed, 6, e])
+        h = paths.integers(0, G, size=n)[resp[run_first]]
+        sib = paths.integers(0, G, size=P)[p[run_first]]
         rk = kind[run_first]
+        rk = np.where((rk == _KINDS_SIBLING) & (sib == j[run_first]), _KINDS_BASE, rk)  # the template keeps its text
         own = e * n + resp[run_first]
         src_row = np.select([rk == _KINDS_HISTORY, rk == _KINDS_SIBLING, rk == _KINDS_SELF],
                             [(e - 1) * n + p[run_first] * G + h, e * n + p[run_first] * G + sib, own], 0)
@@ -254,7 +260,7 @@ class _Plan:
         selfr = rk == _KINDS_SELF
         Lsrc = np.where(selfr, q0, Lsrc)
         start = np.where(selfr, np.floor(rng.random(nrun) * np.maximum(q0 - seg + 1, 1)).astype(np.int64), start)
-        sel = kind != _KINDS_BASE
+        sel = (kind != _KINDS_BASE) & (rk[run] != _KINDS_BASE)
         r = run[sel]
         off = start[r] + (q[sel] - q0[r])
         lsel = ln[sel]
@@ -278,6 +284,24 @@ def _apply(out: np.ndarray, dst: np.ndarray, srcs: np.ndarray, ln: np.ndarray, c
         k = max(k, i + 1)
         out[_expand(dst[i:k], ln[i:k])] = out[_expand(srcs[i:k], ln[i:k])]
         i = k
+
+
+def _edit(out: np.ndarray, base: np.ndarray, origin: int, dst: np.ndarray, ln: np.ndarray, rate: np.ndarray,
+          rng: np.random.Generator, chunk_tokens: int = 1 << 20) -> int:
+    """Each copied token (``out[dst_i : dst_i + ln_i]``) is, with probability ``rate_i``, put back
+    to the response's own token (``base``: the epoch's text before the copies, starting at
+    ``origin``). Returns how many were."""
+    edited = 0
+    cum = np.cumsum(ln)
+    i = 0
+    while i < dst.size:
+        k = max(i + 1, int(np.searchsorted(cum, (cum[i - 1] if i else 0) + chunk_tokens, side="right")))
+        pos = _expand(dst[i:k], ln[i:k])
+        pos = pos[rng.random(pos.size) < np.repeat(rate[i:k], ln[i:k])]
+        out[pos] = base[pos - origin]
+        edited += int(pos.size)
+        i = k
+    return edited
 
 
 def _prompts(cfg: SynthConfig, src: _Source, sp0: np.ndarray, rng: np.random.Generator) -> list[np.ndarray]:
@@ -318,15 +342,20 @@ def synthesize(cfg: SynthConfig, source: Trace) -> Trace:
     rng = np.random.default_rng([cfg.seed, 3])
     first = np.zeros(E * n, np.int64)
     copied = {"history": 0, "self": 0, "sibling": 0}
+    edited = 0
     for e in range(E):
         first[e * n:(e + 1) * n] = plan.fill_base(out, e)
         dst, srcs, ln, kind = plan.copies(e, rng)
+        rate = np.where(kind == _KINDS_HISTORY, cfg.epoch_edit_rate, cfg.group_edit_rate)
+        base = out[plan.offsets[e * n]:plan.offsets[(e + 1) * n]].copy() if dst.size and rate.max() > 0 else None
         # history copies read epoch e-1 (final); self copies then read the response's text
         # before this pass, sibling copies the siblings' text before theirs
         for name, kd in (("history", _KINDS_HISTORY), ("self", _KINDS_SELF), ("sibling", _KINDS_SIBLING)):
             m = kind == kd
             _apply(out, dst[m], srcs[m], ln[m])
             copied[name] += int(ln[m].sum())
+        if base is not None:
+            edited += _edit(out, base, int(plan.offsets[e * n]), dst, ln, rate, np.random.default_rng([cfg.seed, 5, e]))
     prompts = _prompts(cfg, src, plan.sp0, np.random.default_rng([cfg.seed, 4]))
     plens = np.array([len(x) for x in prompts], np.int64)
     p_rows = np.tile(np.repeat(np.arange(P), G), E)
@@ -348,6 +377,7 @@ def synthesize(cfg: SynthConfig, source: Trace) -> Trace:
             "similarity_level": level,
             "length_model": {k: (round(v, 6) if isinstance(v, float) else v) for k, v in lm.items()},
             "copied_tokens": copied,
+            "edited_tokens": edited,
             "seconds": round(time.perf_counter() - t0, 3),
         },
         "synth_source": src.describe(),

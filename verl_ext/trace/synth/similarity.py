@@ -2,22 +2,18 @@
 or synthetic trace: RhymeRL §5.1's reuse fraction (response tokens whose 3-token prefix and token
 occur in the prompt's previous-epoch responses) and Seer §3.3 / Table 2's grouped gain (accepted
 draft tokens of exact-match replay with the native ``DraftIndex``, k = 8, with the group's other
-responses as references vs the request alone), plus the history-scope gain.
-``calibrate_levels(source)`` bisects the knobs until synthetic traces show each level's targets
-(minutes); its output is ``calibration.SIMILARITY_LEVELS``."""
+responses as references vs the request alone), plus the history-scope gain. ``verl_ext.sim.calibration`` measures the levels of
+``calibration.SIMILARITY_LEVELS`` with it (and with the simulator) against their targets."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 
 import numpy as np
 
 from verl_ext.history.store import history_weight
 from verl_ext.trace.format import Trace
-from verl_ext.trace.synth.calibration import CALIBRATION_CONFIG, CALIBRATION_STATS
-from verl_ext.trace.synth.config import SynthConfig
-from verl_ext.trace.synth.content import _expand, synthesize
+from verl_ext.trace.synth.content import _expand
 from verl_ext.trace.synth.lengths import _groups
 
 
@@ -234,82 +230,3 @@ def similarity_stats(
             "tokens_per_step_history": his["tokens_per_step"],
         }
     return out
-
-
-def calibrate_levels(source: Trace, cfg: SynthConfig = CALIBRATION_CONFIG, *, published_reuse: float = 0.85,
-                     published_gain: float = 1.19, iters: int = 7, stats_kw: Optional[dict] = None, log=None) -> dict:
-    """Fits the knobs of both levels on ``cfg`` (minutes: ~100 synthesize + replay rounds).
-
-    Targets: ``measured``: the reuse fraction and grouped gain ``similarity_stats`` reports on
-    ``source`` itself. ``published``: ``published_reuse`` (the middle of RhymeRL §5.1's 75-95%)
-    and ``published_gain`` (Seer Table 2's +119%).
-
-    Search: for a given (group, self) pair, ``epoch_similarity`` is bisected to the reuse
-    target (0 if already above). If the gain at group = self = 0 is below the target,
-    ``group_similarity`` is bisected up to it; otherwise ``self_similarity`` is (self-repetition
-    raises the request-only baseline and so lowers the relative gain). Heavy cross-epoch reuse
-    already makes siblings share text (they copy the same previous-epoch responses), so the
-    published level needs self-similarity rather than group copies.
-    Returns {level: {knobs..., "target", "achieved"}, "real": the source's metrics}."""
-    kw = dict(CALIBRATION_STATS if stats_kw is None else stats_kw)
-    real = similarity_stats(source, **kw)
-    targets = {
-        "measured": (real["reuse_fraction"], real["group"]["gain"]),
-        "published": (published_reuse, published_gain),
-    }
-
-    def stats(g, e, sg):
-        c = dataclasses.replace(cfg, group_similarity=g, epoch_similarity=e, self_similarity=sg)
-        s = similarity_stats(synthesize(c, source), **kw)
-        if log:
-            log(f"  g={g:.4f} e={e:.4f} s={sg:.4f}: reuse={s['reuse_fraction']:.4f} gain={s['group']['gain']:.3f}")
-        return s
-
-    def fit_epoch(g, sg, t_reuse):
-        s = stats(g, 0.0, sg)
-        if s["reuse_fraction"] >= t_reuse:
-            return 0.0, s
-        lo, hi, best = 0.0, 1.0 - g - sg, (0.0, s)
-        for _ in range(iters):
-            mid = 0.5 * (lo + hi)
-            s = stats(g, mid, sg)
-            if abs(s["reuse_fraction"] - t_reuse) < abs(best[1]["reuse_fraction"] - t_reuse):
-                best = (mid, s)
-            lo, hi = (mid, hi) if s["reuse_fraction"] < t_reuse else (lo, mid)
-        return best
-
-    res = {}
-    for name, (t_reuse, t_gain) in targets.items():
-        if log:
-            log(f"{name}: target reuse {t_reuse:.4f}, gain {t_gain:.3f}")
-        e, s = fit_epoch(0.0, 0.0, t_reuse)
-        g = sg = 0.0
-        if abs(s["group"]["gain"] - t_gain) > 0.02:
-            up = s["group"]["gain"] < t_gain  # raise group copies, else self-repetition
-            lo, hi, best = 0.0, 1.0, (0.0, e, s)
-            for _ in range(iters):
-                mid = 0.5 * (lo + hi)
-                ee, ss = fit_epoch(mid if up else 0.0, 0.0 if up else mid, t_reuse)
-                if abs(ss["group"]["gain"] - t_gain) < abs(best[2]["group"]["gain"] - t_gain):
-                    best = (mid, ee, ss)
-                if (ss["group"]["gain"] < t_gain) == up:
-                    lo = mid
-                else:
-                    hi = mid
-                if mid + ee > 1:
-                    hi = mid
-            x, e, s = best
-            g, sg = (x, 0.0) if up else (0.0, x)
-        res[name] = {
-            "group_similarity": round(g, 4), "epoch_similarity": round(e, 4), "self_similarity": round(sg, 4),
-            "target": {"reuse_fraction": t_reuse, "group_gain": t_gain},
-            "achieved": {"reuse_fraction": s["reuse_fraction"], "group_gain": s["group"]["gain"],
-                         "history_gain": s.get("history", {}).get("gain"),
-                         "tokens_per_step_request": s["group"]["tokens_per_step_request"],
-                         "tokens_per_step_group": s["group"]["tokens_per_step_group"]},
-        }
-    res["real"] = {"reuse_fraction": real["reuse_fraction"], "group_gain": real["group"]["gain"],
-                   "reuse_other_prompt": real["reuse_other_prompt"], "history_gain": real.get("history", {}).get("gain"),
-                   "tokens_per_step_request": real["group"]["tokens_per_step_request"]}
-    res["stats_kw"] = kw
-    return res
