@@ -76,6 +76,36 @@ def test_memory_cap_evicts_least_recently_ingested():
     assert "old" not in st.prompts and set(st.prompts) == {"mid", "new"}
     assert st.bytes <= st.max_bytes
     assert st.stats()["tokens_held"] == 20
+    assert st.stats()["capped_prompts"] == 1  # "old": its whole history dropped by the cap
+    roomy = HistoryStore(keep=1)
+    for step in (1, 2, 3):  # newer rollouts replacing older ones are not the cap's doing
+        roomy.ingest(_traj("p", step, [10]))
+    assert roomy.stats()["evicted_rollouts"] == 1 and roomy.stats()["capped_prompts"] == 0
+
+
+def test_an_epoch_of_dapo_history_needs_several_shards(tmp_path):
+    """DAPO-17K x 16 responses x 8k tokens (int32) is 8.9 GB: nine 1 GiB shards hold it; a
+    dataset that needs more than the most ``auto`` starts does not fit, nor one that cannot be
+    read."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from verl_ext.history.capacity import MAX_AUTO_SHARDS, dataset_prompts, epoch_history_bytes, plan_shards
+
+    need = epoch_history_bytes(17_000, 16, 8192)
+    assert need == 17_000 * 16 * 8192 * 4 and 8.9e9 < need < 9.0e9
+    assert plan_shards(need, 1 << 30) == (9, True)
+    assert plan_shards(need, 1 << 28) == (MAX_AUTO_SHARDS, False)
+    assert plan_shards(None, 1 << 30) == (1, False)
+    assert plan_shards(epoch_history_bytes(10, 2, 8), 1 << 30) == (1, True)
+    files = []
+    for i, n in enumerate((7, 5)):
+        f = tmp_path / f"train{i}.parquet"
+        pq.write_table(pa.table({"prompt": [f"p{j}" for j in range(n)]}), f)
+        files.append(str(f))
+    assert dataset_prompts(files) == 12 and dataset_prompts(files[0]) == 7
+    assert dataset_prompts(files, max_samples=10) == 10 and dataset_prompts(files, max_samples=-1) == 12
+    assert dataset_prompts(["hdfs://cluster/train.parquet"]) is None and dataset_prompts(None) is None
 
 
 def test_snapshot_round_trip_and_corruption():
@@ -185,3 +215,64 @@ def test_history_workers_load_without_the_native_index_and_shard_like_the_draft_
     keys = [f"prompt-{i}" for i in range(64)]
     assert [shard_of(k, 4) for k in keys] == [dgds_shard_of(k, 4) for k in keys]
     assert len({shard_of(k, 4) for k in keys}) == 4 and shard_of("x", 1) == 0
+
+
+def test_auto_shards_hold_an_epoch_or_say_why_not(tmp_path, caplog):
+    """``history.shards: auto`` (the default) inside veRL: as many shards as the trainer's dataset,
+    ``rollout.n`` and ``data.max_response_length`` need, with a warning where they cannot."""
+    pytest.importorskip("verl")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from omegaconf import OmegaConf
+
+    from verl_ext.config.settings import VerlExtSettings
+    from verl_ext.rollout.manager import _with_history_shards
+
+    data = tmp_path / "train.parquet"
+    pq.write_table(pa.table({"prompt": [f"p{j}" for j in range(1000)]}), data)
+
+    def shards(max_bytes, files):
+        settings = VerlExtSettings.from_custom({"verl_ext": {"strategy": "rhyme", "history": {"max_bytes": max_bytes}}})
+        assert settings.history.shards == "auto"
+        config = OmegaConf.create({"data": {"train_files": files, "max_response_length": 1024},
+                                   "actor_rollout_ref": {"rollout": {"n": 8, "response_length": 1024}}})
+        return _with_history_shards(settings, config).history.shards
+
+    need = 1000 * 8 * 1024 * 4  # 32.8 MB
+    with caplog.at_level(logging.WARNING, logger="verl_ext.rollout.manager"):
+        assert shards(need // 3 + 1, [str(data)]) == 3 and not caplog.records
+        assert shards(need // 100, [str(data)]) == 16
+        assert "prompts will lose their history before their next epoch" in caplog.text
+        caplog.clear()
+        assert shards(1 << 30, ["hdfs://x/train.parquet"]) == 1 and "cannot size an epoch's history" in caplog.text
+    with pytest.raises(Exception, match="shards must be an integer >= 1 or auto"):
+        VerlExtSettings.from_custom({"verl_ext": {"strategy": "rhyme", "history": {"shards": "many"}}})
+
+
+async def test_the_dispatcher_warns_once_when_a_shard_drops_a_prompts_history(caplog):
+    import types
+
+    pytest.importorskip("verl")
+    from verl_ext.config.settings import HistorySettings
+    from verl_ext.rollout.dispatcher import StrategyDispatcher
+
+    class _History:
+        num_shards, capped = 2, 0
+
+        async def stats(self):
+            return {"capped_prompts": self.capped, "bytes_held": 3 << 30}
+
+    d = types.SimpleNamespace(history=_History(), settings=types.SimpleNamespace(history=HistorySettings()),
+                              _capped_prompts=0, _warned_cap=False)
+    with caplog.at_level(logging.WARNING, logger="verl_ext.rollout.dispatcher"):
+        await StrategyDispatcher._check_history_cap(d)
+        assert not caplog.records and d._capped_prompts == 0
+        d.history.capped = 5
+        await StrategyDispatcher._check_history_cap(d)
+        d.history.capped = 9
+        await StrategyDispatcher._check_history_cap(d)
+    assert d._capped_prompts == 9
+    assert [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()] == [
+        "verl_ext: the history shards dropped 5 prompts' history to stay under 2 x 1.00 GiB (history.shards x "
+        "history.max_bytes; 3.00 GiB held): those prompts come back without HistoSpec drafts or HistoPipe lengths; "
+        "raise history.max_bytes or history.shards"]

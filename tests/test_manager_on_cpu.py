@@ -206,12 +206,14 @@ def ray_local():
 
 def test_manager_rhyme_feeds_history_and_serves_it_next_epoch(ray_local, model_dir, tmp_path):
     """rollout=rhyme on veRL's V0 path: step 1 (no history) feeds the history workers; step 2 (the
-    same prompts, next epoch) plans HistoPipe from their lengths and loads each server's drafter
+    same prompts, next epoch; histopipe=true: the synchronous trainer does not overlap steps) plans
+    HistoPipe from their lengths and loads each server's drafter
     with the step-1 responses of the prompts it serves, keyed like the requests."""
     from verl_ext.rollout.dispatcher import prompt_group_id
 
     n = 3
-    manager, servers = _v0_manager("rhyme", model_dir, n, f"trainer.default_local_dir={tmp_path}")
+    opts = "actor_rollout_ref.rollout.custom.verl_ext.options"
+    manager, servers = _v0_manager("rhyme", model_dir, n, f"trainer.default_local_dir={tmp_path}", f"{opts}.histopipe=true")
 
     def run(step):
         gen = _batch(4).repeat(repeat_times=n, interleave=True)

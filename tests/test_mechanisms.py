@@ -70,7 +70,7 @@ def test_every_built_in_strategy_declares_its_mechanisms_with_known_sources():
 SIM_ARMS = {  # each under the conditions that make its mechanisms act
     "seer[kv_fraction=0.002,chunk_size=64]": ["chunk_continuations", "probe_picks", "kv_holds",
                                               "group_draft_tokens_accepted"],  # tight KV, chunks
-    "rhyme": ["history_draft_tokens_accepted", "histopipe_placements", "migrations"],
+    "rhyme[histopipe=true]": ["history_draft_tokens_accepted", "histopipe_placements", "migrations"],
     # groups placed together, and a turning point of 6 samples per engine: some engines above it
     "rlhfspec[allocation=grouped,threshold=6,cooldown=1]": ["selection_steps", "samples_moved"],
     "specactor": ["window_changes", "ladder_selections", "bon_copies"],  # greedy requests

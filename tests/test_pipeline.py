@@ -97,6 +97,19 @@ def test_histopipe_alternates_blocks_across_steps():
         assert (first < rest) == (global_step % 2 == 1), (s, first, rest)
 
 
+def test_histopipe_by_default_only_where_rollouts_overlap_training():
+    """``histopipe=auto`` (the default): ranking groups in pipelines that overlap a step's rollout
+    with training (``stream``), least-loaded dispatch in synchronous steps, where blocks lose to
+    it; ``histopipe=true`` plans in synchronous steps too."""
+    arm = "rhyme[histospec=false,two_tier=false,migration=false,ranking_groups=4]"
+    _, _, stream = _arm(arm, "stream")
+    _, _, sync = _arm(arm, "sync")
+    _, _, forced = _arm(arm.replace("histospec=false", "histospec=false,histopipe=true"), "sync")
+    assert stream.metrics["strategy/histopipe_active"] == 4.0
+    assert sync.metrics["strategy/histopipe_active"] == 0.0 and sync.metrics["mechanisms"]["histopipe_placements"] == 0
+    assert forced.metrics["strategy/histopipe_active"] == 4.0 and forced.metrics["mechanisms"]["histopipe_placements"] > 0
+
+
 def test_history_drafts_are_loaded_per_step():
     """HistoSpec in the pipeline: each step's histories are in the drafter while it rolls out
     (responses that repeat their history exactly draft well)."""
@@ -229,7 +242,7 @@ def test_inter_step_migration_is_refused_where_nothing_carries_it(tmp_path, caps
     with pytest.raises(StrategyConfigError, match="synchronous and one-step-off-policy trainers"):
         VerlExtSettings.from_custom(inter)
     assert VerlExtSettings.from_custom(inter, async_trainer=True).options == {"inter_step": True}  # veRL's async trainers
-    with pytest.raises(StrategyConfigError, match="needs histopipe=true and migration=true"):
+    with pytest.raises(StrategyConfigError, match="needs histopipe=true or auto and migration=true"):
         make_arm("rhyme[inter_step=true,migration=false]", carrier=None)
     _bad(tmp_path, capsys, ["--prompts", "8", "--samples", "2", "--mean-len", "64", "--max-len", "256",
                             "--strategies", _INTER], "a single rollout")

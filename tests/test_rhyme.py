@@ -321,7 +321,7 @@ def _sim_rhyme(tr, epoch, options=None, instances=4):
 
     e, rows, history = select_epoch(tr, epoch)
     reqs = build_requests(tr, rows, 2000)
-    strategy = make_strategy("rhyme", {"histospec": False, **(options or {})})
+    strategy = make_strategy("rhyme", {"histospec": False, "histopipe": True, **(options or {})})
     arm = run_arm("rhyme", strategy, None, tr, rows, history, _cost(), instances, "auto", reqs)
     return strategy, arm, reqs
 
@@ -501,7 +501,7 @@ def test_rhyme_serves_each_block_its_prompts_histories():
     for g in range(4):
         store.ingest([Trajectory(f"p{g}", 1, j, list(range(10 * (g + 1) + j)), 1.0) for j in range(2)])
     insts = [Drafting("e0"), Drafting("e1"), Drafting("e2", fail=True), Drafting("e3")]
-    strategy = make_strategy("rhyme", {"ranking_groups": 4, "two_tier": False})
+    strategy = make_strategy("rhyme", {"histopipe": True, "ranking_groups": 4, "two_tier": False})
     strategy.set_history(LocalHistory(store))
     strategy.begin_step(3)  # odd: ascending, ranking group g on instance e<g>
     reqs = [GenRequest(f"p{g}-s{j}", f"p{g}", [1], SamplingSpec(max_tokens=8), sample_index=j) for g in range(4) for j in range(2)]
@@ -571,7 +571,7 @@ def test_rhyme_places_a_prompt_that_arrives_after_the_plan_by_its_history():
     for g in range(4):  # prompt p<g> answered in ~10 (g + 1) tokens
         store.ingest([Trajectory(f"p{g}", 1, j, list(range(10 * (g + 1) + j)), 1.0) for j in range(2)])
     insts = [Drafting(f"e{i}") for i in range(4)]
-    strategy = make_strategy("rhyme", {"ranking_groups": 4, "two_tier": False, "migration": False})
+    strategy = make_strategy("rhyme", {"histopipe": True, "ranking_groups": 4, "two_tier": False, "migration": False})
     strategy.set_history(LocalHistory(store))
     strategy.begin_step(3)  # odd: ascending, ranking group g on e<g>
     pool = InstancePool(insts)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from importlib import resources
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Union
 
 from verl_ext.pipe.defer import require_carrier
 from verl_ext.pipe.strategy import StrategyConfigError, get_strategy_class
@@ -65,7 +65,9 @@ class HistorySettings:
     """``custom.verl_ext.history``: the history workers (``verl_ext.history``), started only for
     strategies that read history (``rhyme``).
 
-    ``shards``: worker actors (prompts sharded by a hash of their key); ``keep``: rollouts kept per
+    ``shards``: worker actors (prompts sharded by a hash of their key), or ``auto``: as many as an
+    epoch's history needs at ``max_bytes`` each (``verl_ext.history.capacity``; from the trainer's
+    dataset, ``rollout.n`` and ``data.max_response_length``), at most 16; ``keep``: rollouts kept per
     prompt; ``max_bytes``: memory cap per shard (least recently ingested prompts evicted);
     ``checkpoint_dir``: where shards checkpoint and restore from (``auto`` =
     ``<trainer.default_local_dir>/verl_ext_history``; null = no checkpoints);
@@ -74,7 +76,7 @@ class HistorySettings:
     history call may take before the rollout goes on without history.
     """
 
-    shards: int = 1
+    shards: Union[int, str] = "auto"
     keep: int = 1
     max_bytes: int = 1 << 30
     checkpoint_dir: Optional[str] = "auto"
@@ -94,7 +96,9 @@ class HistorySettings:
         if unknown:
             raise StrategyConfigError(f"custom.verl_ext.history: unknown key(s) {unknown}; valid keys: {names}")
         out = cls(**raw)
-        for name, low in (("shards", 1), ("keep", 1), ("max_bytes", 0), ("checkpoint_every", 1), ("nice", 0)):
+        if out.shards != "auto" and (not isinstance(out.shards, int) or isinstance(out.shards, bool) or out.shards < 1):
+            raise StrategyConfigError(f"custom.verl_ext.history.shards must be an integer >= 1 or auto, got {out.shards!r}")
+        for name, low in (("keep", 1), ("max_bytes", 0), ("checkpoint_every", 1), ("nice", 0)):
             v = getattr(out, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < low:
                 raise StrategyConfigError(f"custom.verl_ext.history.{name} must be an integer >= {low}, got {v!r}")

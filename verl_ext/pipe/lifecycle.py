@@ -9,10 +9,12 @@ is what the A/B runs and the simulator measure:
   (``Strategy.uses_history``) gets the driver's history provider (``LocalHistory`` over a store, the
   history workers' client); a strategy that may defer samples to the next training step gets the
   driver's carrier (``set_deferral``; None: no next step). Either left out: untouched.
-* ``begin_step(step, train_s=None, requests=None, instances=None)``: the training step the next
-  requests belong to, after the trainer's time since the last rollout where the driver knows it
-  (``observe_train_time``), and, for a driver that submits the step's requests one at a time
-  (veRL's dispatcher), how many it will submit over how many instances (``expect_requests``).
+* ``begin_step(step, train_s=None, requests=None, instances=None, overlap=None)``: the training
+  step the next requests belong to, after the trainer's time since the last rollout where the
+  driver knows it (``observe_train_time``), whether the driver overlaps this rollout with the
+  previous step's training (``set_step_overlap``: one-step-off and streaming pipelines, veRL's
+  async trainers), and, for a driver that submits the step's requests one at a time (veRL's
+  dispatcher), how many it will submit over how many instances (``expect_requests``).
 * ``mark(instances)`` / ``mechanisms(instances)``: how many times each of the strategy's
   mechanisms acted since the mark (``verl_ext.pipe.mechanisms``; without a mark: over the
   strategy's life and the engines' drafters' counters so far).
@@ -44,7 +46,9 @@ class Lifecycle:
         self._drafters: Optional[dict] = None
 
     def begin_step(self, step: int, train_s: Optional[float] = None, requests: Optional[int] = None,
-                   instances: Optional[int] = None) -> None:
+                   instances: Optional[int] = None, overlap: Optional[bool] = None) -> None:
+        if overlap is not None:
+            self.strategy.set_step_overlap(bool(overlap))
         if train_s is not None:
             self.strategy.observe_train_time(train_s)
         self.strategy.begin_step(step)

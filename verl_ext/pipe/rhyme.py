@@ -24,7 +24,7 @@ import asyncio
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import numpy as np
 
@@ -61,8 +61,12 @@ class RhymeOptions:
 
     #: HistoSpec: draft from the prompt's history tree
     histospec: bool = True
-    #: HistoPipe: ranking groups on instance blocks (false: dispatch like baseline)
-    histopipe: bool = True
+    #: HistoPipe: ranking groups on instance blocks: true | false | "auto". ``auto``: only where
+    #: the driver overlaps rollouts with training (one-step-off and streaming pipelines, veRL's
+    #: async trainers), where its alternation between steps can pay; a synchronous step
+    #: dispatches like baseline (ranking groups on fixed blocks lose to least-loaded dispatch
+    #: within one step: docs/BENCHMARKS.md, rhyme's ablation ladder)
+    histopipe: Union[bool, str] = "auto"
     #: tier 2 by Figure 12's search (false: equal blocks)
     two_tier: bool = True
     #: intra-step migration of outliers
@@ -100,9 +104,11 @@ class RhymeOptions:
     inter_step_groups: float = 0.5
 
     def __post_init__(self):
-        for name in ("histospec", "histopipe", "two_tier", "migration", "batch_cutoff", "inter_step"):
+        for name in ("histospec", "two_tier", "migration", "batch_cutoff", "inter_step"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if not (isinstance(self.histopipe, bool) or self.histopipe == "auto"):
+            raise ValueError(f"histopipe must be true, false or auto, got {self.histopipe!r}")
         if self.ranking_groups < 0:
             raise ValueError(f"ranking_groups must be >= 0 (0 = automatic), got {self.ranking_groups}")
         if not 0.0 < self.alpha <= 1.0:
@@ -121,9 +127,9 @@ class RhymeOptions:
             raise ValueError(f"min_rank_corr must be in [-1, 1] (-1 = never fall back), got {self.min_rank_corr}")
         if not 0.0 < self.inter_step_groups <= 1.0:
             raise ValueError(f"inter_step_groups must be in (0, 1], got {self.inter_step_groups}")
-        if self.inter_step and not (self.histopipe and self.migration):
-            raise ValueError("inter_step defers HistoPipe's migration outliers: it needs histopipe=true and "
-                             "migration=true")
+        if self.inter_step and not (self.histopipe is not False and self.migration):
+            raise ValueError("inter_step defers HistoPipe's migration outliers: it needs histopipe=true or auto "
+                             "and migration=true")
 
 
 class LocalHistory:
@@ -186,6 +192,7 @@ class RhymeStrategy(Strategy):
         self.step = 0
         self._cost = self._load_profile()
         self._t_train_seen = 0.0
+        self._overlap = False  # the driver overlaps rollouts with training (set_step_overlap)
         self._cutoffs = None  # (cost model, its cut-off table)
         self._plan: Optional[_Plan] = None
         self._plan_step: Optional[int] = None  # the step self._plan was made for (None: none yet)
@@ -200,6 +207,7 @@ class RhymeStrategy(Strategy):
         self._observed: dict = {}  # uid -> [response lengths] of that step
         self._carry = NO_CARRIER  # inter-step migration: the driver's carrier (set_deferral)
         self._m = {"migration_checks": 0, "deferrals": 0, "histopipe_active": 0, "histopipe_fallbacks": 0,
+                   "histopipe_sync_off": 0,
                    "history_prompts": 0, "unknown_prompts": 0, "late_prompts": 0, "served_histories": 0,
                    "history_failures": 0}
 
@@ -221,6 +229,9 @@ class RhymeStrategy(Strategy):
         """Inter-step migration's carrier for this step: ``carry(state)`` takes a deferred
         request's ``Chunked`` state into the next step (None: no next step, migrate within it)."""
         self._carry = carry
+
+    def set_step_overlap(self, overlap: bool) -> None:
+        self._overlap = bool(overlap)
 
     def observe_train_time(self, seconds: float) -> None:
         """The last training step's time: tier 2's ``t0`` floor is the larger of it and
@@ -274,7 +285,10 @@ class RhymeStrategy(Strategy):
         if self.history is None:
             return None
         uids = sorted(self._known)
-        if not o.histopipe:  # HistoSpec alone: every drafting engine gets the step's histories
+        sync_off = o.histopipe == "auto" and not self._overlap
+        self._m["histopipe_sync_off"] = int(sync_off)
+        self._m["histopipe_active"] = 0
+        if not o.histopipe or sync_off:  # HistoSpec alone: every drafting engine gets the step's histories
             self._spread = True
             if o.histospec:
                 await self._serve_histories([(list(pool.instances.values()), uids)])

@@ -82,6 +82,11 @@ class Strategy(abc.ABC):
         """Strategy-specific metrics of the last rollout (merged into veRL's tracking)."""
         return {}
 
+    def set_step_overlap(self, overlap: bool) -> None:
+        """Whether the driver overlaps the coming rollouts with the previous step's training
+        (one-step-off and streaming pipelines, veRL's async trainers); drivers that do not say
+        run synchronous steps."""
+
     async def prepare(self, pool: InstancePool) -> None:
         """Start long-lived helpers (e.g. ``seer``'s draft server) before a timed rollout; A/B
         runs call it before their clock starts. Inside veRL it is not called: strategies must

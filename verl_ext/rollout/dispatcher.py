@@ -135,6 +135,8 @@ class StrategyDispatcher:
         self._carried: set = set()  # resumed deferred requests still running
         self._deferred = self._late = 0
         self.history = None
+        self._capped_prompts = 0  # prompts whose history the shards' byte caps dropped
+        self._warned_cap = False
         self._step: Optional[int] = None
         self._ingests: set = set()  # ingest calls still running
         self._checkpoint: Optional[asyncio.Task] = None
@@ -155,7 +157,7 @@ class StrategyDispatcher:
         # directory); two trainers on one cluster never share theirs
         tag = hashlib.blake2b((history_dir or uuid.uuid4().hex).encode(), digest_size=4).hexdigest()
         try:
-            return HistoryClient(num_shards=h.shards, keep=h.keep, max_bytes=h.max_bytes, checkpoint_dir=history_dir,
+            return HistoryClient(num_shards=h.shards if isinstance(h.shards, int) else 1, keep=h.keep, max_bytes=h.max_bytes, checkpoint_dir=history_dir,
                                  num_cpus=h.num_cpus, nice=h.nice, timeout_s=h.timeout_s,
                                  namespace_prefix=f"{ACTOR_PREFIX}_{tag}").start()
         except Exception as exc:  # no history workers: the strategy runs without history
@@ -163,9 +165,10 @@ class StrategyDispatcher:
                          type(exc).__name__, exc, self.settings.strategy)
             return None
 
-    async def begin_step(self, step: int, requests: Optional[int] = None) -> None:
-        """Training step ``step`` starts, with ``requests`` requests (where the manager knows it):
-        close the previous step in the history (growth rates), checkpoint it every
+    async def begin_step(self, step: int, requests: Optional[int] = None, overlap: bool = False) -> None:
+        """Training step ``step`` starts, with ``requests`` requests (where the manager knows it)
+        and ``overlap``: the trainer overlaps it with the previous step's training: close the
+        previous step in the history (growth rates), checkpoint it every
         ``history.checkpoint_every`` steps, and tell the strategy."""
         step = int(step)
         if step == self._step:
@@ -174,14 +177,32 @@ class StrategyDispatcher:
         if self.history is not None and prev is not None:
             await self._drain_ingests()
             await self.history.close_step(prev)
+            await self._check_history_cap()
             if self._checkpoints(prev):
                 self._start_checkpoint()
         # from the last response of the previous rollout to this step's start: what veRL's
         # trainer spent between the two (reward, log-probs, update, weight sync)
         train_s = time.monotonic() - self._rollout_end if prev is not None and self._rollout_end is not None else None
-        self.life.begin_step(step, train_s, requests=requests, instances=len(self.pool.instances))
+        self.life.begin_step(step, train_s, requests=requests, instances=len(self.pool.instances), overlap=overlap)
         for rid in list(self._parked):  # deferred in an earlier step: resume in this one
             self._resume(rid)
+
+    async def _check_history_cap(self) -> None:
+        """Warn once when a history shard has dropped a prompt's whole history to stay under its
+        cap: that prompt comes back (next epoch) without one."""
+        try:
+            st = await self.history.stats()
+        except Exception:
+            return
+        self._capped_prompts = int(st.get("capped_prompts", 0))
+        if self._capped_prompts and not self._warned_cap:
+            self._warned_cap = True
+            h = self.settings.history
+            logger.warning("verl_ext: the history shards dropped %d prompts' history to stay under %d x %.2f GiB "
+                           "(history.shards x history.max_bytes; %.2f GiB held): those prompts come back without "
+                           "HistoSpec drafts or HistoPipe lengths; raise history.max_bytes or history.shards",
+                           self._capped_prompts, self.history.num_shards, h.max_bytes / 2**30,
+                           st.get("bytes_held", 0) / 2**30)
 
     # -- inter-step migration ------------------------------------------------------------------------
     def _carry(self, st) -> None:
@@ -411,6 +432,7 @@ class StrategyDispatcher:
             out["verl_ext/load/engine_steps"] = float(sum(t.steps for t in loads))
         if self.history is not None:
             out.update({f"verl_ext/history/{k}": float(v) for k, v in self.history.metrics().items()})
+            out["verl_ext/history/capped_prompts"] = float(self._capped_prompts)
         if reset:
             self._requests = self._output_tokens = self._resumed = self._deferred = self._late = self._later_turns = 0
             self._first_in = self._last_out = None

@@ -24,6 +24,7 @@ feed nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -143,6 +144,34 @@ class StrategyFullyAsyncLLMClient(_TracingClient, FullyAsyncLLMServerClient, _Di
         return output
 
 
+def _with_history_shards(settings, config):
+    """``settings`` with ``history.shards: auto`` resolved to what an epoch's history needs
+    (``verl_ext.history.capacity``); a warning where it does not fit, or cannot be sized."""
+    from verl_ext.history.capacity import MAX_AUTO_SHARDS, dataset_prompts, epoch_history_bytes, plan_shards
+
+    h = settings.history
+    if h.shards != "auto":
+        return settings
+    data = config.get("data") or {}
+    rollout = config.actor_rollout_ref.rollout
+    prompts = dataset_prompts(data.get("train_files"), data.get("train_max_samples"))
+    tokens = data.get("max_response_length") or rollout.get("response_length") or 0
+    need = epoch_history_bytes(prompts, rollout.get("n") or 1, tokens, h.keep) if prompts and tokens else None
+    shards, fits = plan_shards(need, h.max_bytes)
+    if need is None:
+        logger.warning("verl_ext: history.shards=auto cannot size an epoch's history (the training files are not "
+                       "local Parquet files): one shard of %.1f GiB; the dispatcher warns if it drops a prompt's "
+                       "history", h.max_bytes / 2**30)
+    elif not fits:
+        logger.warning("verl_ext: an epoch's history needs about %.1f GiB (%d prompts x %d samples x %d tokens), more "
+                       "than history.shards=auto's %d shards x %.1f GiB (history.max_bytes): prompts will lose their "
+                       "history before their next epoch; raise history.max_bytes or set history.shards",
+                       need / 2**30, prompts, rollout.get("n") or 1, tokens, MAX_AUTO_SHARDS, h.max_bytes / 2**30)
+    else:
+        logger.info("verl_ext: %d history shard(s) for an epoch's history of about %.1f GiB", shards, need / 2**30)
+    return dataclasses.replace(settings, history=dataclasses.replace(h, shards=shards))
+
+
 class _VerlExtManagerMixin:
     """Builds the dispatcher and swaps the workers' LLM client; the rest is veRL's manager."""
 
@@ -153,6 +182,7 @@ class _VerlExtManagerMixin:
         # veRL's async trainers hand over a FullyAsyncLLMServerClient: they abort requests at weight
         # syncs (resumed by that client's loop) and stream finished samples into training
         async_trainer = isinstance(llm_client, FullyAsyncLLMServerClient)
+        self._verl_ext_overlap = async_trainer  # rollouts overlap training (one-step-off: seen below)
         self.verl_ext_settings = VerlExtSettings.from_custom(rollout.get("custom"), async_trainer=async_trainer)
         self.verl_ext_trace_recorder = None  # V0
         self.verl_ext_trace_collector = None  # V1
@@ -166,6 +196,7 @@ class _VerlExtManagerMixin:
         if self.verl_ext_history:
             trainer = config.get("trainer") or {}
             history_dir = self.verl_ext_settings.history.resolve_dir(trainer.get("default_local_dir"))
+            self.verl_ext_settings = _with_history_shards(self.verl_ext_settings, config)
         model = config.actor_rollout_ref.model
         stop_ids = sorted(model_stop_ids(model.path, bool(model.get("trust_remote_code", False))))
         self.verl_ext_dispatcher = (
@@ -204,16 +235,19 @@ class _VerlExtManagerMixin:
         starts generation k + 1 before step k ends, so it passes 1 to generations 1 and 2, and
         k - 1 to generation k: a training generation whose step is not past the last one's is
         the next step (else HistoPipe would replan nothing and the history would file two
-        generations under one step). veRL 0.9's synchronous trainers generate once per step."""
+        generations under one step); from then on the dispatcher is told that rollouts overlap
+        training, as under veRL's async trainers. veRL 0.9's synchronous trainers generate once
+        per step."""
         if validate or step is None:
             return None
         step = int(step)
         last = getattr(self, "_verl_ext_last_step", None)
         if last is not None and step <= last:
             step = last + 1
+            self._verl_ext_overlap = True
         self._verl_ext_last_step = step
         try:
-            ray.get(self.verl_ext_dispatcher.begin_step.remote(int(step), requests),
+            ray.get(self.verl_ext_dispatcher.begin_step.remote(int(step), requests, self._verl_ext_overlap),
                     timeout=self.verl_ext_settings.history.timeout_s * 3)
         except Exception as exc:  # the strategy then plans with the previous step's view
             logger.error("verl_ext: could not start step %s in the dispatcher (%s: %s)", step, type(exc).__name__, exc)

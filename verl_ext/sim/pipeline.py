@@ -348,7 +348,7 @@ def step_rollout(pipe: Pipeline, new_strategy: Callable, history=None, history_s
             pipe.carry(step + 1, st, (lambda: drafter.drop_histories([uid])) if drafter is not None else None)
 
         life = Lifecycle(strategy, history=history, carrier=carry if step < pipe.steps else None)
-        life.begin_step(history_steps + step, train_s=t_train)
+        life.begin_step(history_steps + step, train_s=t_train, overlap=pipe.mode != "sync")
         if drafter is not None:
             drafter.load_histories(uids)
         try:
@@ -433,7 +433,7 @@ def run_pipeline_arm(label: str, cfg, cost, trace, rows, history, batches, max_t
         "preemptions": sum(s.preemptions for s in sims),
         "strategy_steps": sorted(per_step, key=lambda d: d["step"]),
     })
-    for key in ("migrations", "deferrals", "histopipe_active", "histopipe_fallbacks"):
+    for key in ("migrations", "deferrals", "histopipe_active", "histopipe_fallbacks", "histopipe_sync_off"):
         if any(key in d for d in per_step):
             m[f"strategy/{key}"] = float(sum(d.get(key, 0.0) for d in per_step))
     # the steps' own counts, and the drafters' (the instances outlive the steps: their counters
