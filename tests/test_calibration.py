@@ -67,3 +67,24 @@ def test_the_bench_prints_one_json_object():
     bad = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_calibration.py"), "--levels", "nope"],
                          capture_output=True, text=True, cwd=REPO)
     assert bad.returncode == 2 and "unknown similarity level" in bad.stderr
+
+
+def test_the_matrix_bench_reports_every_cell_and_its_lowest_ratio():
+    """``scripts/bench_matrix.py``, scaled down to 2 cells: every arm of every cell with its ratios
+    to ``baseline``, and the lowest strategy ratio over the matrix against the 0.98 rule."""
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_matrix.py"), "--json", "--presets", "h100-7b",
+                          "--shapes", "4k", "--levels", "measured,published", "--prompts", "8", "--samples", "4",
+                          "--instances", "2", "--arms", "seer,rhyme,oracle"],
+                         capture_output=True, text=True, check=True, cwd=REPO).stdout
+    got = json.loads(out)
+    assert [(c["preset"], c["shape"], c["similarity"]) for c in got["cells"]] == [
+        ("h100-7b", "4k", "measured"), ("h100-7b", "4k", "published")]
+    for c in got["cells"]:
+        assert set(c["arms"]) == {"baseline", "seer", "rhyme", "oracle"}
+        assert c["arms"]["baseline"]["throughput_ratio"] == 1.0 and c["arms"]["baseline"]["tail_ratio"] == 1.0
+    ratios = [m["throughput_ratio"] for c in got["cells"] for a, m in c["arms"].items() if a not in ("baseline", "oracle")]
+    assert got["min_ratio"] == min(ratios) and got["min_at"]["arm"] in ("seer", "rhyme")
+    assert sorted(b["ratio"] for b in got["below_rule"]) == sorted(r for r in ratios if r < 0.98)
+    # drafting pays more at the published level than at the measured one
+    meas, pub = (c["arms"]["rhyme"]["tokens_per_step"] for c in got["cells"])
+    assert pub > meas
