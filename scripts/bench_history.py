@@ -1,5 +1,6 @@
 """History worker cost (issue 6): ingest throughput, reward-weighted tree build time per prompt,
-bytes per token held, checkpoint and restore time.
+bytes per token held, checkpoint and restore time, and the cost of the ``set_histories`` payload
+that carries a step's histories to an engine (token lists against int32 bytes).
 
 Responses come from a synthetic long-response workload (``verl_ext.trace.synth``, published
 similarity: text repeats across epochs as RhymeRL reports) so that snapshot compression is
@@ -18,6 +19,41 @@ import tempfile
 import time
 
 import numpy as np
+
+
+def _payloads(hist: dict) -> dict:
+    """The drafter's ``set_histories`` payload for every served prompt, as token lists (before)
+    and as int32 bytes (``rhyme.set_histories_items``): seconds to build it, to serialize it
+    (pickle, as Ray does), its size, and the engine side's decode into int32 arrays; per million
+    tokens too."""
+    import pickle
+
+    from verl_ext.pipe.rhyme import set_histories_items
+    from verl_ext.spec.vllm_proposer import _token_array
+
+    tokens = sum(len(t) for toks, _ in hist.values() for t in toks)
+    out = {"tokens": tokens}
+    for name, build in (("lists", lambda: [(u, [t.tolist() for t in toks], list(ws)) for u, (toks, ws) in hist.items()]),
+                        ("int32_bytes", lambda: set_histories_items(hist))):
+        t = time.perf_counter()
+        items = build()
+        t_build = time.perf_counter() - t
+        t = time.perf_counter()
+        blob = pickle.dumps(items, protocol=5)
+        t_dump = time.perf_counter() - t
+        t = time.perf_counter()
+        back = pickle.loads(blob)
+        t_load = time.perf_counter() - t
+        t = time.perf_counter()
+        for _, toks, _ in back:
+            for x in toks:
+                _token_array(x)
+        t_decode = time.perf_counter() - t
+        total = t_build + t_dump + t_load + t_decode
+        out[name] = {"build_s": t_build, "pickle_s": t_dump, "unpickle_s": t_load, "decode_s": t_decode,
+                     "bytes": len(blob), "bytes_per_token": len(blob) / max(1, tokens),
+                     "seconds_per_million_tokens": total / max(1, tokens) * 1e6}
+    return out
 
 
 def main() -> None:
@@ -70,6 +106,7 @@ def main() -> None:
                 idx.add_history(u, np.frombuffer(b, np.int32), wt)
             build.append(time.perf_counter() - t)
             held += sum(len(b) // 4 for b in blobs)
+        payload = _payloads({u: ([np.frombuffer(b, np.int32) for b in served[u][0]], served[u][1]) for u in served})
         st = w.stats()
         ck = w.checkpoint()
         t = time.perf_counter()
@@ -89,6 +126,7 @@ def main() -> None:
         "checkpoint_bytes_per_token": ck["bytes"] / max(1, st["tokens_held"]),
         "checkpoint_s": ck["seconds"],
         "restore_s": restore_s,
+        "set_histories_payload": payload,
         "threads": os.environ.get("OMP_NUM_THREADS"),
     })
     for k, v in out.items():

@@ -249,8 +249,8 @@ def test_manager_rhyme_feeds_history_and_serves_it_next_epoch(ray_local, model_d
         assert [m for m, _ in rpcs] == ["verl_ext_drafter"]  # one call per server and step
         (op, items, stale), = (args for _, args in rpcs)
         assert op == "set_histories" and stale == []
-        for key, toks, weights in items:
-            loaded[key] = sorted(toks)
+        for key, toks, weights in items:  # each response as int32 bytes
+            loaded[key] = sorted(np.frombuffer(t, dtype=np.int32).tolist() for t in toks)
             assert weights == [pytest.approx(0.1)] * n  # unscored responses: the floor weight
     assert loaded == {k: sorted(v) for k, v in responses.items()}
     # step 1 was checkpointed when step 2 began

@@ -239,10 +239,14 @@ def test_two_tier_respects_training_time_and_bad_input():
 def test_set_histories_replaces_each_given_prompts_tree():
     from _util import ProposerBatch, make_proposer
 
+    from verl_ext.pipe.rhyme import set_histories_items
+
     p = make_proposer(scopes="history", k=4, min_match=2, min_prob=0.0)
     old, new = list(range(100, 140)), list(range(300, 340))
     assert p.rpc("set_histories", [("q", [old], [1.0]), ("r", [old], [1.0])]) == 2
-    assert p.rpc("set_histories", [("q", [new], [1.0])], ["r"]) == 1  # q replaced, r dropped
+    packed = np.asarray(new, dtype=np.int32).tobytes()  # the compact payload (set_histories_items)
+    assert set_histories_items({"q": ([np.asarray(new)], [1.0])}) == [("q", [packed], [1.0])]
+    assert p.rpc("set_histories", [("q", [packed], [1.0])], ["r"]) == 1  # q replaced, r dropped
     assert p.rpc("stats")["histories"] == 1
     b = ProposerBatch(p)
     b.add("a", [1] + old[:3], "g", history="q")

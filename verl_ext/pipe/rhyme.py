@@ -151,8 +151,10 @@ class LocalHistory:
 
 def set_histories_items(hist: dict, skip=()) -> list:
     """The drafter's ``set_histories`` payload for ``{uid: ([token arrays], [weights])}`` (what a
-    history provider's ``serve`` returns), leaving out the uids in ``skip``."""
-    return [(u, [t.tolist() for t in toks], list(ws)) for u, (toks, ws) in hist.items() if u not in skip]
+    history provider's ``serve`` returns), leaving out the uids in ``skip``: each response as its
+    int32 bytes (4 bytes a token through any RPC layer, where a list costs a Python int each)."""
+    return [(u, [np.asarray(t, dtype=np.int32).tobytes() for t in toks], list(ws))
+            for u, (toks, ws) in hist.items() if u not in skip]
 
 
 @dataclass

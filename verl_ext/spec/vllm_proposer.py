@@ -77,6 +77,13 @@ RPC_OPS = ("add_history", "set_histories", "drop_history", "save", "load", "stat
            "group_write", "set_windows", "drop_groups", "progress")
 
 
+
+def _token_array(tokens) -> np.ndarray:
+    """A response as the index takes it: int32 bytes (the compact RPC payload) or a token list."""
+    if isinstance(tokens, (bytes, bytearray, memoryview)):
+        return np.frombuffer(tokens, dtype=np.int32)
+    return np.asarray(tokens, dtype=np.int32)
+
 class SuffixProposer:
     def __init__(self, vllm_config):
         from verl_ext.spec.vllm_plugin import ensure_installed
@@ -341,12 +348,12 @@ class SuffixProposer:
 
     # -- collective_rpc("verl_ext_drafter", args=(op, ...)) ------------------------------------
     def rpc(self, op: str, *args):
-        if op == "add_history":  # (prompt_key, [responses], [weights])
+        if op == "add_history":  # (prompt_key, [responses: int32 bytes or token lists], [weights])
             key, responses, weights = args
             if len(responses) != len(weights):
                 raise ValueError("add_history needs one weight per response")
             for tokens, w in zip(responses, weights):
-                self.index.add_history(str(key), np.asarray(tokens, dtype=np.int64), float(w))
+                self.index.add_history(str(key), _token_array(tokens), float(w))
             return len(responses)
         if op == "set_histories":  # ([(prompt_key, [responses], [weights]), ...][, [keys to drop]]): one call per step
             items, drop = args[0], (args[1] if len(args) > 1 else ())
