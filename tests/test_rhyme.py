@@ -23,7 +23,7 @@ from verl_ext.pipe.histopipe import (
 )
 from verl_ext.spec import SCOPE_HISTORY, DraftIndex
 from verl_ext.spec.aimd import AimdWindows
-from verl_ext.spec.cutoff import BatchCutoff
+from verl_ext.spec.cutoff import MIN_DRAFTED, BatchCutoff
 from verl_ext.spec.options import SpecOptions
 
 
@@ -105,7 +105,9 @@ def test_batch_cutoff_probes_out_of_a_bad_start():
     """A low first measurement (below the table: cut-off 0) must not switch drafting off for good:
     every ``probe_every`` steps off, one step drafts and re-measures. All-zero tables never probe."""
     cut = BatchCutoff([(0, 0.1, 4), (0, 0.5, 16)], probe_every=8)
-    cut.observe(drafted=10, accepted=0)
+    cut.observe(drafted=4, accepted=0)  # two requests' first 2-token drafts: not a measurement yet
+    assert cut.rate == 0 and cut.max_batch() is None and cut.allows(100)
+    cut.observe(drafted=12, accepted=0)
     assert cut.max_batch() == 0
     assert [cut.allows(1) for _ in range(9)] == [False] * 8 + [True]
     assert cut.off_steps == 8 and cut.probes == 1 and cut.steps_to_probe() == 8
@@ -276,8 +278,10 @@ def test_vllm_proposer_aimd_window_and_cutoff():
     d = b.step({"a": hist[11:13] + [7]}, emitted_counts=True)  # rejected after 2: back to 2
     assert len(d["a"]) <= 2
     assert p.cutoff.rate is not None and 0.5 < p.cutoff.rate < 1.0
-    # a second request joins; with a low measured rate the batch of 2 is above the cut-off (1)
-    p.cutoff.rate = 0.1
+    # a second request joins; with a low measured rate (resting on enough drafted tokens: 12 so
+    # far, short of MIN_DRAFTED, bind nothing) the batch of 2 is above the cut-off (1)
+    assert p.cutoff.drafted == 12 and p.cutoff.max_batch(rate=None) is None
+    p.cutoff.rate, p.cutoff.drafted = 0.1, MIN_DRAFTED
     b.add("c", [3] + hist[:3], "g", history="q")
     d = b.step({"a": [8]}, emitted_counts=True)
     assert d == {"a": [], "c": []} and p.cutoff.off_steps == 1
@@ -535,7 +539,8 @@ def test_rhyme_serves_each_block_its_prompts_histories():
         e = insts[3 - g]
         assert e.proposer.rpc("stats")["histories"] == 1, g  # its new prompt only; the old one was dropped
         (key, responses, _), = e.sent[-1][0]
-        assert key == f"p{g}" and sorted(responses) == [list(range(100, 105 + g)), list(range(100, 106 + g))]
+        responses = sorted(np.frombuffer(r, dtype=np.int32).tolist() for r in responses)  # int32 bytes
+        assert key == f"p{g}" and responses == [list(range(100, 105 + g)), list(range(100, 106 + g))]
         assert e.sent[-1][1] == [f"p{3 - g}"]
     m = strategy.metrics()
     assert m["served_histories"] == 6 and m["history_failures"] == 3  # e2: once per attempt

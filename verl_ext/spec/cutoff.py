@@ -9,8 +9,10 @@ on the batch's context length. ``BatchCutoff`` keeps the engine's measured accep
 whether a batch may draft. It reads the table conservatively: the row of the longest tabulated
 context not above the batch's mean context, and of the largest tabulated rate not above the
 measured one. Before anything has been measured it allows drafting (so that the rate gets
-measured); while drafting is off the rate stays as it was, and drafting resumes once the batch
-shrinks below the cut-off, as in the tail of a rollout.
+measured), and so it does until the rate rests on ``MIN_DRAFTED`` drafted tokens: one step of
+two requests' first drafts (4 tokens in short AIMD windows, often on spurious matches of the
+prompt's tail) is no measurement. While drafting is off the rate stays as it was, and drafting
+resumes once the batch shrinks below the cut-off, as in the tail of a rollout.
 
 A rate measured low (a few rejected drafts at the start of a rollout, where a response leaves
 its history) could otherwise switch drafting off for good: below the table's lowest rate the
@@ -40,6 +42,9 @@ def check_cutoffs(table) -> tuple:
 
 #: steps spent with drafting off between two probes
 PROBE_EVERY = 64
+#: drafted tokens the measured rate must rest on before the cut-off binds: until then the rate is
+#: the plain ratio of what was drafted, and every batch may draft
+MIN_DRAFTED = 16
 
 
 class BatchCutoff:
@@ -49,13 +54,16 @@ class BatchCutoff:
             raise ValueError(f"ema must be in (0, 1], got {ema}")
         if probe_every < 0:
             raise ValueError(f"probe_every must be >= 0 (0 = never probe), got {probe_every}")
-        # probing only helps where some rate lets some batch draft
-        self.probe_every = probe_every if any(b > 0 for _, _, b in self.table) else 0
+        # probing (and waiting for a measurement to rest on enough drafts) only helps where some
+        # rate lets some batch draft
+        self._can_draft = any(b > 0 for _, _, b in self.table)
+        self.probe_every = probe_every if self._can_draft else 0
         self._contexts = sorted({c for c, _, _ in self.table})
         self._rows = {c: ([a for cc, a, _ in self.table if cc == c], [b for cc, _, b in self.table if cc == c])
                       for c in self._contexts}
         self.ema = ema
         self.rate: Optional[float] = None  # measured acceptance; None before the first drafted step
+        self.drafted = self.accepted = 0  # tokens observed
         self.off_steps = 0  # steps with drafting off
         self.probes = 0  # steps drafted as probes
         self._since_probe = 0  # steps off since the last probe
@@ -63,14 +71,22 @@ class BatchCutoff:
     def observe(self, drafted: int, accepted: int) -> None:
         if drafted <= 0:
             return
+        warm = self.drafted < MIN_DRAFTED  # the plain ratio until the rate rests on MIN_DRAFTED tokens
+        self.drafted += drafted
+        self.accepted += accepted
+        if warm:
+            self.rate = self.accepted / self.drafted
+            return
         r = accepted / drafted
         w = min(1.0, self.ema * max(1.0, drafted / 8.0))  # a step with more drafts counts more
-        self.rate = r if self.rate is None else (1 - w) * self.rate + w * r
+        self.rate = (1 - w) * self.rate + w * r
 
     def max_batch(self, rate: Optional[float] = None, context: float = 0.0) -> Optional[int]:
         """The cut-off at ``rate`` (default: the measured one) and a mean context of ``context``
-        tokens; None (no limit) before any measurement or without a table."""
-        rate = self.rate if rate is None else rate
+        tokens; None (no limit) without a table, before any measurement, or (where some batch may
+        draft) for a measured rate that does not rest on ``MIN_DRAFTED`` drafted tokens yet."""
+        if rate is None:
+            rate = self.rate if self.drafted >= MIN_DRAFTED or not self._can_draft else None
         if rate is None or not self.table:
             return None
         ci = bisect.bisect_right(self._contexts, context) - 1
