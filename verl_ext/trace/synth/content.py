@@ -349,7 +349,8 @@ def synthesize(cfg: SynthConfig, source: Trace) -> Trace:
         rate = np.where(kind == _KINDS_HISTORY, cfg.epoch_edit_rate, cfg.group_edit_rate)
         base = out[plan.offsets[e * n]:plan.offsets[(e + 1) * n]].copy() if dst.size and rate.max() > 0 else None
         # history copies read epoch e-1 (final); self copies then read the response's text
-        # before this pass, sibling copies the siblings' text before theirs
+        # before this pass, and sibling copies the group's template after its history and self
+        # copies (the template has no sibling copies of its own)
         for name, kd in (("history", _KINDS_HISTORY), ("self", _KINDS_SELF), ("sibling", _KINDS_SIBLING)):
             m = kind == kd
             _apply(out, dst[m], srcs[m], ln[m])
