@@ -2,10 +2,11 @@
 (epoch, prompt, sample), ``step == epoch``, lengths from ``lengths.sample_lengths``, tokens that
 are real responses of ``source`` (``load_source``: the committed SmolLM2 trace) spliced chapter by
 chapter and relabelled per unit, then partly overwritten, per ``segment_len`` tokens, by copies
-from siblings, the prompt's previous-epoch responses and the response's own earlier text (the
-``*_similarity`` knobs). The same config and source give the same arrays. The knobs are
-calibrated to RhymeRL §5.1 reuse and Seer Table 2's grouped gain (``calibration``). The
-construction and its limits: docs/ARCHITECTURE.md, "Synthetic workloads"."""
+of the group's template sibling, of the previous-epoch response the response follows and of its
+own earlier text (the ``*_similarity`` knobs), each copied token put back to the response's own
+at the ``*_edit_rate`` knobs. The same config and source give the same arrays. The knobs are
+fitted per scope to the papers' drafting statistics (``calibration``). The construction and its
+limits: docs/ARCHITECTURE.md, "Synthetic workloads"."""
 
 from __future__ import annotations
 
