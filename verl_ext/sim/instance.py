@@ -526,10 +526,11 @@ class SimInstance(Instance):
             tau = cost.step_time(B, self._kv + B * s, 0, 0)
             E = D = split = None
         else:
-            if getattr(self.drafter, "mask", 0) & SCOPE_GROUP:
-                groups = [r.request.group_id for r in self.running]
-                self._late = self.drafter.finished_fraction(groups) >= LATE_FRACTION
-            caps = self._draft_caps()
+            fractions = None
+            if getattr(self.drafter, "mask", 0) & SCOPE_GROUP:  # read once: the late phase and the adaptive budget
+                fractions = self.drafter.finished_fraction([r.request.group_id for r in self.running])
+                self._late = fractions >= LATE_FRACTION
+            caps = self._draft_caps(fractions=fractions)
             if self._cutoff is not None and caps is not None and not caps.any():
                 self.cutoff_plans += 1
             self._plan_caps = caps
@@ -576,14 +577,16 @@ class SimInstance(Instance):
         self._tcum = np.concatenate([[0.0], np.cumsum(tau)])
         self._plan = (E, D, P0, split)
 
-    def _draft_caps(self, commit: bool = True) -> Optional[np.ndarray]:
+    def _draft_caps(self, commit: bool = True, fractions: Optional[np.ndarray] = None) -> Optional[np.ndarray]:
         """This plan's draft caps (None: ``k`` each) by the engine's drafting rules
         (``DraftPolicy.plan_caps``), all zero while the batch is above HistoSpec's cut-off (except
-        a probe step). ``commit``: this is the next plan's decision (else only a comparison)."""
+        a probe step). ``commit``: this is the next plan's decision (else only a comparison);
+        ``fractions``: the running requests' group finished fractions, where already read."""
         if self._policy is None:
             return None
         B = len(self.running)
-        batch = DraftBatch(self.running, self._kv / max(1, B), [r.window for r in self.running], self._fractions)
+        read = self._fractions if fractions is None else (lambda: fractions if self._adaptive_f else None)
+        batch = DraftBatch(self.running, self._kv / max(1, B), [r.window for r in self.running], read)
         caps, cut = self._policy.plan_caps(batch, commit)
         if commit:
             self._cut_plan = cut
