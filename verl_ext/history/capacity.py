@@ -15,8 +15,7 @@ import math
 import os
 from typing import Iterable, Optional, Union
 
-#: bytes per response token held (``HistoryStore`` keeps int32 arrays)
-BYTES_PER_TOKEN = 4
+from verl_ext.history.store import BYTES_PER_TOKEN
 #: the most shards ``shards: auto`` starts (each one a Ray actor with its own CPU share)
 MAX_AUTO_SHARDS = 16
 

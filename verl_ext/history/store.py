@@ -39,6 +39,9 @@ MAGIC = b"VXHIST"
 VERSION = 1
 
 
+#: bytes per response token held (int32 ids)
+BYTES_PER_TOKEN = np.dtype(np.int32).itemsize
+
 class HistoryCorrupt(ValueError):
     """A history snapshot that cannot be read (truncated, wrong checksum, unknown version)."""
 
@@ -242,7 +245,7 @@ class HistoryStore:
         return {
             "prompts": len(self.prompts),
             "rollouts": sum(len(p.rollouts) for p in self.prompts.values()),
-            "tokens_held": self.bytes // 4,
+            "tokens_held": self.bytes // BYTES_PER_TOKEN,
             "bytes_held": self.bytes,
             **self.counters,
         }
