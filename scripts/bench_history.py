@@ -29,7 +29,7 @@ def _payloads(hist: dict) -> dict:
     import pickle
 
     from verl_ext.pipe.rhyme import set_histories_items
-    from verl_ext.spec.vllm_proposer import _token_array
+    from verl_ext.spec.history_build import token_array
 
     tokens = sum(len(t) for toks, _ in hist.values() for t in toks)
     out = {"tokens": tokens}
@@ -47,7 +47,7 @@ def _payloads(hist: dict) -> dict:
         t = time.perf_counter()
         for _, toks, _ in back:
             for x in toks:
-                _token_array(x)
+                token_array(x)
         t_decode = time.perf_counter() - t
         total = t_build + t_dump + t_load + t_decode
         out[name] = {"build_s": t_build, "pickle_s": t_dump, "unpickle_s": t_load, "decode_s": t_decode,

@@ -246,9 +246,11 @@ def test_set_histories_replaces_each_given_prompts_tree():
     p = make_proposer(scopes="history", k=4, min_match=2, min_prob=0.0)
     old, new = list(range(100, 140)), list(range(300, 340))
     assert p.rpc("set_histories", [("q", [old], [1.0]), ("r", [old], [1.0])]) == 2
+    assert p.rpc("await_histories") == 2
     packed = np.asarray(new, dtype=np.int32).tobytes()  # the compact payload (set_histories_items)
     assert set_histories_items({"q": ([np.asarray(new)], [1.0])}) == [("q", [packed], [1.0])]
     assert p.rpc("set_histories", [("q", [packed], [1.0])], ["r"]) == 1  # q replaced, r dropped
+    assert p.rpc("await_histories") == 1  # built on the drafter's build thread, now installed
     assert p.rpc("stats")["histories"] == 1
     b = ProposerBatch(p)
     b.add("a", [1] + old[:3], "g", history="q")
@@ -514,12 +516,23 @@ def test_rhyme_serves_each_block_its_prompts_histories():
     strategy.begin_step(3)  # odd: ascending, ranking group g on instance e<g>
     reqs = [GenRequest(f"p{g}-s{j}", f"p{g}", [1], SamplingSpec(max_tokens=8), sample_index=j) for g in range(4) for j in range(2)]
     pool = InstancePool(insts)
-    plan = asyncio.run(strategy._make_plan(reqs, pool))
+
+    def make_plan(strategy, pool):
+        async def run():
+            plan = await strategy._make_plan(reqs, pool)
+            await strategy.close()  # the deliveries the plan started in the background
+            return plan
+        return asyncio.run(run())
+
+    def held(inst):  # histories the engine's drafter holds once its builds are in
+        inst.proposer.rpc("await_histories")
+        return inst.proposer.rpc("stats")["histories"]
+
+    plan = make_plan(strategy, pool)
     assert [b[0].name for b in plan.blocks] == ["e0", "e1", "e2", "e3"]
     assert [i.calls for i in insts] == [1, 1, 1, 1]
     for g in (0, 1, 3):
-        st = insts[g].proposer.rpc("stats")
-        assert st["histories"] == 1, (g, st)
+        assert held(insts[g]) == 1, g
     m = strategy.metrics()
     assert m["served_histories"] == 3 and m["history_failures"] == 1
     asyncio.run(strategy._serve_histories([(plan.blocks[g], [f"p{g}"]) for g in range(4)]))  # loaded: no new RPCs
@@ -532,12 +545,12 @@ def test_rhyme_serves_each_block_its_prompts_histories():
         store.ingest([Trajectory(f"p{g}", 3, j, list(range(100, 105 + g + j)), 1.0) for j in range(2)])
     insts[0].proposer.rpc("drop_history", "p0")  # evicted on e0
     strategy.begin_step(4)  # even: descending, ranking group g on instance e<3-g>
-    plan = asyncio.run(strategy._make_plan(reqs, pool))
+    plan = make_plan(strategy, pool)
     assert [b[0].name for b in plan.blocks] == ["e3", "e2", "e1", "e0"]
     assert [i.calls for i in insts] == [2, 2, 3, 2]
     for g in (0, 2, 3):  # (e2, ranking group 1's, fails)
         e = insts[3 - g]
-        assert e.proposer.rpc("stats")["histories"] == 1, g  # its new prompt only; the old one was dropped
+        assert held(e) == 1, g  # its new prompt only; the old one was dropped
         (key, responses, _), = e.sent[-1][0]
         responses = sorted(np.frombuffer(r, dtype=np.int32).tolist() for r in responses)  # int32 bytes
         assert key == f"p{g}" and responses == [list(range(100, 105 + g)), list(range(100, 106 + g))]
@@ -549,8 +562,8 @@ def test_rhyme_serves_each_block_its_prompts_histories():
     alone.set_history(LocalHistory(store))
     alone.begin_step(2)
     fresh = [Drafting("f0"), Drafting("f1")]
-    assert asyncio.run(alone._make_plan(reqs, InstancePool(fresh))) is None
-    assert [f.proposer.rpc("stats")["histories"] for f in fresh] == [4, 4]
+    assert make_plan(alone, InstancePool(fresh)) is None
+    assert [held(f) for f in fresh] == [4, 4]
 
 
 def test_rhyme_places_a_prompt_that_arrives_after_the_plan_by_its_history():
@@ -592,7 +605,9 @@ def test_rhyme_places_a_prompt_that_arrives_after_the_plan_by_its_history():
         first = [asyncio.ensure_future(strategy.submit(req(g, j), pool)) for g in (0, 1, 2) for j in range(2)]
         await asyncio.sleep(PLAN_WINDOW_S * 4)  # planned without p3
         late = [asyncio.ensure_future(strategy.submit(req(3, j), pool)) for j in range(2)]
-        return await asyncio.gather(*first, *late)
+        out = await asyncio.gather(*first, *late)
+        await strategy.close()
+        return out
 
     asyncio.run(step())
     # 3 prompts planned: 3 ranking groups, ascending on blocks [e0, e1], [e2], [e3]; p3 (the
@@ -603,6 +618,7 @@ def test_rhyme_places_a_prompt_that_arrives_after_the_plan_by_its_history():
     m = strategy.metrics()
     assert m["late_prompts"] == 1 and m["history_prompts"] == 4
     assert {"p3-s0", "p3-s1"} <= set(insts[3].seen) and not any(r.startswith("p3") for i in insts[:3] for r in i.seen)
+    insts[3].proposer.rpc("await_histories")
     assert insts[3].proposer.rpc("stats")["histories"] == 2  # p2's and p3's
 
 

@@ -447,7 +447,9 @@ async def _load_histories(instances, store, requests, step: int) -> None:
 
     items = set_histories_items(await LocalHistory(store).serve(sorted({r.group_id for r in requests}), step))
     if items:  # replaces each prompt's tree: an epoch's history holds every earlier epoch's responses
-        await asyncio.gather(*(inst.drafter_call("set_histories", items) for inst in instances
-                               if hasattr(inst, "drafter_call")))
+        engines = [inst for inst in instances if hasattr(inst, "drafter_call")]
+        await asyncio.gather(*(inst.drafter_call("set_histories", items) for inst in engines))
+        # the drafters build the trees in the background; the timed rollout starts with them in
+        await asyncio.gather(*(inst.drafter_call("await_histories") for inst in engines))
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
@@ -205,13 +206,14 @@ class RhymeStrategy(Strategy):
         self._spread = False  # this step serves histories to every drafting engine (no blocks)
         self._warned_no_history = False
         self._served: dict = {}  # instance name -> {uid: the step whose history of uid it holds}
+        self._serving: set = set()  # history deliveries in flight (never awaited by a rollout)
         self._predicted: dict = {}  # uid -> historical median length, for the step being rolled out
         self._observed: dict = {}  # uid -> [response lengths] of that step
         self._carry = NO_CARRIER  # inter-step migration: the driver's carrier (set_deferral)
         self._m = {"migration_checks": 0, "deferrals": 0, "histopipe_active": 0, "histopipe_fallbacks": 0,
                    "histopipe_sync_off": 0,
                    "history_prompts": 0, "unknown_prompts": 0, "late_prompts": 0, "served_histories": 0,
-                   "history_failures": 0}
+                   "history_failures": 0, "history_serve_s": 0.0}
 
     # -- inputs -------------------------------------------------------------------------------
     def set_history(self, history) -> None:
@@ -293,7 +295,7 @@ class RhymeStrategy(Strategy):
         if not o.histopipe or sync_off:  # HistoSpec alone: every drafting engine gets the step's histories
             self._spread = True
             if o.histospec:
-                await self._serve_histories([(list(pool.instances.values()), uids)])
+                self._serve_histories_soon([(list(pool.instances.values()), uids)])
             return None
         try:
             lengths = await self.history.lengths(uids, self.step or None)
@@ -316,7 +318,7 @@ class RhymeStrategy(Strategy):
                         "HistoPipe sits this step out", self.step, corr, o.min_rank_corr)
             self._spread = True
             if o.histospec:
-                await self._serve_histories([(list(pool.instances.values()), uids)])
+                self._serve_histories_soon([(list(pool.instances.values()), uids)])
             return None
         instances = sorted(pool.instances.values(), key=lambda i: i.name)
         n = o.ranking_groups or min(8, len(instances))
@@ -344,7 +346,7 @@ class RhymeStrategy(Strategy):
         for g in range(n):
             self._m[f"rank{g}_instances"] = len(blocks[g])
         if o.histospec:
-            await self._serve_histories(list(zip(blocks, members)))
+            self._serve_histories_soon(list(zip(blocks, members)))
         return plan
 
     def _rank_reliability(self, lengths: dict) -> Optional[float]:
@@ -408,39 +410,66 @@ class RhymeStrategy(Strategy):
             work = [1.0] * n
         return _proportional(work, wks)
 
+    def _serve_histories_soon(self, assignments) -> None:
+        """Deliver histories (``_serve_histories``) in the background: no rollout waits for a
+        history worker, a payload or a tree build; an engine's requests draft from a prompt's
+        history once its tree is in (the drafter builds it on a thread of its own)."""
+        task = asyncio.ensure_future(self._serve_histories(assignments))
+        self._serving.add(task)
+        task.add_done_callback(self._serving.discard)
+
+    async def close(self) -> None:
+        """Wait for history deliveries still in flight (they end by themselves: each catches
+        its own errors)."""
+        if self._serving:
+            await asyncio.gather(*list(self._serving), return_exceptions=True)
+
     async def _serve_histories(self, assignments) -> None:
         """Give engines that take drafter RPCs the histories of the prompts they will serve:
         ``assignments`` is [(instances, uids)], one pair per ranking group's block. A prompt's
         history grows every step, so an engine gets it again each step it serves the prompt (its
         tree replaced: ``set_histories``), which also restores a tree the engine evicted; trees
         an engine holds from an earlier step for prompts it does not serve now are dropped."""
+        t0 = time.perf_counter()
+        step = self.step
         for block, uids in assignments:
             targets = [i for i in block if hasattr(i, "drafter_call") and getattr(i, "drafting", False)]
             if not targets:
                 continue
             try:
-                hist = await self.history.serve(uids, self.step or None)
+                hist = await self.history.serve(uids, step or None)
             except Exception as exc:
                 self._m["history_failures"] += 1
                 logger.warning("rhyme: history drafts unavailable (%s: %s)", type(exc).__name__, exc)
                 return
             wanted = set(uids)
+            sends = []
             for inst in targets:
                 have = self._served.setdefault(inst.name, {})
-                new = set_histories_items(hist, skip={u for u, step in have.items() if step == self.step})
-                stale = [u for u, step in have.items() if step != self.step and u not in wanted]
+                new = set_histories_items(hist, skip={u for u, s in have.items() if s == step})
+                stale = [u for u, s in have.items() if s != step and u not in wanted]
                 if not new and not stale:
                     continue
-                try:  # one RPC per engine and step
-                    await inst.drafter_call("set_histories", new, stale)
-                except Exception as exc:  # drafting is an optimisation
-                    self._m["history_failures"] += 1
-                    logger.warning("rhyme: could not load history into %s (%s: %s)", inst.name, type(exc).__name__, exc)
-                    continue
-                for u in stale:
+                for u in stale:  # booked before the RPC: a delivery running beside this one sees them
                     del have[u]
-                have.update((u, self.step) for u, _, _ in new)
-                self._m["served_histories"] += len(new)
+                have.update((u, step) for u, _, _ in new)
+                sends.append(self._send_histories(inst, new, stale))
+            await asyncio.gather(*sends)  # the engines in parallel, one RPC each
+        self._m["history_serve_s"] += time.perf_counter() - t0
+
+    async def _send_histories(self, inst, new, stale) -> None:
+        try:
+            await inst.drafter_call("set_histories", new, stale)
+        except Exception as exc:  # drafting is an optimisation
+            self._m["history_failures"] += 1
+            logger.warning("rhyme: could not load history into %s (%s: %s)", inst.name, type(exc).__name__, exc)
+            have = self._served.get(inst.name, {})
+            for u, _, _ in new:  # not delivered: the next step sends them again
+                have.pop(u, None)
+            for u in stale:  # maybe still held there: dropped with the next delivery
+                have.setdefault(u, -1)
+            return
+        self._m["served_histories"] += len(new)
 
     # -- dispatch ------------------------------------------------------------------------------
     async def rollout(self, requests: Sequence[GenRequest], pool: InstancePool) -> list[Completion]:
@@ -487,7 +516,7 @@ class RhymeStrategy(Strategy):
             return
         if self._spread:
             if o.histospec:
-                await self._serve_histories([(list(pool.instances.values()), [uid])])
+                self._serve_histories_soon([(list(pool.instances.values()), [uid])])
             return
         if plan is None:
             return
@@ -505,7 +534,7 @@ class RhymeStrategy(Strategy):
         self._m["history_prompts"] += 1
         g = plan.group_of(uid)
         if o.histospec and plan.blocks[g]:
-            await self._serve_histories([(plan.blocks[g], [uid])])
+            self._serve_histories_soon([(plan.blocks[g], [uid])])
 
     async def _plan_after_window(self, pool: InstancePool, step: int) -> None:
         try:

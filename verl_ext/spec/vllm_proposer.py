@@ -50,6 +50,7 @@ import numpy as np
 
 from verl_ext.spec._suffix import SCOPE_GROUP, SCOPE_HISTORY, DraftIndex
 from verl_ext.spec.dgds import import_deltas
+from verl_ext.spec.history_build import HistoryBuilder, token_array
 from verl_ext.spec.options import MAX_K, SCOPE_NAMES, SEQ_OFFSET_KEY, SpecOptions, request_drafting
 from verl_ext.spec.policy import DraftBatch, DraftPolicy
 from verl_ext.spec.reference import ReferenceDraft
@@ -73,16 +74,9 @@ def drafts_sampled_requests() -> bool:
     return not current_platform.is_cpu() or os.environ.get("VERL_EXT_SPEC_CPU_SAMPLING") == "1"
 
 
-RPC_OPS = ("add_history", "set_histories", "drop_history", "save", "load", "stats", "import_groups", "group_counts",
-           "group_write", "set_windows", "drop_groups", "progress")
+RPC_OPS = ("add_history", "set_histories", "await_histories", "drop_history", "save", "load", "stats",
+           "import_groups", "group_counts", "group_write", "set_windows", "drop_groups", "progress")
 
-
-
-def _token_array(tokens) -> np.ndarray:
-    """A response as the index takes it: int32 bytes (the compact RPC payload) or a token list."""
-    if isinstance(tokens, (bytes, bytearray, memoryview)):
-        return np.frombuffer(tokens, dtype=np.int32)
-    return np.asarray(tokens, dtype=np.int32)
 
 class SuffixProposer:
     def __init__(self, vllm_config):
@@ -99,6 +93,8 @@ class SuffixProposer:
         self.scopes = self.options.mask
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.index = DraftIndex(self.options.max_depth, self.options.max_bytes, self.k)
+        # history trees are built on a thread of their own and swapped in at a draft step
+        self.history_builds = HistoryBuilder(self.options.max_depth)
         self.group_write = self.options.group_source != "remote"
         # the drafting rules (windows, AIMD, cut-off, adaptive budget): verl_ext.spec.policy
         self.policy = DraftPolicy(self.options)
@@ -153,6 +149,7 @@ class SuffixProposer:
                 "(is the 'verl_ext_spec' vllm.general_plugins entry point installed and allowed by VLLM_PLUGINS?)"
             )
         index = self.index
+        self.history_builds.install(index)  # trees built since the last step
         for req_id in sched.finished_req_ids:
             index.finish(req_id)
             self._group_of.pop(req_id, None)
@@ -348,18 +345,22 @@ class SuffixProposer:
 
     # -- collective_rpc("verl_ext_drafter", args=(op, ...)) ------------------------------------
     def rpc(self, op: str, *args):
+        if op in ("add_history", "drop_history", "save", "load"):  # after the builds queued before them
+            self.history_builds.wait(self.index)
         if op == "add_history":  # (prompt_key, [responses: int32 bytes or token lists], [weights])
             key, responses, weights = args
             if len(responses) != len(weights):
                 raise ValueError("add_history needs one weight per response")
             for tokens, w in zip(responses, weights):
-                self.index.add_history(str(key), _token_array(tokens), float(w))
+                self.index.add_history(str(key), token_array(tokens), float(w))
             return len(responses)
         if op == "set_histories":  # ([(prompt_key, [responses], [weights]), ...][, [keys to drop]]): one call per step
+            # returns the responses queued at once; each given key's tree is replaced once its new
+            # one is built (history_build), keys to drop go in payload order
             items, drop = args[0], (args[1] if len(args) > 1 else ())
-            for key in [*drop, *(item[0] for item in items)]:  # each given key's tree is replaced
-                self.index.drop_history(str(key))
-            return sum(self.rpc("add_history", *item) for item in items)
+            return self.history_builds.submit(items, drop)
+        if op == "await_histories":  # ([timeout_s]) -> trees installed: the queued builds are done
+            return self.history_builds.wait(self.index, float(args[0]) if args else 600.0)
         if op == "drop_history":
             return self.index.drop_history(str(args[0]))
         if op == "save":
@@ -396,8 +397,10 @@ class SuffixProposer:
             before, self.group_write = self.group_write, args[0]
             return before  # the previous setting, for callers that restore it
         if op == "stats":
+            self.history_builds.install(self.index)
             return {
                 **self.index.stats(),
+                **self.history_builds.stats(),
                 "steps": self.steps,
                 "proposed_tokens": self.proposed_tokens,
                 "propose_s": self.propose_s,

@@ -1,5 +1,6 @@
 // pybind11 bindings for the draft index (module verl_ext.spec._suffix).
-// Every call holds the GIL for its whole duration (see draft_index.h for the contract).
+// Every call holds the GIL for its whole duration (see draft_index.h for the contract), except
+// build_history, which builds a tree no index can see yet.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -168,6 +169,11 @@ py::tuple select_result(const SelectResult& r) {
   return py::make_tuple(r.n, r.evaluations, r.objective, r.al);
 }
 
+// A built history tree waiting to be installed (moved into the index by install_history).
+struct HistoryTree {
+  std::unique_ptr<SuffixTree> tree;
+};
+
 }  // namespace
 
 PYBIND11_MODULE(_suffix, m) {
@@ -189,6 +195,40 @@ PYBIND11_MODULE(_suffix, m) {
       PyErr_SetString(PyExc_RuntimeError, e.what());
     }
   });
+
+  py::class_<HistoryTree>(m, "HistoryTree",
+                          "A history tree built by build_history, to install into an index.")
+      .def_property_readonly("tokens",
+                             [](const HistoryTree& t) { return t.tree ? t.tree->num_tokens() : 0; })
+      .def_property_readonly("bytes",
+                             [](const HistoryTree& t) { return t.tree ? t.tree->memory_bytes() : 0; })
+      .def_property_readonly("installed", [](const HistoryTree& t) { return !t.tree; });
+
+  m.def(
+      "build_history",
+      [](int max_depth, py::sequence responses, py::sequence weights) {
+        if (py::len(responses) != py::len(weights))
+          throw py::value_error("build_history needs one weight per response");
+        std::vector<Tokens> held;  // keeps the arrays alive while the GIL is released
+        held.reserve(py::len(responses));
+        std::vector<std::pair<const int32_t*, size_t>> rows;
+        std::vector<float> ws;
+        for (size_t i = 0; i < py::len(responses); ++i) {
+          held.push_back(tokens_of(responses[i], "response"));
+          const Tokens& t = held.back();
+          rows.emplace_back(t.own.empty() ? t.ptr : t.own.data(), t.n);
+          ws.push_back(weights[i].cast<float>());
+        }
+        HistoryTree out;
+        {
+          py::gil_scoped_release free;  // the build touches no Python object
+          out.tree = build_history_tree(max_depth, rows, ws);
+        }
+        return out;
+      },
+      py::arg("max_depth"), py::arg("responses"), py::arg("weights"),
+      "A history tree of the responses (token arrays) with their weights, built with the GIL "
+      "released: run it on a thread of its own, then DraftIndex.install_history.");
 
   py::class_<DraftIndex>(m, "DraftIndex")
       .def(py::init<int, int64_t, int>(), py::arg("max_depth"), py::arg("max_bytes"),
@@ -239,6 +279,13 @@ PYBIND11_MODULE(_suffix, m) {
            },
            py::arg("key"), py::arg("tokens"), py::arg("weight") = 1.0f)
       .def("drop_history", &DraftIndex::drop_history)
+      .def("install_history",
+           [](DraftIndex& s, const std::string& key, HistoryTree& t) {
+             s.install_history(key, std::move(t.tree));
+           },
+           py::arg("key"), py::arg("tree"),
+           "Replace key's history tree by a HistoryTree from build_history (O(1)); the tree "
+           "object is empty afterwards.")
       .def("propose",
            [](DraftIndex& s, const std::string& req, int k, py::object context, int scopes,
               int min_match, int max_match, float min_prob) {

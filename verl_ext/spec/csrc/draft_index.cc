@@ -357,6 +357,39 @@ void DraftIndex::add_history(const std::string& key, const int32_t* toks, size_t
 
 bool DraftIndex::drop_history(const std::string& key) { return drop(histories_, key); }
 
+std::unique_ptr<SuffixTree> build_history_tree(
+    int max_depth, const std::vector<std::pair<const int32_t*, size_t>>& responses,
+    const std::vector<float>& weights) {
+  if (max_depth < 2 || max_depth > kMaxDepthLimit)
+    throw std::invalid_argument("max_depth must be in [2, 255], got " + std::to_string(max_depth));
+  if (responses.size() != weights.size())
+    throw std::invalid_argument("a history tree needs one weight per response");
+  for (float w : weights)
+    if (!valid_weight(w))
+      throw std::invalid_argument("history weight must be finite and >= 0, got " + std::to_string(w));
+  auto tree = std::make_unique<SuffixTree>(max_depth);
+  for (size_t i = 0; i < responses.size(); ++i) {
+    const uint32_t id = tree->add_sequence(std::to_string(i), weights[i]);
+    tree->append(id, responses[i].first, responses[i].second);
+    tree->close(id);
+  }
+  return tree;
+}
+
+void DraftIndex::install_history(const std::string& key, std::unique_ptr<SuffixTree> tree) {
+  if (!tree) throw std::invalid_argument("install_history: no tree (already installed?)");
+  if (tree->max_depth() != depth_)
+    throw std::invalid_argument("install_history: tree depth " + std::to_string(tree->max_depth()) +
+                                " differs from the index's " + std::to_string(depth_));
+  drop(histories_, key);
+  TreeEntry e;
+  e.tree = std::move(tree);
+  e.uid = ++uid_;
+  TreeEntry& slot = histories_[key] = std::move(e);
+  account(slot);
+  evict();
+}
+
 Proposal DraftIndex::propose(const std::string& req, const int32_t* ctx, size_t n, int k,
                              int scopes, const DraftParams& p) {
   Proposal best;

@@ -69,6 +69,12 @@ struct IndexStats {
   uint64_t evictions = 0;
 };
 
+// A history tree of `responses` (token arrays with their weights), built without any index:
+// safe to run on a thread of its own while the index serves proposals, then installed.
+std::unique_ptr<SuffixTree> build_history_tree(
+    int max_depth, const std::vector<std::pair<const int32_t*, size_t>>& responses,
+    const std::vector<float>& weights);
+
 class DraftIndex {
  public:
   DraftIndex(int max_depth, int64_t max_bytes, int max_draft);
@@ -115,6 +121,10 @@ class DraftIndex {
   // History: a finished response of `prompt_key`, weight = its reward.
   void add_history(const std::string& key, const int32_t* toks, size_t n, float weight);
   bool drop_history(const std::string& key);
+  // Replaces `key`'s history tree by one built elsewhere (build_history_tree, on another
+  // thread): O(1) here, so a large history never stalls the thread that drafts. The tree's
+  // max depth must be this index's.
+  void install_history(const std::string& key, std::unique_ptr<SuffixTree> tree);
 
   // Proposals. `ctx` is the request's full context (prompt + generated); pass nullptr to use
   // the context stored in the request tree.
