@@ -27,7 +27,7 @@ def _budgets(text: Optional[str]):
 #: flags of ``sim`` only; ``ab`` accepts them hidden, to say where they belong (``_run_sim`` names
 #: each real-engine flag it refuses the same way)
 SIM_ONLY = ("trace", "similarity", "mean_len", "max_len", "epoch", "replay", "pipeline", "steps", "t_train",
-            "kv_pool_gbps")
+            "kv_pool_gbps", "dispatcher")
 
 
 def _flags(p, sim: bool) -> None:
@@ -90,6 +90,9 @@ def _flags(p, sim: bool) -> None:
                    help=sim_help("arms named <strategy>@kvpool run with a cluster KV pool (Seer's global KVCache pool): contexts an "
                                  "instance lacks load at the preset's KV bytes per token over this link bandwidth per GPU, GB/s, "
                                  "instead of being prefilled again (default: 25)"))
+    p.add_argument("--dispatcher", action=argparse.BooleanOptionalAction, default=None,
+                   help=sim_help("charge veRL's one dispatcher actor for every server call and response token, at the "
+                                 "costs measured by scripts/bench_dispatcher.py (default: on)"))
 
 
 def add_commands(sub) -> None:
@@ -155,7 +158,7 @@ def _run_sim(args) -> int:
         epoch=args.epoch,
         max_tokens=_one_budget(args.max_tokens),
         out=args.out or "runs/ab_sim",
-        **_given(args, "instances", "preset", "steps", "t_train", "kv_pool_gbps"),
+        **_given(args, "instances", "preset", "steps", "t_train", "kv_pool_gbps", "dispatcher"),
     )
     summary = run_sim_ab(cfg, progress=not args.no_progress)
     if cfg.pipeline is not None:

@@ -160,24 +160,38 @@ class ReplayDrafter:
         history = request.history_key if mask & SCOPE_HISTORY else ""
         self.index.start_request(key, prompt, group=group, history=history, scopes=mask)
 
-    def _replay(self, keys, rows, starts, ends, max_steps=-1):
+    def _replay(self, keys, rows, starts, ends, max_steps=-1, mask: Optional[int] = None):
         s = self.spec
-        return self.index.replay(keys, rows, starts, ends, s.k, scopes=self.mask, min_match=s.min_match,
-                                 max_match=s.max_match, min_prob=s.min_prob, max_steps=max_steps,
-                                 aimd_start=s.aimd_start if s.aimd else 0, aimd_step=s.aimd_step)
+        return self.index.replay(keys, rows, starts, ends, s.k, scopes=self.mask if mask is None else mask,
+                                 min_match=s.min_match, max_match=s.max_match, min_prob=s.min_prob,
+                                 max_steps=max_steps, aimd_start=s.aimd_start if s.aimd else 0,
+                                 aimd_step=s.aimd_step)
 
     # -- cached and lockstep: a whole schedule per request --------------------------------
-    def schedule(self, key: str, request: GenRequest, target: Target) -> tuple[np.ndarray, np.ndarray]:
-        """(tokens emitted per step, tokens drafted per step) for ``target``'s tokens."""
+    def schedule(self, key: str, request: GenRequest, target: Target,
+                 history_from: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens emitted per step, tokens drafted per step) for ``target``'s tokens.
+        ``history_from``: the engine gets the prompt's history tree only once the request has
+        emitted that many tokens (its build was still running; ``SimInstance.drafter_call``):
+        ``cached`` mode replays the tokens before without the history scope (the split at a
+        step boundary restarts AIMD's window, an approximation); ``lockstep`` ignores it."""
         if self.mode == "cached":
             prompt = np.asarray(request.prompt_ids, dtype=np.int32)
             row = np.concatenate([prompt, target.tokens]).astype(np.int32, copy=False)
-            self._start(key, request, prompt)
-            try:
-                (emitted, drafted), = self._replay([key], [row], [len(prompt)], [len(row)])
-            finally:
-                self.index.finish(key)
-            return emitted, drafted
+            cut = len(prompt) + max(0, int(history_from)) if self.mask & SCOPE_HISTORY else len(prompt)
+            pieces = []
+            for start, end, mask in ((len(prompt), min(cut, len(row)), self.mask & ~SCOPE_HISTORY),
+                                     (min(cut, len(row)), len(row), self.mask)):
+                if end <= start:
+                    continue
+                self._start(key, request, row[:start], mask)
+                try:
+                    pieces.append(self._replay([key], [row], [start], [end], mask=mask)[0])
+                finally:
+                    self.index.finish(key)
+            if len(pieces) < 2:
+                return pieces[0] if pieces else (np.zeros(0, np.int32), np.zeros(0, np.int32))
+            return tuple(np.concatenate(part) for part in zip(*pieces))
         return self._lockstep(key, request, target)
 
     def _lockstep(self, key, request, target):

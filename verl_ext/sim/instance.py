@@ -47,6 +47,14 @@ It models one vLLM engine's continuous batching in virtual time (``verl_ext.sim.
   each step's prefill tokens after deciding, as on an engine (``note_prefill``). The KV headroom of a step is ``1 + cap`` per request
   (admission and preemption use the largest total the caps can reach at that batch size).
 
+* History delivery (RhymeRL's HistoSpec, as verl_ext's engines take it; ``drafter_call``'s
+  ``set_histories``): the engine's loop stops for the payload's receipt
+  (``host_costs.HISTORY_RPC_S_PER_TOKEN`` per token, added to its next step), and the trees are
+  built one after another on the engine's build thread (``HISTORY_BUILD_S_PER_TOKEN``): a request
+  admitted before its engine's trees are in drafts without the history scope for the tokens it
+  emits until then (estimated from the step time at admission). Counters:
+  ``history_tokens_received``, ``history_stall_s``.
+
 Between events the batch is fixed, so the instance plans all steps up to the next finish (or
 capacity limit) at once as arrays, and schedules one timer at its end. A submit or abort in
 the middle takes effect at the next step boundary, as in a real engine. Emitted tokens are
@@ -63,9 +71,10 @@ from typing import Optional
 import numpy as np
 
 from verl_ext.engine.instance import FINISH_ABORT, FINISH_LENGTH, Completion, GenRequest, Instance, Telemetry
+from verl_ext.sim import host_costs
 from verl_ext.sim.drafting import split_schedules
 from verl_ext.sim.source import Target, TokenView, TraceSource
-from verl_ext.spec import SCOPE_GROUP
+from verl_ext.spec import SCOPE_GROUP, SCOPE_HISTORY
 from verl_ext.spec.options import SCOPE_NAMES, request_drafting
 from verl_ext.spec.policy import DraftBatch, DraftPolicy
 
@@ -100,8 +109,10 @@ class SimInstance(Instance):
     prefix_block = 16
 
     def __init__(self, name: str, cost, source: TraceSource, drafter=None, record_timeline: bool = True,
-                 prefix_caching: bool = True, kv_pool=None):
+                 prefix_caching: bool = True, kv_pool=None, dispatcher=None):
+        """``dispatcher``: the ``SimDispatcher`` every call passes through (veRL's), or None."""
         self.name = name
+        self.dispatcher = dispatcher
         self.cost = cost
         self.source = source
         self.drafter = drafter
@@ -148,6 +159,13 @@ class SimInstance(Instance):
         # the cluster's KV pool (a KV connector), shared with the other instances
         self.kv_pool = kv_pool
         self._load_s = 0.0  # this step's KV loads from the pool, seconds
+        # history delivery: the engine loop's stall still to charge, when the trees are all in
+        self._stall_s = 0.0
+        self._history_ready_at = 0.0
+        self.history_tokens_received = 0
+        self.history_stall_s = 0.0
+        #: strategies deliver history here (``drafter_call``) where the drafter reads it
+        self.drafting = bool(getattr(drafter, "mask", 0) & SCOPE_HISTORY)
         self.pool_loaded_tokens = 0  # cumulative: context tokens loaded from the pool instead of prefilled
         # the engine's drafting rules (verl_ext.spec.policy; the drafter replays AIMD by position)
         spec = drafter.spec if drafter is not None else None
@@ -167,7 +185,11 @@ class SimInstance(Instance):
 
     # -- the Instance contract ----------------------------------------------------------------
     async def generate(self, request: GenRequest, on_tokens=None) -> Completion:
+        if self.dispatcher is not None:
+            await self.dispatcher.carry(calls=1, prompt_tokens=len(request.prompt_ids))
         completion = await self._generate(request)
+        if self.dispatcher is not None:
+            await self.dispatcher.carry(tokens=len(completion.token_ids))
         if on_tokens is not None and len(completion.token_ids):
             on_tokens(completion.token_ids)  # one delta at the end (drafting is replayed, not synced)
         return completion
@@ -354,6 +376,36 @@ class SimInstance(Instance):
                 self.scope_tokens[name][0] += d
                 self.scope_tokens[name][1] += a
 
+    async def drafter_call(self, op: str, *args):
+        """The engine drafter's history delivery, charged (see the module docstring):
+        ``set_histories`` (answers the responses queued, as the engine does) and
+        ``await_histories``. The replayed trees themselves are the shared drafter's; other ops
+        have no model here and raise."""
+        if op == "await_histories":
+            return 0
+        if op != "set_histories":
+            raise NotImplementedError(f"the simulated drafter models history delivery only, not '{op}'")
+        tokens = sum(len(r) // 4 if isinstance(r, (bytes, bytearray, memoryview)) else len(r)
+                     for _, responses, _ in args[0] for r in responses)
+        now = asyncio.get_running_loop().time()
+        self.history_tokens_received += tokens
+        stall = tokens * host_costs.HISTORY_RPC_S_PER_TOKEN
+        self._stall_s += stall
+        self.history_stall_s += stall
+        self._history_ready_at = max(now + stall, self._history_ready_at) + tokens * host_costs.HISTORY_BUILD_S_PER_TOKEN
+        if self.running:
+            self._touch()
+        return sum(len(responses) for _, responses, _ in args[0])
+
+    def _history_from(self) -> int:
+        """Tokens a request admitted now emits before this engine's history trees are in (its
+        first step comes after the stall still to charge)."""
+        wait = self._history_ready_at - asyncio.get_running_loop().time() - self._stall_s
+        if wait <= 0 or not self.drafting:
+            return 0
+        step_s = float(np.asarray(self.cost.step_time(max(1, len(self.running)), self._kv, 0, 0)).reshape(-1)[0])
+        return int(wait / max(step_s, 1e-9)) + 1
+
     async def drafter_stats(self) -> Optional[dict]:
         """The counters the vLLM drafter's ``stats`` gives (``scope_tokens``, ``select_steps``)."""
         if self.drafter is None:
@@ -502,7 +554,7 @@ class SimInstance(Instance):
             if self._pcache:
                 self._evict()
             if self.drafter is not None and r.emit is None and not self.drafter.per_step:
-                r.emit, r.draft = self.drafter.schedule(self._key(r), r.request, r.target)
+                r.emit, r.draft = self.drafter.schedule(self._key(r), r.request, r.target, self._history_from())
                 r.sj = 0
             elif self.drafter is not None and self.drafter.per_step and not self.drafter.started(self._key(r)):
                 self.drafter.start(self._key(r), r.request, r.target)
@@ -566,7 +618,8 @@ class SimInstance(Instance):
         tau = np.asarray(tau, dtype=np.float64).copy()
         if P0:
             tau[0] = cost.step_time(B, self._kv, P0, 0 if D is None else D[:, 0].sum())
-        tau[0] += self._load_s
+        tau[0] += self._load_s + self._stall_s
+        self._stall_s = 0.0
         drafting = getattr(self.drafter, "with_drafting", None)
         if drafting is not None and self.drafter.per_step and D is not None:  # draft models' time (synthetic)
             tau[0] = drafting(float(tau[0]), [self._key(r) for r in self.running], D[:, 0], float(self._kv))

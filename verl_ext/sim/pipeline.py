@@ -390,7 +390,11 @@ def run_pipeline_arm(label: str, cfg, cost, trace, rows, history, batches, max_t
     drafter = make_drafter(spec, source, cfg.replay, history, preload=False,
                            max_bytes=spec.max_bytes * cfg.instances if spec else None)
     lazy = drafter is not None and drafter.lazy_history
-    sims = [SimInstance(f"sim-{i}", cost, source, drafter, record_timeline=False) for i in range(cfg.instances)]
+    from verl_ext.sim.dispatcher import SimDispatcher
+
+    via = SimDispatcher() if cfg.dispatcher else None
+    sims = [SimInstance(f"sim-{i}", cost, source, drafter, record_timeline=False, dispatcher=via)
+            for i in range(cfg.instances)]
     step_requests = [build_requests(trace, b, max_tokens) for b in batches]
     pipe = Pipeline(sims, mode, t_train, len(batches))
     per_step: list[dict] = []

@@ -75,6 +75,8 @@ class SimConfig:
     t_train: Optional[float] = None  # with pipeline: seconds per training step (None: 15% of a sync step)
     #: ``<arm>@kvpool`` arms: the cluster KV pool's link bandwidth per GPU, GB/s (``verl_ext.sim.kv_pool``)
     kv_pool_gbps: float = DEFAULT_POOL_BW / 1e9
+    #: charge veRL's dispatcher actor for every server call (``verl_ext.sim.dispatcher``)
+    dispatcher: bool = True
 
     def validate(self) -> None:
         validate_strategies(self.strategies)
@@ -134,7 +136,7 @@ def run_sim_ab(cfg: SimConfig, progress: bool = True, trace=None) -> dict:
     results = []
     for label, strategy, spec, kv_pool in arms:
         results.append(run_arm(label, strategy, spec, trace, rows, history, cost, cfg.instances, cfg.replay, requests,
-                               seed=cfg.seed, progress=progress, kv_pool=kv_pool))
+                               seed=cfg.seed, progress=progress, kv_pool=kv_pool, dispatcher=cfg.dispatcher))
     _add_ratios(results)
     summary = {
         "schema": SCHEMA,
@@ -159,10 +161,12 @@ def run_sim_ab(cfg: SimConfig, progress: bool = True, trace=None) -> dict:
 
 
 def run_arm(label, strategy, spec, trace, rows, history, cost, instances: int, replay: str, requests,
-            seed: int = 0, progress: bool = False, record_timeline: bool = True, kv_pool=None) -> SimArm:
+            seed: int = 0, progress: bool = False, record_timeline: bool = True, kv_pool=None,
+            dispatcher: bool = True) -> SimArm:
     """One strategy (with its drafting options ``spec`` or None) over trace ``rows`` on
     ``instances`` simulated instances of ``cost``; ``history`` feeds the history scope;
-    ``kv_pool``: the instances' shared ``KVPool`` (None: none).
+    ``kv_pool``: the instances' shared ``KVPool`` (None: none); ``dispatcher``: every call
+    passes veRL's dispatcher actor (``SimDispatcher``).
     ``metrics["sim_seconds"]`` is the simulator's own wall time, draft replay included."""
     from verl_ext.sim.clock import run_virtual
     from verl_ext.sim.drafting import make_drafter
@@ -184,7 +188,11 @@ def run_arm(label, strategy, spec, trace, rows, history, cost, instances: int, r
         history_store = LocalHistory(trace_history(trace, epoch))
     life = Lifecycle(strategy, history=history_store)
     life.begin_step(epoch + 1)
-    sims = [SimInstance(f"sim-{i}", cost, source, drafter, record_timeline, kv_pool=kv_pool) for i in range(instances)]
+    from verl_ext.sim.dispatcher import SimDispatcher
+
+    via = SimDispatcher() if dispatcher else None
+    sims = [SimInstance(f"sim-{i}", cost, source, drafter, record_timeline, kv_pool=kv_pool, dispatcher=via)
+            for i in range(instances)]
     rewards = {i: float(trace.reward[i]) for i in rows.tolist()}
     lengths = trace.response_lengths()
 
@@ -218,6 +226,10 @@ def run_arm(label, strategy, spec, trace, rows, history, cost, instances: int, r
     metrics["prefix_hit_tokens"] = sum(i.prefix_hit_tokens for i in sims)
     if kv_pool is not None:
         metrics.update(kv_pool.stats())
+    if via is not None:
+        metrics.update(via.stats())
+    metrics["history_tokens_received"] = sum(i.history_tokens_received for i in sims)
+    metrics["history_stall_s"] = sum(i.history_stall_s for i in sims)
     generated = sum(i.generated for i in sims)
     # the share of output tokens that came from accepted drafts (RhymeRL Fig. 17's speculation rate)
     metrics["speculation_rate"] = sum(i.accepted_tokens for i in sims) / generated if generated else None
