@@ -249,6 +249,13 @@ def test_set_histories_replaces_each_given_prompts_tree():
     assert p.rpc("await_histories") == 2
     packed = np.asarray(new, dtype=np.int32).tobytes()  # the compact payload (set_histories_items)
     assert set_histories_items({"q": ([np.asarray(new)], [1.0])}) == [("q", [packed], [1.0])]
+    # arrays that view a history worker's bytes (HistoryClient.serve) go out as those bytes, no
+    # copy; a view of part of them, or another dtype, is copied
+    view = np.frombuffer(packed, dtype=np.int32)
+    (_, [same], _), = set_histories_items({"q": ([view], [1.0])})
+    assert same is packed
+    (_, [part, wide], _), = set_histories_items({"q": ([view[1:], view.astype(np.int64)], [1.0, 1.0])})
+    assert part == packed[4:] and part is not packed and wide == packed
     assert p.rpc("set_histories", [("q", [packed], [1.0])], ["r"]) == 1  # q replaced, r dropped
     assert p.rpc("await_histories") == 1  # built on the drafter's build thread, now installed
     assert p.rpc("stats")["histories"] == 1

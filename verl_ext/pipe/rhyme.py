@@ -150,11 +150,22 @@ class LocalHistory:
         return {u: v for u in uids if (v := self.store.serve(u, step))[0]}
 
 
+def _int32_bytes(tokens) -> bytes:
+    """A response's int32 bytes: the bytes object an array was read from where it is exactly
+    that (``HistoryClient.serve``'s arrays view the history workers' bytes), else a copy."""
+    base = getattr(tokens, "base", None)
+    if (isinstance(base, bytes) and isinstance(tokens, np.ndarray) and tokens.dtype == np.int32
+            and tokens.nbytes == len(base)):
+        return base
+    return np.asarray(tokens, dtype=np.int32).tobytes()
+
+
 def set_histories_items(hist: dict, skip=()) -> list:
     """The drafter's ``set_histories`` payload for ``{uid: ([token arrays], [weights])}`` (what a
     history provider's ``serve`` returns), leaving out the uids in ``skip``: each response as its
-    int32 bytes (4 bytes a token through any RPC layer, where a list costs a Python int each)."""
-    return [(u, [np.asarray(t, dtype=np.int32).tobytes() for t in toks], list(ws))
+    int32 bytes (4 bytes a token through any RPC layer, where a list costs a Python int each),
+    without a copy where the array views such bytes."""
+    return [(u, [_int32_bytes(t) for t in toks], list(ws))
             for u, (toks, ws) in hist.items() if u not in skip]
 
 
@@ -444,9 +455,13 @@ class RhymeStrategy(Strategy):
                 return
             wanted = set(uids)
             sends = []
+            payloads: dict = {}  # one payload per set of prompts an engine already holds
             for inst in targets:
                 have = self._served.setdefault(inst.name, {})
-                new = set_histories_items(hist, skip={u for u, s in have.items() if s == step})
+                skip = frozenset(u for u, s in have.items() if s == step and u in hist)
+                if skip not in payloads:
+                    payloads[skip] = set_histories_items(hist, skip=skip)
+                new = payloads[skip]
                 stale = [u for u, s in have.items() if s != step and u not in wanted]
                 if not new and not stale:
                     continue
