@@ -80,6 +80,7 @@ def main() -> int:
         for shape in shapes:
             for level in split(args.levels):
                 cells.append(run_cell(preset, shape, level, arms, args.prompts, args.samples, args.instances, args.seed))
+                print(json.dumps(cells[-1]), file=sys.stderr, flush=True)  # each cell as it ends: long runs keep them
                 if not args.json:
                     c = cells[-1]
                     print(f"{preset} {shape} {level} ({c['seconds']} s)")
