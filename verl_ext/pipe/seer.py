@@ -341,7 +341,9 @@ class _Rollout:
 
     def _drafting_engines(self, op: str) -> list:
         """The instances that run a drafter and offer ``op`` (``drafter_call``, ``import_drafts``):
-        local vLLM engines and veRL's servers offer both, the simulator's instances neither."""
+        local vLLM engines and veRL's servers offer both; the simulator's instances offer
+        ``drafter_call`` (history delivery only) where they draft from history, and say so with
+        ``drafting``."""
         return [i for i in self.pool.instances.values() if hasattr(i, op) and getattr(i, "drafting", True)]
 
     def _drop_engine_groups(self) -> None:

@@ -159,6 +159,7 @@ class SimInstance(Instance):
         # the cluster's KV pool (a KV connector), shared with the other instances
         self.kv_pool = kv_pool
         self._load_s = 0.0  # this step's KV loads from the pool, seconds
+        self.pool_loaded_tokens = 0  # cumulative: context tokens loaded from the pool instead of prefilled
         # history delivery: the engine loop's stall still to charge, when the trees are all in
         self._stall_s = 0.0
         self._history_ready_at = 0.0
@@ -166,7 +167,6 @@ class SimInstance(Instance):
         self.history_stall_s = 0.0
         #: strategies deliver history here (``drafter_call``) where the drafter reads it
         self.drafting = bool(getattr(drafter, "mask", 0) & SCOPE_HISTORY)
-        self.pool_loaded_tokens = 0  # cumulative: context tokens loaded from the pool instead of prefilled
         # the engine's drafting rules (verl_ext.spec.policy; the drafter replays AIMD by position)
         spec = drafter.spec if drafter is not None else None
         self._policy = DraftPolicy(spec, aimd=False) if spec is not None else None

@@ -23,6 +23,11 @@ Per engine step (CPU drafters run synchronously after the step's bookkeeping):
      candidate draft is cut to the length the workload-aware selector picks for the whole batch
      (``verl_ext.spec.select``), which learns its acceptance map from what was accepted.
 
+History trees: ``set_histories`` (one RPC per step: ``[(prompt key, [responses as int32 bytes],
+[weights])]`` and the keys to drop) only queues them; they are built on a thread of the drafter's
+own and swapped in at a draft step (``verl_ext.spec.history_build``), so a step's histories never
+stall decoding; ``await_histories`` waits for them.
+
 Group trees come from the engine's own requests (``group_source="local"``) or from the grouped
 draft server (``"remote"``, ``verl_ext.spec.dgds``): the front end pushes the server's deltas
 with the ``import_groups`` RPC (per blob: tokens added, or -1 where a delta was refused), and the
