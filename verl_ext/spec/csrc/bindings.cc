@@ -214,9 +214,8 @@ PYBIND11_MODULE(_suffix, m) {
         std::vector<std::pair<const int32_t*, size_t>> rows;
         std::vector<float> ws;
         for (size_t i = 0; i < py::len(responses); ++i) {
-          held.push_back(tokens_of(responses[i], "response"));
-          const Tokens& t = held.back();
-          rows.emplace_back(t.own.empty() ? t.ptr : t.own.data(), t.n);
+          held.push_back(tokens_of(responses[i], "response"));  // a move keeps ptr valid
+          rows.emplace_back(held.back().ptr, held.back().n);
           ws.push_back(weights[i].cast<float>());
         }
         HistoryTree out;
