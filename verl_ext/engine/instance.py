@@ -24,6 +24,8 @@ simulated engine). Strategies only ever talk to instances through this contract:
   tokens}`` for running requests on a drafting engine (SpecActor's Algorithm 2), and where the
   engine models decoupled speculation (the simulator) their modes ``{request_id: "coupled" |
   "decoupled"}``; returns how many it changed;
+* ``keyed_sampling``: whether the engine samples keyed requests (``SamplingSpec.keyed``) by
+  position keys, so that chunks, copies and drafted runs of one emit the same tokens;
 * ``drafter_stats()`` (async): the engine drafter's counters (``verl_ext.pipe.mechanisms``);
   None without a drafter.
 
@@ -60,31 +62,35 @@ class SamplingSpec:
     stop_token_ids: tuple[int, ...] = ()
     logprobs: bool = False
     ignore_eos: bool = False
+    #: position-keyed sampling (``verl_ext.engine.keyed_sampling``): the token at each absolute
+    #: position depends only on ``seed``, the position and the logits, so chunks, copies and
+    #: drafted runs of the request emit the same tokens; needs ``seed``
+    keyed: bool = False
 
     def __post_init__(self) -> None:
         if self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be > 0, got {self.max_tokens}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.keyed and self.seed is None:
+            raise ValueError("keyed sampling needs a seed (SamplingSpec.seed)")
+
+    @property
+    def keyed_seed(self) -> Optional[int]:
+        """The seed the engine keys this request's samples on; None when it samples unkeyed
+        (not keyed, or greedy: a greedy token needs no key)."""
+        return self.seed if self.keyed and self.temperature > 0 else None
 
     def with_max_tokens(self, max_tokens: int) -> "SamplingSpec":
-        return SamplingSpec(
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            max_tokens=max_tokens,
-            seed=self.seed,
-            stop_token_ids=self.stop_token_ids,
-            logprobs=self.logprobs,
-            ignore_eos=self.ignore_eos,
-        )
+        return dataclasses.replace(self, max_tokens=max_tokens)
 
     def for_chunk(self, max_tokens: int, chunk: int) -> "SamplingSpec":
         """Chunk ``chunk`` (0-based) of a request generated in pieces: ``max_tokens`` and, for a
         seeded request, a seed derived per chunk so that chunks do not replay one random stream
-        (chunk 0 keeps the request's own seed)."""
+        (chunk 0 keeps the request's own seed). A keyed request keeps its seed: its samples are
+        keyed on absolute positions, so a continuation lines up with the whole request."""
         spec = self.with_max_tokens(max_tokens)
-        if self.seed is None or chunk == 0:
+        if self.seed is None or chunk == 0 or self.keyed:
             return spec
         return dataclasses.replace(spec, seed=chunk_seed(self.seed, chunk))
 
@@ -95,6 +101,10 @@ def chunk_seed(seed: int, chunk: int) -> int:
         return seed
     return (seed * 0x9E3779B1 + chunk * 0x85EBCA77 + 0x27D4EB2F) % (1 << 31)
 
+
+#: ``SamplingParams.extra_args["verl_ext"]`` key of a keyed request's seed (its engines' hook:
+#: ``verl_ext.engine.vllm_keyed``)
+KEYED_SEED = "keyed_seed"
 
 #: ``GenRequest.extra`` key: response tokens already generated (the tail of ``prompt_ids``)
 PRIOR_TOKENS_KEY = "prior_tokens"
@@ -169,6 +179,9 @@ class Instance(abc.ABC):
     name: str
     #: whether ``generate`` calls ``on_tokens`` as tokens come (False: once, at the end)
     streams_tokens: bool = False
+    #: whether the engine samples keyed requests (``SamplingSpec.keyed``) by their position keys
+    #: (``verl_ext.engine.keyed_sampling``); where False, keyed requests sample as unkeyed ones
+    keyed_sampling: bool = False
 
     @abc.abstractmethod
     async def generate(self, request: GenRequest, on_tokens: Optional[TokenCallback] = None) -> Completion:

@@ -25,6 +25,7 @@ from verl_ext.engine.instance import (
     FINISH_ABORT,
     FINISH_LENGTH,
     FINISH_STOP,
+    KEYED_SEED,
     Completion,
     GenRequest,
     Instance,
@@ -178,6 +179,12 @@ class VLLMInstance(Instance):
 
     streams_tokens = True
 
+    @property
+    def keyed_sampling(self) -> bool:
+        from verl_ext.engine.vllm_versions import keyed_sampling_supported
+
+        return keyed_sampling_supported()
+
     def __init__(self, name: str, engine_args: dict, cpu_cores: Optional[str] = None, gpus: Optional[str] = None,
                  log: Optional["EngineLog"] = None):
         """``cpu_cores``: the cores of a CPU build's engine (``VLLM_CPU_OMP_THREADS_BIND``);
@@ -254,7 +261,8 @@ class VLLMInstance(Instance):
             output_kind=RequestOutputKind.DELTA,
             # request identity for engine-side plug-ins (e.g. grouped drafters)
             extra_args={"verl_ext": {"request_id": request.request_id, "group_id": request.group_id,
-                                     "prompt_key": request.history_key, **request.extra}},
+                                     "prompt_key": request.history_key, **request.extra,
+                                     **({KEYED_SEED: s.keyed_seed} if s.keyed_seed is not None else {})}},
         )
 
     async def _run(self, request: GenRequest, sink: Optional[asyncio.Queue], on_tokens=None) -> Completion:
@@ -430,8 +438,8 @@ class VLLMInstanceFactory:
 
     @staticmethod
     def drafts_sampled() -> bool:
-        """Whether these engines' drafter drafts requests with temperature > 0."""
-        from verl_ext.spec.vllm_proposer import drafts_sampled_requests
+        """Whether these engines' drafter drafts unkeyed requests with temperature > 0."""
+        from verl_ext.engine.vllm_versions import drafts_sampled_requests
 
         return drafts_sampled_requests()
 

@@ -4,7 +4,8 @@ vLLM's ``custom_class`` proposer API gives ``propose()`` only the sampled tokens
 matrix: no request ids, prompts or ``SamplingParams``. Grouped and history drafting need the
 request identity, so this hook wraps ``GPUModelRunner.propose_draft_token_ids`` (also used by
 the CPU runner, a subclass) to hand the drafter the runner and the step's ``SchedulerOutput``
-just before vLLM calls ``propose()``. It also adds ``verl_ext_drafter``, a worker method that
+just before vLLM calls ``propose()``. It also installs position-keyed sampling for the requests
+that ask for it (``verl_ext.engine.vllm_keyed``). It also adds ``verl_ext_drafter``, a worker method that
 ``collective_rpc`` calls to load history into the drafter, import group trees from the grouped
 draft server (``verl_ext.spec.dgds``) or read its statistics (ops: ``SuffixProposer.rpc``).
 
@@ -26,30 +27,11 @@ from __future__ import annotations
 import logging
 import os
 
+from verl_ext.engine.vllm_versions import check_version
+
 logger = logging.getLogger(__name__)
 
-#: vLLM versions whose hook points this module was written against: [low, high)
-SUPPORTED_VLLM = ((0, 24), (0, 34))
 _state = {"installed": False, "reason": "the verl_ext vLLM plugin has not run in this process"}
-
-
-def _version_tuple(v: str) -> tuple[int, int]:
-    parts = v.split("+")[0].split(".")
-    try:
-        return int(parts[0]), int(parts[1])
-    except (IndexError, ValueError):
-        return (-1, -1)
-
-
-def check_version(version: str) -> None:
-    """Raise ``RuntimeError`` naming the supported range if ``version`` is outside it."""
-    lo, hi = SUPPORTED_VLLM
-    if not lo <= _version_tuple(version) < hi:
-        raise RuntimeError(
-            f"verl_ext's suffix drafter supports vLLM >= {lo[0]}.{lo[1]}, < {hi[0]}.{hi[1]} "
-            f"(its runner hook points are version-specific); this is vLLM {version}. "
-            "Turn drafting off or use a supported vLLM."
-        )
 
 
 def register() -> None:
@@ -88,6 +70,9 @@ def install() -> None:
         propose_draft_token_ids.__wrapped__ = original
         GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
     WorkerWrapperBase.verl_ext_drafter = _drafter_rpc
+    from verl_ext.engine import vllm_keyed
+
+    vllm_keyed.install()  # position-keyed sampling for requests that ask for it
     _state["installed"] = True
 
 

