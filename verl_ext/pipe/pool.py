@@ -82,6 +82,11 @@ class InstancePool:
         #: called with each finished ``RequestRecord`` (progress bars, tracing)
         self.on_finish: Optional[Callable[[RequestRecord], None]] = None
 
+    @property
+    def keyed_sampling(self) -> bool:
+        """Whether every instance samples keyed requests by key (``Instance.keyed_sampling``)."""
+        return all(getattr(inst, "keyed_sampling", False) for inst in self.instances.values())
+
     def now(self) -> float:
         return self._clock() - self.t0
 

@@ -192,6 +192,7 @@ class _Plan:
 
 @register_strategy("rhyme")
 class RhymeStrategy(Strategy):
+    keys_samples = True  # a migrated or deferred request's parts emit the tokens of the whole
     mechanisms = {
         "history_draft_tokens_accepted": "drafter:history_accepted_tokens",  # HistoSpec
         "histopipe_placements": "strategy",  # HistoPipe: a request sent to its ranking group's block
@@ -489,6 +490,7 @@ class RhymeStrategy(Strategy):
     # -- dispatch ------------------------------------------------------------------------------
     async def rollout(self, requests: Sequence[GenRequest], pool: InstancePool) -> list[Completion]:
         """A whole step at once (A/B runs, the simulator): planned from all its prompts."""
+        requests = [self.keyed(r, pool) for r in requests]
         if self._plan_step != self.step:
             self._plan = await self._make_plan(requests, pool)
             self._plan_step = self.step
@@ -501,6 +503,7 @@ class RhymeStrategy(Strategy):
         ``PLAN_WINDOW_S`` in which the step's other requests arrive (veRL sends them together);
         the plan is made from all of them. A prompt first seen later is placed by itself
         (``_place_late``)."""
+        request = self.keyed(request, pool)
         if self._plan_step != self.step:
             if self._planning is None:
                 self._batch = []

@@ -132,6 +132,7 @@ class _Sample:
 
 @register_strategy("rlhfspec")
 class RlhfSpecStrategy(Strategy):
+    keys_samples = True  # a reallocated sample's parts emit the tokens of the whole
     mechanisms = {
         "selection_steps": "drafter:select_steps",  # workload-aware drafting: engine steps whose drafts were selected
         "samples_moved": "strategy",  # sample reallocation: a running sample moved to another engine
@@ -208,6 +209,7 @@ class RlhfSpecStrategy(Strategy):
         return pool.instances[name]
 
     async def submit(self, request: GenRequest, pool: InstancePool) -> Completion:
+        request = self.keyed(request, pool)
         rid = request.request_id
         if rid in self._live:
             raise ValueError(f"rlhfspec: request id {rid} is already running")

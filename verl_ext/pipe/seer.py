@@ -473,6 +473,7 @@ class _Rollout:
 
 @register_strategy("seer")
 class SeerStrategy(Strategy):
+    keys_samples = True  # a request's chunks emit the tokens of the whole
     Options = SeerOptions
     mechanisms = {
         "chunk_continuations": "strategy",  # divided rollout: a request's next chunk dispatched
@@ -501,7 +502,7 @@ class SeerStrategy(Strategy):
         return st
 
     async def submit(self, request: GenRequest, pool: InstancePool) -> Completion:
-        return await self._state(pool).submit(request)
+        return await self._state(pool).submit(self.keyed(request, pool))
 
     async def prepare(self, pool: InstancePool) -> None:
         st = self._state(pool)

@@ -14,8 +14,9 @@
   (``Instance.set_spec_windows``).
 * Best-of-N (section 4.2, Algorithm 3, ``verl_ext.pipe.bon``): freed instances run copies of the
   lowest-acceptance requests with other methods; the first copy to finish wins, the others are
-  aborted. Lossless only where copies emit the same tokens: greedy requests; sampled requests are
-  refused copies (``bon_refused_sampled``).
+  aborted. Lossless only where copies emit the same tokens: greedy requests, and sampled requests
+  keyed by position (``Strategy.keyed``: on engines with ``keyed_sampling``); other sampled
+  requests are refused copies (``bon_refused_sampled``).
 
 Rationale, knobs and metrics: docs/ARCHITECTURE.md, "specactor".
 """
@@ -188,6 +189,7 @@ class _Live:
 
 @register_strategy("specactor")
 class SpecActorStrategy(Strategy):
+    keys_samples = True  # Best-of-N copies of a sampled request emit the same tokens
     mechanisms = {
         "window_changes": "strategy",  # Algorithm 2: draft windows of running requests reconfigured
         "ladder_selections": "strategy",  # the draft ladder's method and window chosen for a step's batch
@@ -408,6 +410,7 @@ class SpecActorStrategy(Strategy):
 
     # -- dispatch ----------------------------------------------------------------------------
     async def submit(self, request: GenRequest, pool: InstancePool) -> Completion:
+        request = self.keyed(request, pool)
         rid = request.request_id
         if rid in self._live:
             raise ValueError(f"specactor: request id {rid} is already running")
@@ -705,11 +708,12 @@ class SpecActorStrategy(Strategy):
             return []
         rates, running, snap = {}, {}, {}
         for rid, live in self._live.items():
-            if live.request.sampling.temperature > 0:
+            if live.request.sampling.temperature > 0 and live.request.sampling.keyed_seed is None:
                 if not self._warned_sampled:
                     self._warned_sampled = True
-                    logger.warning("specactor: Best-of-N is refused for sampled requests (temperature > 0): lossless copies "
-                                   "need position-keyed sampling, which this engine does not offer; they decode once")
+                    logger.warning("specactor: Best-of-N is refused for unkeyed sampled requests (temperature > 0): "
+                                   "lossless copies need position-keyed sampling, which these engines do not offer; "
+                                   "they decode once")
                 self._m["bon_refused_sampled"] += 1
                 continue
             progress = self._progress(live)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import dataclasses
+import secrets
 from collections import Counter
 from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence
 
@@ -64,6 +65,9 @@ class Strategy(abc.ABC):
     #: ``"strategy"`` (``self.acted[name]``, over the strategy's life) or ``"drafter:<counter>"``
     #: (the engines' drafter counters, ``mechanisms.DRAFTER_COUNTERS``)
     mechanisms: ClassVar[Mapping[str, str]] = {}
+    #: whether the strategy chunks, migrates or copies requests: it then samples them keyed
+    #: (``keyed``), so that every chunk, migrated part and copy emits the tokens of the whole
+    keys_samples: ClassVar[bool] = False
 
     def __init__(self, options: Optional[Mapping[str, Any]] = None):
         self.options = parse_options(self.Options, options, f"strategy '{self.name}'")
@@ -77,6 +81,16 @@ class Strategy(abc.ABC):
     async def rollout(self, requests: Sequence[GenRequest], pool: InstancePool) -> list[Completion]:
         """Generate every request; return completions in the order of ``requests``."""
         return await gather_or_abort([self.submit(r, pool) for r in requests])
+
+    def keyed(self, request: GenRequest, pool: InstancePool) -> GenRequest:
+        """``request`` with position-keyed sampling (``SamplingSpec.keyed``; a seed drawn here,
+        once, when it has none) where the strategy ``keys_samples``, the request samples
+        (temperature > 0) and every instance of ``pool`` can key; otherwise ``request`` itself."""
+        s = request.sampling
+        if not self.keys_samples or s.keyed or s.temperature <= 0 or not pool.keyed_sampling:
+            return request
+        seed = s.seed if s.seed is not None else secrets.randbits(62)
+        return dataclasses.replace(request, sampling=dataclasses.replace(s, seed=seed, keyed=True))
 
     def metrics(self) -> dict[str, float]:
         """Strategy-specific metrics of the last rollout (merged into veRL's tracking)."""

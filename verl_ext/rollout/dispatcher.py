@@ -89,7 +89,7 @@ class StrategyDispatcher:
 
     def __init__(self, settings: VerlExtSettings, servers: dict, max_tokens_default: Optional[int] = None,
                  max_num_seqs: Optional[int] = None, drafting: bool = False, history_dir: Optional[str] = None,
-                 carries: bool = False, stop_ids: Sequence[int] = ()):
+                 carries: bool = False, stop_ids: Sequence[int] = (), keyed_sampling: bool = False):
         """``drafting``: the servers run verl_ext's vLLM drafter (requests then carry their group
         and prompt key, and the strategy may load drafter state over ``collective_rpc``).
         ``history_dir``: the history workers' checkpoint directory (None: no checkpoints).
@@ -97,7 +97,10 @@ class StrategyDispatcher:
         (veRL's async trainers), so a request the strategy defers to the next training step
         (inter-step migration, ``verl_ext.pipe.defer``) is held here and resumed when the manager
         starts that step (``begin_step``); its ``generate`` call returns the whole response then.
-        ``stop_ids``: the model's EOS ids (``verl_ext.rollout.finish.model_stop_ids``)."""
+        ``stop_ids``: the model's EOS ids (``verl_ext.rollout.finish.model_stop_ids``).
+        ``keyed_sampling``: the servers key the samples of keyed requests (vLLM with verl_ext's
+        plugin: ``verl_ext.engine.vllm_keyed``); strategies that chunk, migrate or copy requests
+        then key theirs (``Strategy.keyed``)."""
         self.settings = settings
         self.strategy = make_strategy(settings.strategy, settings.options)
         # a registered name, or the class name of one given by import path (module:Class)
@@ -108,7 +111,7 @@ class StrategyDispatcher:
         self._load_watch_ready: Optional[asyncio.Future] = None  # done after the first read
         self.pool = InstancePool(
             [ReplicaInstance(str(sid), h, max_tokens_default, max_num_seqs, drafting=drafting, versions=self._versions,
-                             stop_ids=stop_ids)
+                             stop_ids=stop_ids, keyed_sampling=keyed_sampling)
              for sid, h in servers.items()],
             seed=settings.seed,
         )
@@ -317,6 +320,7 @@ class StrategyDispatcher:
                 top_p=float(params.get("top_p", 1.0)),
                 top_k=int(params.get("top_k", -1)),
                 max_tokens=int(max_tokens),
+                seed=None if params.get("seed") is None else int(params["seed"]),
             ),
             extra={SAMPLING_KEY: params, KWARGS_KEY: kwargs, BASE_LEN_KEY: len(prompt_ids)},
         )

@@ -36,6 +36,7 @@ from verl.utils.ray_utils import auto_await
 from verl.workers.rollout.llm_server import FullyAsyncLLMServerClient, LLMServerClient
 
 from verl_ext.config.check import check_drafter_config, runs_verl_ext_drafter
+from verl_ext.engine.vllm_versions import keyed_sampling_supported
 from verl_ext.config.settings import VerlExtSettings
 from verl_ext.pipe.strategy import StrategyConfigError, get_strategy_class
 from verl_ext.rollout.dispatcher import StrategyDispatcher, prompt_group_id
@@ -204,7 +205,7 @@ class _VerlExtManagerMixin:
             .options(num_cpus=0, max_concurrency=100_000)
             .remote(self.verl_ext_settings, servers, rollout.get("response_length"), rollout.get("max_num_seqs"),
                     drafting=runs_verl_ext_drafter(rollout), history_dir=history_dir, carries=async_trainer,
-                    stop_ids=stop_ids)
+                    stop_ids=stop_ids, keyed_sampling=rollout.get("name") == "vllm" and keyed_sampling_supported())
         )
         client_kwargs = dict(load_balancer_handle=load_balancer, dispatcher=self.verl_ext_dispatcher, trace=trace,
                              stop_ids=stop_ids, history=self.verl_ext_history)

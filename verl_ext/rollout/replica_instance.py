@@ -31,7 +31,7 @@ import time
 import uuid
 from typing import Any, Iterable, Optional
 
-from verl_ext.engine.instance import Completion, GenRequest, Instance, Telemetry, chunk_seed
+from verl_ext.engine.instance import KEYED_SEED, Completion, GenRequest, Instance, Telemetry, chunk_seed
 from verl_ext.rollout.finish import finish_reason
 from verl_ext.rollout.verl_compat import server_engine
 from verl_ext.spec.options import REQUEST_DRAFT_KEYS
@@ -49,10 +49,12 @@ logger = logging.getLogger(__name__)
 class ReplicaInstance(Instance):
     def __init__(self, name: str, handle: Any, max_tokens_default: Optional[int] = None,
                  max_running: Optional[int] = None, drafting: bool = False, versions: Optional[dict] = None,
-                 stop_ids: Iterable[int] = ()):
+                 stop_ids: Iterable[int] = (), keyed_sampling: bool = False):
         """``max_running``: the server's ``max_num_seqs`` (veRL's rollout config), for strategies
         that keep each replica below the concurrency at which it would queue or preempt.
         ``drafting``: the server is vLLM with verl_ext's drafter (see the module docstring).
+        ``keyed_sampling``: the server is a vLLM that verl_ext's plugin keys samples in
+        (``verl_ext.engine.vllm_keyed``).
         ``versions``: request id -> oldest weight version (``global_steps``) any of its outputs
         reported, shared by the dispatcher's instances (a request's chunks may span a weight sync).
         ``stop_ids``: the model's EOS ids (``verl_ext.rollout.finish``), which tell a response
@@ -61,6 +63,7 @@ class ReplicaInstance(Instance):
         self.stop_ids = frozenset(stop_ids)
         self.versions = versions
         self.drafting = drafting
+        self.keyed_sampling = keyed_sampling
         self.max_running = max_running
         self.handle = handle
         self.max_tokens_default = max_tokens_default
@@ -80,18 +83,20 @@ class ReplicaInstance(Instance):
         if original is None or request.sampling.max_tokens < original:
             params.pop("max_new_tokens", None)
             params["max_tokens"] = request.sampling.max_tokens
+        keyed = request.sampling.keyed_seed if self.keyed_sampling else None
         chunk = int(request.extra.get("chunk", 0))
-        if chunk and params.get("seed") is not None:  # chunks do not replay one random stream
+        if chunk and params.get("seed") is not None and keyed is None:  # chunks do not replay one random stream
             params["seed"] = chunk_seed(int(params["seed"]), chunk)
         done = len(request.prompt_ids) - int(request.extra.get(BASE_LEN_KEY, len(request.prompt_ids)))
         if params.get("min_tokens"):  # a continuation's tokens so far count; a chunk cannot ask for more than its budget
             left = max(0, int(params["min_tokens"]) - max(0, done))
             params["min_tokens"] = min(left, int(params.get("max_tokens", request.sampling.max_tokens)))
-        if self.drafting:
+        if self.drafting or keyed is not None:
             extra_args = dict(params.get("extra_args") or {})
             extra_args["verl_ext"] = {"request_id": request.request_id, "group_id": request.group_id,
                                       "prompt_key": request.history_key,
-                                      **{k: request.extra[k] for k in REQUEST_DRAFT_KEYS if k in request.extra}}
+                                      **{k: request.extra[k] for k in REQUEST_DRAFT_KEYS if k in request.extra},
+                                      **({KEYED_SEED: keyed} if keyed is not None else {})}
             params["extra_args"] = extra_args
         return params
 
