@@ -328,6 +328,41 @@ def test_seeded_chunks_get_distinct_derived_seeds():
     seeds = {s.for_chunk(10, c).seed for c in range(50)}
     assert len(seeds) == 50 and all(0 <= x < 2**31 for x in seeds) and chunk_seed(7, 3) == s.for_chunk(1, 3).seed
     assert SamplingSpec(max_tokens=5).for_chunk(3, 2).seed is None
+    # a keyed request keeps its seed in every chunk: its samples are keyed on absolute positions
+    k = SamplingSpec(seed=7, max_tokens=100, keyed=True)
+    assert {k.for_chunk(10, c).seed for c in range(5)} == {7} and k.for_chunk(10, 3).keyed
+    assert k.keyed_seed == 7 and SamplingSpec(seed=7, temperature=0.0, keyed=True).keyed_seed is None
+    with pytest.raises(ValueError, match="keyed sampling needs a seed"):
+        SamplingSpec(keyed=True)
+
+
+def test_strategies_that_divide_or_copy_key_sampled_requests_once_where_every_instance_can():
+    from verl_ext.pipe.pool import InstancePool
+    from verl_ext.rollout.replica_instance import SAMPLING_KEY, ReplicaInstance
+
+    keyed_pool = InstancePool([ReplicaInstance("s0", None, keyed_sampling=True),
+                               ReplicaInstance("s1", None, keyed_sampling=True)])
+    mixed = InstancePool([ReplicaInstance("s0", None, keyed_sampling=True), ReplicaInstance("s1", None)])
+    req = GenRequest("r", "g", [1, 2], SamplingSpec(temperature=1.0, max_tokens=8))
+    seer, base = make_strategy("seer"), make_strategy("baseline")
+    a, b = seer.keyed(req, keyed_pool), seer.keyed(req, keyed_pool)
+    assert a.sampling.keyed and a.sampling.seed is not None and a.sampling.seed != b.sampling.seed  # drawn per request
+    assert seer.keyed(a, keyed_pool) is a  # once: a keyed request keeps its seed
+    seeded = GenRequest("r", "g", [1], SamplingSpec(temperature=1.0, max_tokens=8, seed=5))
+    assert seer.keyed(seeded, keyed_pool).sampling.seed == 5
+    assert seer.keyed(req, mixed) is req  # an instance that cannot key: unkeyed, as before
+    assert base.keyed(req, keyed_pool) is req  # baseline neither divides nor copies
+    greedy = GenRequest("r", "g", [1], SamplingSpec(temperature=0.0, max_tokens=8))
+    assert seer.keyed(greedy, keyed_pool) is greedy
+    for name in ("seer", "rhyme", "rlhfspec", "specactor"):
+        assert make_strategy(name, {"profile": "cpu-smollm2"} if name == "specactor" else None).keys_samples
+    # veRL's servers get the keyed seed in extra_args, and a keyed chunk keeps the request's seed
+    chunk = GenRequest("r", "g", [1], a.sampling.for_chunk(4, 2),
+                       extra={SAMPLING_KEY: {"seed": 3, "max_tokens": 8}, "chunk": 2})
+    params = ReplicaInstance("s0", None, keyed_sampling=True)._sampling(chunk)
+    assert params["extra_args"]["verl_ext"]["keyed_seed"] == a.sampling.seed and params["seed"] == 3
+    plain = ReplicaInstance("s0", None)._sampling(chunk)  # a server that cannot key: unkeyed, chunk seeds derived
+    assert "extra_args" not in plain and plain["seed"] == chunk_seed(3, 2)
 
 
 # -- configuration ---------------------------------------------------------------------------
