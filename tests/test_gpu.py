@@ -76,3 +76,21 @@ def test_every_strategy_is_token_identical_to_baseline_on_gpu(tmp_path, gpu_mode
         if name != "baseline":
             same = m["same_tokens_as_first"]
             assert same["same"] == same["of"] > 0, f"{name}: {same}"
+
+
+def test_keyed_sampling_is_token_identical_at_temperature_one_on_gpu(tmp_path, gpu_model):
+    """Keyed sampling on official vLLM's GPU runner (the torch-ops rule): at temperature 1 the
+    drafting arm, chunked `seer` and `specactor`'s copies give `baseline`'s responses."""
+    out = tmp_path / "ab"
+    arms = "baseline,baseline+spec:request+group,seer,specactor[profile=h100-7b]"
+    r = subprocess.run(
+        [sys.executable, "-m", "verl_ext.cli", "ab", "--strategies", arms, "--model", gpu_model, "--temperature", "1",
+         "--keyed-sampling", "--dtype", DTYPE, "--preset", "h100-7b", "--out", str(out), "--no-progress"],
+        capture_output=True, text=True, timeout=1800)
+    assert r.returncode == 0, r.stderr[-4000:]
+    arms = json.loads((out / "summary.json").read_text())["strategies"]
+    assert arms["baseline+spec:request+group"]["draft_tokens"] > 0
+    for name, m in arms.items():
+        if name != "baseline":
+            same = m["same_tokens_as_first"]
+            assert same["same"] == same["of"] > 0, f"{name}: {same}"

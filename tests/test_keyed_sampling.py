@@ -44,6 +44,35 @@ def test_keyed_samples_follow_the_masked_softmax(fused):
     assert _chi2_ok(counts[keep], probs[keep])
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_torch_rule_on_a_gpu_is_the_cpus_and_follows_the_softmax():
+    """The torch-ops rule (official vLLM on GPUs has no fused keyed kernel): int64 wrap-around
+    and shifts behave as on the CPU, so a GPU and a CPU pick the same tokens for the same keys
+    (but for rare float ties), and the GPU's samples fit the softmax."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(256, 151_936, generator=g) * 3
+    keys = position_seeds(range(256), range(256))
+    cpu = gumbel_argmax(logits, keys, fused=False)
+    gpu = gumbel_argmax(logits.cuda(), keys.cuda(), fused=False).cpu()
+    assert (cpu == gpu).float().mean() > 0.99
+    small = torch.tensor([0.0, 1.0, 2.0, -1.0, -float("inf"), 0.5])
+    n = 20000
+    x = gumbel_argmax(small.cuda().repeat(n, 1), position_seeds([11] * n, range(n)).cuda(), fused=False).cpu()
+    counts = torch.bincount(x, minlength=6).numpy()
+    probs = torch.softmax(small, 0).numpy()
+    assert counts[4] == 0 and _chi2_ok(counts[probs > 0], probs[probs > 0])
+    # the Triton kernel GPU engines run: the same rule in one pass over each row
+    from verl_ext.engine import keyed_triton
+
+    if keyed_triton.available():
+        tri = gumbel_argmax(logits.cuda(), keys.cuda(), fused=True).cpu()
+        assert (tri == gpu).float().mean() > 0.99
+        y = gumbel_argmax(small.cuda().repeat(n, 1), position_seeds([11] * n, range(n)).cuda(), fused=True).cpu()
+        counts = torch.bincount(y, minlength=6).numpy()
+        assert counts[4] == 0 and _chi2_ok(counts[probs > 0], probs[probs > 0])
+
+
 def test_verify_is_the_greedy_rule_against_the_keyed_samples():
     assert verify([5, 6, 7], [5, 6, 7], 9, 5) == [5, 6, 7, 9, PLACEHOLDER]
     assert verify([5, 6, 7], [5, 4, 7], 9, 5) == [5, 4, PLACEHOLDER, PLACEHOLDER, PLACEHOLDER]

