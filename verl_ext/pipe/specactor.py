@@ -68,7 +68,7 @@ class SpecActorOptions:
     verify_gpus: int = 1
     #: most draft tokens per request (the engines' ``k``); windows are at most this
     spec_k: int = 16
-    #: Best-of-N copies for the tail (greedy requests only: see the module docstring)
+    #: Best-of-N copies for the tail (greedy and keyed sampled requests: see the module docstring)
     best_of_n: bool = True
     #: Algorithm 2 on running requests: every ``cooldown`` engine steps, requests below the
     #: average acceptance get the best window for their own rate (engines with set_spec_windows)
