@@ -60,5 +60,5 @@ fi
 # test_manager_on_cpu's fake servers do not run vLLM: one of its tests checks that veRL's agent
 # loops and verl_ext's manager import and run with these pins; the rest run in the main suite.
 PYTHONPATH="$PWD/scripts/compat${PYTHONPATH:+:$PYTHONPATH}" exec bash scripts/run_pytest.sh "$VENV/bin/python" \
-  tests/test_spec_engine.py tests/test_plugin_on_cpu.py \
+  tests/test_spec_engine.py tests/test_keyed_sampling.py tests/test_plugin_on_cpu.py \
   tests/test_manager_on_cpu.py::test_manager_rhyme_feeds_history_and_serves_it_next_epoch "$@"
