@@ -150,62 +150,52 @@ def keyed_rejection_sample(original, draft_token_ids, num_draft_tokens, max_spec
     return out
 
 
+def sample_with_plan(original, runner, logits, spec_decode_metadata, *args, **kwargs):
+    """The runner's ``_sample`` with the step's keyed requests planned for the hooks below it."""
+    plan = plan_step(runner, spec_decode_metadata) if logits is not None else None
+    if plan is None:
+        return original(runner, logits, spec_decode_metadata, *args, **kwargs)
+    _local.plan = plan
+    try:
+        return original(runner, logits, spec_decode_metadata, *args, **kwargs)
+    finally:
+        _local.plan = None
+
+
+def keyed_sampler_init(original, sampler, *args, **kwargs):
+    """``TopKTopPSampler.__init__``, then its chosen ``forward`` (any backend) behind
+    ``keyed_topk_topp``."""
+    original(sampler, *args, **kwargs)
+    chosen = sampler.forward
+    sampler.forward = lambda logits, generators, k, p: keyed_topk_topp(sampler, chosen, logits, generators, k, p)
+
+
+def _wrap(owner, name: str, hook) -> None:
+    """Replace ``owner.name`` by a function that calls ``hook(original, *args, **kwargs)`` (once)."""
+    original = getattr(owner, name)
+    if getattr(original, "_verl_ext_keyed", False):
+        return
+
+    def wrapper(*args, **kwargs):
+        return hook(original, *args, **kwargs)
+
+    wrapper._verl_ext_keyed = True
+    wrapper.__wrapped__ = original
+    setattr(owner, name, wrapper)
+
+
 def install() -> None:
-    """Install the three hooks (idempotent). Raises where vLLM lacks a hook point."""
+    """Install the four hooks (idempotent). Raises where vLLM lacks a hook point."""
     if _state["installed"]:
         return
     from vllm.v1.sample import rejection_sampler
     from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    sample = GPUModelRunner._sample
-    if not getattr(sample, "_verl_ext_keyed", False):
-
-        def _sample(self, logits, spec_decode_metadata, *args, **kwargs):
-            plan = plan_step(self, spec_decode_metadata) if logits is not None else None
-            if plan is None:
-                return sample(self, logits, spec_decode_metadata, *args, **kwargs)
-            _local.plan = plan
-            try:
-                return sample(self, logits, spec_decode_metadata, *args, **kwargs)
-            finally:
-                _local.plan = None
-
-        _sample._verl_ext_keyed = True
-        _sample.__wrapped__ = sample
-        GPUModelRunner._sample = _sample
-
-    init = TopKTopPSampler.__init__
-    if not getattr(init, "_verl_ext_keyed", False):
-
-        def __init__(self, *args, **kwargs):
-            init(self, *args, **kwargs)
-            chosen = self.forward
-            self.forward = lambda logits, generators, k, p: keyed_topk_topp(self, chosen, logits, generators, k, p)
-
-        __init__._verl_ext_keyed = True
-        __init__.__wrapped__ = init
-        TopKTopPSampler.__init__ = __init__
-
-    constrain = rejection_sampler.apply_sampling_constraints
-    if not getattr(constrain, "_verl_ext_keyed", False):
-
-        def apply_sampling_constraints(*args, **kwargs):
-            return constrain_keyed_targets(constrain, *args, **kwargs)
-
-        apply_sampling_constraints._verl_ext_keyed = True
-        apply_sampling_constraints.__wrapped__ = constrain
-        rejection_sampler.apply_sampling_constraints = apply_sampling_constraints
-
-    reject = rejection_sampler.rejection_sample
-    if not getattr(reject, "_verl_ext_keyed", False):
-
-        def rejection_sample(*args, **kwargs):
-            return keyed_rejection_sample(reject, *args, **kwargs)
-
-        rejection_sample._verl_ext_keyed = True
-        rejection_sample.__wrapped__ = reject
-        rejection_sampler.rejection_sample = rejection_sample
+    _wrap(GPUModelRunner, "_sample", sample_with_plan)
+    _wrap(TopKTopPSampler, "__init__", keyed_sampler_init)
+    _wrap(rejection_sampler, "apply_sampling_constraints", constrain_keyed_targets)
+    _wrap(rejection_sampler, "rejection_sample", keyed_rejection_sample)
     _state["installed"] = True
 
 
