@@ -106,7 +106,7 @@ def _rss_gib(inst):
 
 
 async def main_async(args) -> dict:
-    from verl_ext.engine.vllm_local import VLLMInstance, VLLMInstanceFactory
+    from verl_ext.engine.vllm_local import VLLMInstanceFactory
     from verl_ext.model import default_model_dir
     from verl_ext.spec import SpecOptions
 
@@ -117,10 +117,7 @@ async def main_async(args) -> dict:
     spec = SpecOptions(scopes="history", k=4, max_depth=32, max_bytes=0)
     factory = VLLMInstanceFactory(str(default_model_dir()), max_model_len=args.decode_tokens + 16,
                                   max_num_seqs=max(4, args.decoders), extra_engine_args={"dtype": "float32"}, spec=spec)
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # as VLLMInstanceFactory.create does
-    os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "1")
-    inst = VLLMInstance("bench", factory._args(), cpu_cores=args.engine_cores)
-    await inst.start()
+    (inst,) = await factory.create(1, cores=[args.engine_cores])
     rows = []
     try:
         for way in args.ways.split(","):

@@ -46,17 +46,14 @@ async def one_round(inst, prompt, way: str, batch: int, tokens: int, r: int) -> 
 async def main_async(args) -> dict:
     from transformers import AutoTokenizer
 
-    from verl_ext.engine.vllm_local import VLLMInstance, VLLMInstanceFactory
+    from verl_ext.engine.vllm_local import VLLMInstanceFactory
     from verl_ext.model import default_model_dir
 
     tok = AutoTokenizer.from_pretrained(str(default_model_dir()))
     prompt = tok.encode("Write a long story about a robot who learns to paint.")
     factory = VLLMInstanceFactory(str(default_model_dir()), max_model_len=len(prompt) + args.tokens + 16,
                                   max_num_seqs=args.batch, extra_engine_args={"dtype": "float32"})
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # as VLLMInstanceFactory.create does
-    os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "1")
-    inst = VLLMInstance("bench", factory._args(), cpu_cores=args.engine_cores)
-    await inst.start()
+    (inst,) = await factory.create(1, cores=[args.engine_cores])
     rows = []
     try:
         await one_round(inst, prompt, "standard", args.batch, 8, -1)  # warm-up

@@ -32,18 +32,19 @@ import numpy as np
 import torch
 
 from verl_ext.engine.instance import KEYED_SEED as KEY
+
 #: vLLM's placeholder for unused slots of a verification step's output
 PLACEHOLDER = -1
 
-_M64 = (1 << 64) - 1
-_GOLDEN = 0x9E3779B97F4A7C15
+#: SplitMix64's increment and multipliers (every implementation of the rule uses these)
+GOLDEN, M1, M2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 
 
 def _splitmix64(x: np.ndarray) -> np.ndarray:
     """SplitMix64's finaliser on uint64 (wrapping arithmetic)."""
-    x = (x + np.uint64(_GOLDEN)).astype(np.uint64)
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    x = (x + np.uint64(GOLDEN)).astype(np.uint64)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(M1)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(M2)
     return x ^ (x >> np.uint64(31))
 
 
@@ -77,9 +78,9 @@ def _shr(x: torch.Tensor, n: int) -> torch.Tensor:
 
 def _mix_torch(x: torch.Tensor) -> torch.Tensor:
     # int64 multiplication wraps like uint64's on CPU and CUDA; constants as signed int64
-    x = x + (_GOLDEN - (1 << 64))
-    x = (x ^ _shr(x, 30)) * (0xBF58476D1CE4E5B9 - (1 << 64))
-    x = (x ^ _shr(x, 27)) * (0x94D049BB133111EB - (1 << 64))
+    x = x + (GOLDEN - (1 << 64))
+    x = (x ^ _shr(x, 30)) * (M1 - (1 << 64))
+    x = (x ^ _shr(x, 27)) * (M2 - (1 << 64))
     return x ^ _shr(x, 31)
 
 

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import torch
 
-_GOLDEN = 0x9E3779B97F4A7C15
-_M1 = 0xBF58476D1CE4E5B9
-_M2 = 0x94D049BB133111EB
+from verl_ext.engine.keyed_sampling import GOLDEN, M1, M2
 
 try:
     import triton
@@ -81,5 +79,5 @@ def gumbel_argmax(logits: torch.Tensor, keys: torch.Tensor, span: int = 8192, bl
     best = torch.empty((n, parts), dtype=torch.float32, device=x.device)
     idx = torch.empty((n, parts), dtype=torch.int64, device=x.device)
     _keyed_argmax_kernel[(n, parts)](x, x.stride(0), keys.to(device=x.device, dtype=torch.int64).contiguous(), best,
-                                     idx, vocab, span, _GOLDEN, _M1, _M2, BLOCK=block)
+                                     idx, vocab, span, GOLDEN, M1, M2, BLOCK=block)
     return idx.gather(1, best.argmax(dim=1, keepdim=True)).squeeze(1)

@@ -489,8 +489,12 @@ class VLLMInstanceFactory:
                 args.setdefault("dtype", dtype)
         return args
 
-    async def create(self, n: int, spec=None) -> list[VLLMInstance]:
-        """``n`` fresh instances; ``spec`` (``SpecOptions``) overrides the factory's drafting."""
+    async def create(self, n: int, spec=None, cores: Optional[Sequence[str]] = None) -> list[VLLMInstance]:
+        """``n`` fresh instances; ``spec`` (``SpecOptions``) overrides the factory's drafting;
+        ``cores``: each engine's CPU cores on a CPU build (``VLLM_CPU_OMP_THREADS_BIND``, e.g.
+        ``["0"]``) instead of an even split of this process's cores."""
+        if cores is not None and len(cores) != n:
+            raise ValueError(f"cores names {len(cores)} engines' cores for {n} engines")
         if is_cpu_build():
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(self.kv_cache_gib)))
         # vLLM waits 5 s for workers before force-killing them at shutdown; 1 s exits cleanly, too.
@@ -499,7 +503,7 @@ class VLLMInstanceFactory:
         if spec is not None:
             args.update(spec.engine_args())
         instances = [VLLMInstance(f"vllm-{i}", {**args, **extra}, cores, gpus, log=self.log)
-                     for i, (cores, (gpus, extra)) in enumerate(zip(self._cores(n), self._gpus(n, args)))]
+                     for i, (cores, (gpus, extra)) in enumerate(zip(cores or self._cores(n), self._gpus(n, args)))]
         try:
             for inst in instances:
                 await inst.start()

@@ -20,10 +20,16 @@ def _version_tuple(v: str) -> tuple[int, int]:
         return (-1, -1)
 
 
+def supported(version: str) -> bool:
+    """Whether ``version`` lies in ``SUPPORTED_VLLM``."""
+    lo, hi = SUPPORTED_VLLM
+    return lo <= _version_tuple(version) < hi
+
+
 def check_version(version: str) -> None:
     """Raise ``RuntimeError`` naming the supported range if ``version`` is outside it."""
-    lo, hi = SUPPORTED_VLLM
-    if not lo <= _version_tuple(version) < hi:
+    if not supported(version):
+        lo, hi = SUPPORTED_VLLM
         raise RuntimeError(
             f"verl_ext's suffix drafter supports vLLM >= {lo[0]}.{lo[1]}, < {hi[0]}.{hi[1]} "
             f"(its runner hook points are version-specific); this is vLLM {version}. "
@@ -42,8 +48,7 @@ def keyed_sampling_supported() -> bool:
             found = version(dist)
         except PackageNotFoundError:
             continue
-        lo, hi = SUPPORTED_VLLM
-        return lo <= _version_tuple(found) < hi
+        return supported(found)
     return False
 
 
