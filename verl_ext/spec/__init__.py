@@ -7,9 +7,20 @@
 - ``vllm_proposer``: the vLLM ``custom_class`` proposer over the index.
 - ``vllm_plugin``: the ``vllm.general_plugins`` hook that gives the proposer the engine batch
   (request ids, prompts, ``SamplingParams.extra_args``) and an RPC for loading history.
+
+The names below are imported on first use: vLLM loads ``vllm_plugin`` in every engine process on
+a machine where verl_ext is installed, and that must not load the native extension (issue 47).
 """
 
-from verl_ext.spec._suffix import SCOPE_GROUP, SCOPE_HISTORY, SCOPE_REQUEST, DraftIndex
-from verl_ext.spec.options import SpecOptions, scope_mask
+import importlib
 
-__all__ = ["DraftIndex", "SpecOptions", "scope_mask", "SCOPE_REQUEST", "SCOPE_GROUP", "SCOPE_HISTORY"]
+_EXPORTS = {"DraftIndex": "_suffix", "SCOPE_REQUEST": "_suffix", "SCOPE_GROUP": "_suffix",
+            "SCOPE_HISTORY": "_suffix", "SpecOptions": "options", "scope_mask": "options"}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
