@@ -132,9 +132,11 @@ class VerlServer:
     """The shape of a ``vLLMHttpServer`` Ray handle: ``generate.remote(...)`` answers
     ``answer(prompt_ids, sampling_params)`` tokens as veRL 0.9.1 does (``stop_reason="completed"``
     whether vLLM stopped or hit the length), recording each call's sampling params in
-    ``generate.params``; ``collective_rpc.remote(method, args=...)`` records into ``rpcs``."""
+    ``generate.params``; ``collective_rpc.remote(method, args=...)`` records into ``rpcs``;
+    ``__ray_call__.remote(_engine_info_rpc, ...)`` answers ``engine_info`` (as its one worker's
+    report), and raises as an engine without verl_ext's vLLM plugin would where that is None."""
 
-    def __init__(self, answer):
+    def __init__(self, answer, engine_info=None):
         self.rpcs = []
 
         class _Method:
@@ -155,4 +157,13 @@ class VerlServer:
         async def collective_rpc(method, args=(), **kwargs):
             self.rpcs.append((method, tuple(args)))
 
+        def ray_call(fn, *args):
+            async def run():
+                if fn.__name__ != "_engine_info_rpc" or engine_info is None:
+                    raise RuntimeError("Method verl_ext_engine_info not found")
+                return [engine_info]
+
+            return run()
+
         self.generate, self.collective_rpc = _Method(generate), _Method(collective_rpc)
+        self.__ray_call__ = _Method(ray_call)

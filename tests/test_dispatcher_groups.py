@@ -156,3 +156,30 @@ def test_an_installed_packages_entry_point_names_a_strategy(tmp_path, monkeypatc
     monkeypatch.syspath_prepend(str(tmp_path))
     assert "last_instance" in registry.available_strategies()
     assert registry.get_strategy_class("last_instance").__name__ == "LastInstance"
+
+
+def test_keyed_sampling_is_what_every_server_confirmed():
+    """Issue 48/47: the driver's environment only predicts that servers key samples; before the
+    first rollout every server is asked (``verl_ext_engine_info``). One that cannot confirm (the
+    plugin did not take in its processes) turns keyed sampling off on all of them, with a
+    metric, so that copies and chunks of sampled requests never rely on it."""
+    from verl_ext.rollout.dispatcher import StrategyDispatcher
+
+    ready = {"keyed_sampling": {"ready": True, "active": False, "rule": "vllm-fused-op"}}
+
+    async def run(servers):
+        d = StrategyDispatcher(VerlExtSettings(strategy="seer"), servers, max_tokens_default=8, keyed_sampling=True)
+        await d.begin_step(1)
+        return d, await d.metrics()
+
+    d, m = asyncio.run(run({"s0": VerlServer(lambda p, s: [5], ready), "s1": VerlServer(lambda p, s: [5], ready)}))
+    assert d.pool.keyed_sampling and m["verl_ext/keyed_sampling/unconfirmed_servers"] == 0
+    assert d.pool.instances["s0"].engine_info == ready
+    d, m = asyncio.run(run({"s0": VerlServer(lambda p, s: [5], ready), "s1": VerlServer(lambda p, s: [5])}))
+    assert not d.pool.keyed_sampling and not any(i.keyed_sampling for i in d.pool.instances.values())
+    assert m["verl_ext/keyed_sampling/unconfirmed_servers"] == 1
+    # and a sampled request is then neither keyed nor given a seed by the strategy
+    out = asyncio.run(d.generate("r", [1, 2], {"max_tokens": 8, "temperature": 1.0}))
+    assert out.token_ids == [5]
+    sent = [p for srv in ("s0", "s1") for p in d.pool.instances[srv].handle.generate.params]
+    assert "keyed_seed" not in ((sent[0].get("extra_args") or {}).get("verl_ext") or {})

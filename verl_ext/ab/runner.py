@@ -389,6 +389,8 @@ async def _run_one(label, strategy, spec, engine_factory, cfg, epochs, score, to
                 store.close_step(step)
             per_epoch.append(arm.metrics)
         drafters = await _drafter_stats(instances) if spec is not None else []
+        engines = [info for info in await asyncio.gather(*(inst.engine_report() for inst in instances
+                                                             if hasattr(inst, "engine_report"))) if info]
     finally:
         await asyncio.gather(*(inst.shutdown() for inst in instances), return_exceptions=True)
     requests = epochs[-1]
@@ -409,6 +411,8 @@ async def _run_one(label, strategy, spec, engine_factory, cfg, epochs, score, to
         metrics["mechanisms"] = {k: sum(e["mechanisms"].get(k, 0) for e in per_epoch) for k in arm.metrics["mechanisms"]}
     if drafters:
         metrics["drafters"] = drafters
+    if engines:  # what each engine confirmed it ran (kernel library, keyed sampling's state and rule)
+        metrics["engines"] = engines
     return StrategyRun(
         name=label,
         metrics=metrics if spec is None else {**metrics, "spec": spec.to_dict()},

@@ -181,6 +181,14 @@ class VLLMInstance(Instance):
 
     @property
     def keyed_sampling(self) -> bool:
+        """Whether keyed requests are sampled by key: before start, whether this environment's
+        vLLM engines will (``keyed_sampling_supported``); once started, what the engine confirmed
+        (``engine_info``), so that a plugin that did not take in the engine's processes never
+        lets a strategy copy or divide sampled requests as if it had."""
+        if self.engine_info is not None:
+            return bool(self.engine_info.get("keyed_sampling", {}).get("ready"))
+        if self.engine is not None:
+            return False  # started, and the engine did not answer
         from verl_ext.engine.vllm_versions import keyed_sampling_supported
 
         return keyed_sampling_supported()
@@ -210,6 +218,9 @@ class VLLMInstance(Instance):
         self._accepted_tokens = 0
         self._kv_capacity: Optional[int] = None
         self._max_running: Optional[int] = None
+        #: what the engine's worker confirmed it runs (``verl_ext.engine.machine.engine_info``),
+        #: None before start or where the engine cannot answer (verl_ext's vLLM plugin off there)
+        self.engine_info: Optional[dict] = None
 
     @property
     def drafting(self) -> bool:
@@ -236,6 +247,20 @@ class VLLMInstance(Instance):
             self._max_running = int(cfg.scheduler_config.max_num_seqs)
         except AttributeError:
             self._kv_capacity = self._max_running = None
+        await self.engine_report()
+
+    async def engine_report(self) -> Optional[dict]:
+        """What the engine runs (its first worker's ``verl_ext_engine_info``: vLLM version, CPU ISA
+        and kernel library, keyed sampling's state and rule), kept in ``engine_info``; None (with a
+        warning) where the engine has no such method: verl_ext's vLLM plugin is not active there."""
+        try:
+            self.engine_info = (await self.engine.collective_rpc("verl_ext_engine_info"))[0]
+            return self.engine_info
+        except Exception as exc:
+            logger.warning("verl_ext: engine %s did not report what it runs (%s: %s): verl_ext's vLLM plugin is not "
+                           "active in its processes, so keyed sampling is off there (requests are not copied or "
+                           "divided at temperature > 0)", self.name, type(exc).__name__, exc)
+            return None
 
     async def shutdown(self) -> None:
         engine, self.engine = self.engine, None

@@ -141,6 +141,9 @@ class StrategyDispatcher:
         self._capped_prompts = 0  # prompts whose history the shards' byte caps dropped
         self._warned_cap = False
         self._step: Optional[int] = None
+        self._keyed_asked = keyed_sampling
+        self._keyed_check: Optional[asyncio.Task] = None  # ``_confirm_keyed_sampling``, once
+        self._keyed_unconfirmed = 0  # servers that did not confirm keyed sampling (then off on all)
         self._ingests: set = set()  # ingest calls still running
         self._checkpoint: Optional[asyncio.Task] = None
         self._quiet: Optional[asyncio.TimerHandle] = None  # the pending quiet-time checkpoint
@@ -176,6 +179,7 @@ class StrategyDispatcher:
         step = int(step)
         if step == self._step:
             return
+        await self._keyed_confirmed()
         prev, self._step = self._step, step
         if self.history is not None and prev is not None:
             await self._drain_ingests()
@@ -189,6 +193,32 @@ class StrategyDispatcher:
         self.life.begin_step(step, train_s, requests=requests, instances=len(self.pool.instances), overlap=overlap)
         for rid in list(self._parked):  # deferred in an earlier step: resume in this one
             self._resume(rid)
+
+    async def _keyed_confirmed(self) -> None:
+        """Wait for ``_confirm_keyed_sampling`` (started by the first step or request)."""
+        if not self._keyed_asked:
+            return
+        if self._keyed_check is None:
+            self._keyed_check = asyncio.ensure_future(self._confirm_keyed_sampling())
+        await asyncio.shield(self._keyed_check)
+
+    async def _confirm_keyed_sampling(self) -> None:
+        """Once, before the first rollout: ask every server what its engine runs
+        (``ReplicaInstance.engine_report``). Where keyed sampling was expected and a server does
+        not confirm it (the plugin did not take in its processes: another vLLM build, a moved hook
+        point, ``VERL_EXT_VLLM_PLUGIN=0`` there), it is off on every server, with a warning and
+        ``verl_ext/keyed_sampling/unconfirmed_servers``: strategies then neither key, copy nor
+        draft sampled requests, rather than race copies that are not the same sample."""
+        servers = list(self.pool.instances.values())
+        await asyncio.gather(*(inst.engine_report() for inst in servers))
+        missing = [inst.name for inst in servers if not inst.keyed_sampling]
+        self._keyed_unconfirmed = len(missing)
+        if missing:
+            for inst in servers:
+                inst.keyed_sampling = False
+            logger.warning("verl_ext: server(s) %s did not confirm keyed sampling; '%s' samples unkeyed on every server "
+                           "(no copies or drafts of sampled requests). `verl-ext doctor` says what verl_ext sees",
+                           ", ".join(missing), self.settings.strategy)
 
     async def _check_history_cap(self) -> None:
         """Warn once when a history shard has dropped a prompt's whole history to stay under its
@@ -305,6 +335,7 @@ class StrategyDispatcher:
             self._load_watch_ready = asyncio.get_running_loop().create_future()
             self._load_watch = asyncio.ensure_future(self._watch_load())
         await asyncio.shield(self._load_watch_ready)  # the first read only
+        await self._keyed_confirmed()
         params = dict(sampling_params)
         max_tokens = params.get("max_tokens", params.get("max_new_tokens", self.max_tokens_default))
         ident = self._identify(request_id, prompt_ids, verl_ext_uid)
@@ -430,6 +461,8 @@ class StrategyDispatcher:
         }
         for name, count in self.pool.inflight.items():
             out[f"verl_ext/inflight/{name}"] = float(count)
+        if self._keyed_asked:
+            out["verl_ext/keyed_sampling/unconfirmed_servers"] = float(self._keyed_unconfirmed)
         loads = [i.telemetry() for i in self.pool.instances.values()]
         if any(t.kv_capacity_tokens for t in loads):  # what the servers' load metrics say (ReplicaInstance.refresh)
             out["verl_ext/load/kv_capacity_tokens"] = float(sum(t.kv_capacity_tokens or 0 for t in loads))

@@ -64,6 +64,7 @@ class ReplicaInstance(Instance):
         self.versions = versions
         self.drafting = drafting
         self.keyed_sampling = keyed_sampling
+        self.engine_info: Optional[dict] = None  # ``engine_report``
         self.max_running = max_running
         self.handle = handle
         self.max_tokens_default = max_tokens_default
@@ -114,6 +115,22 @@ class ReplicaInstance(Instance):
         if not self.drafting:
             raise RuntimeError(f"server {self.name} runs no verl_ext drafter")
         await self.handle.collective_rpc.remote("verl_ext_drafter", args=(op, *args))
+
+    async def engine_report(self, timeout_s: float = 30.0) -> Optional[dict]:
+        """What the server's engine runs (its first worker's ``verl_ext_engine_info``: vLLM version,
+        CPU ISA and kernel library, keyed sampling's state and rule), kept in ``engine_info``; None
+        where it cannot answer (verl_ext's vLLM plugin not active in the server's processes, an
+        older Ray). ``keyed_sampling`` becomes what the engine confirmed: a server that cannot say
+        it keys samples is not trusted to (copies of sampled requests would race)."""
+        try:
+            answers = await self.handle.__ray_call__.remote(_engine_info_rpc, timeout_s)
+            self.engine_info = answers[0] if answers else None
+        except Exception as exc:
+            logger.warning("verl_ext: server %s did not report what it runs (%s: %s)", self.name, type(exc).__name__, exc)
+            self.engine_info = None
+        ready = bool(self.engine_info and self.engine_info.get("keyed_sampling", {}).get("ready"))
+        self.keyed_sampling = self.keyed_sampling and ready
+        return self.engine_info
 
     async def drafter_stats(self, timeout_s: float = 10.0) -> Optional[dict]:
         """The drafter's ``stats`` (its first worker's answer). None without a drafter, or where the
@@ -261,6 +278,12 @@ def _drafter_rpc(server, op: str, args: tuple, timeout_s: float):
     drafter RPC through the server's vLLM engine client on the actor's event loop (where its
     output handler runs), returning every worker's answer."""
     return _on_engine_loop(server_engine(server), lambda e: e.collective_rpc("verl_ext_drafter", args=(op, *args)), timeout_s)
+
+
+def _engine_info_rpc(server, timeout_s: float):
+    """Runs inside a veRL ``vLLMHttpServer`` actor, like ``_drafter_rpc``: every worker's
+    ``verl_ext_engine_info`` (``verl_ext.engine.machine.engine_info``)."""
+    return _on_engine_loop(server_engine(server), lambda e: e.collective_rpc("verl_ext_engine_info"), timeout_s)
 
 
 def _engine_abort(server, request_id: str, timeout_s: float):
