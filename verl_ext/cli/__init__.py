@@ -9,6 +9,8 @@
     verl-ext trace record --out T.parquet   record a rollout trace on real engines
     verl-ext strategies            list the registered strategies
     verl-ext model                 convert the default model if needed and print its directory
+    verl-ext doctor [--engine]     what verl_ext sees here: CPU ISA, memory, native extension,
+                                   hooks, and (--engine) what a started engine runs
 
 Old spellings (``ab --sim``, ``profile``) still work and print a deprecation note. Bad input
 (unknown strategy, invalid model path, n < 1, ...) prints one line and exits 2; an engine that
@@ -52,13 +54,14 @@ def _model(args) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    from verl_ext.cli import compare, fit, trace
+    from verl_ext.cli import compare, doctor, fit, trace
 
     p = argparse.ArgumentParser(prog="verl-ext", description="verl_ext: faster veRL rollouts")
     sub = p.add_subparsers(dest="command", required=True)
     compare.add_commands(sub)
     fit.add_commands(sub)
     trace.add_commands(sub)
+    doctor.add_commands(sub)
     sub.add_parser("strategies", help="list the registered strategies").set_defaults(run=_strategies)
     sub.add_parser("model", help="convert the default model if needed and print its directory").set_defaults(run=_model)
     return p
