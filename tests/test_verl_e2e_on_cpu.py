@@ -180,6 +180,9 @@ def test_verl_ext_metrics_are_in_verls_tracking_every_step(e2e):
     # the strategies' own counters, and drafting as the servers count it (vLLM's /metrics)
     assert _tracking(out, "seer")[0]["verl_ext/seer/requests"] == PROMPTS * N
     assert _tracking(out, "seer")[0]["verl_ext/spec/accepted_tokens"] > 0
+    # every server confirmed, before the first rollout, that it keys keyed requests' samples
+    for strategy in STRATEGIES:
+        assert _tracking(out, strategy)[0]["verl_ext/keyed_sampling/unconfirmed_servers"] == 0, strategy
     # the servers' load, as strategies see it (ReplicaInstance.telemetry from vLLM's /metrics)
     for strategy in ("seer", "rhyme"):
         first = _tracking(out, strategy)[0]
