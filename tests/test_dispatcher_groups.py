@@ -183,3 +183,47 @@ def test_keyed_sampling_is_what_every_server_confirmed():
     assert out.token_ids == [5]
     sent = [p for srv in ("s0", "s1") for p in d.pool.instances[srv].handle.generate.params]
     assert "keyed_seed" not in ((sent[0].get("extra_args") or {}).get("verl_ext") or {})
+
+
+def test_a_best_of_n_copy_that_wins_hands_veRL_the_whole_response():
+    """Issue 48, item 1: a copy resumes after the prefix the original had generated; its own
+    ``TokenOutput`` holds only its part. What veRL gets must be the whole response, with a
+    log-prob per token (the prefix's from the original, the rest from the copy), and a response
+    whose log-probs are not all known is refused rather than handed over truncated."""
+    from verl.workers.rollout.replica import TokenOutput
+
+    from verl_ext.engine.instance import Completion
+    from verl_ext.rollout.dispatcher import merged_token_output
+    from verl_ext.rollout.replica_instance import TOKEN_OUTPUT_KEY
+
+    copy_out = TokenOutput(token_ids=[7, 8, 2], log_probs=[-0.7, -0.8, -0.2], stop_reason="completed",
+                           extra_fields={"global_steps": 3})
+    spliced = Completion("r", [5, 6, 7, 8, 2], "stop", logprobs=[-0.5, -0.6, -0.7, -0.8, -0.2],
+                         extra={TOKEN_OUTPUT_KEY: copy_out, "bon_method": "ngram"})
+    out = merged_token_output(spliced)
+    assert out.token_ids == [5, 6, 7, 8, 2] and out.log_probs == [-0.5, -0.6, -0.7, -0.8, -0.2]
+    assert out.extra_fields["global_steps"] == 3 and out.stop_reason == "completed"
+    whole = Completion("r", [7, 8, 2], "stop", logprobs=[-0.7, -0.8, -0.2], extra={TOKEN_OUTPUT_KEY: copy_out})
+    assert merged_token_output(whole) is copy_out  # a response made in one call goes through as veRL sent it
+    missing = Completion("r", [5, 6, 7, 8, 2], "stop", logprobs=None, extra={TOKEN_OUTPUT_KEY: copy_out})
+    with pytest.raises(RuntimeError, match="log-probs of 5 response tokens are not all known"):
+        merged_token_output(missing)
+
+
+def test_specactors_splice_keeps_the_prefix_and_its_log_probs():
+    """The strategy side of the same path: the winner's completion is prefix + copy, with the
+    original's log-probs for the prefix (``SpecActorStrategy._splice``), whatever TokenOutput
+    rides along in ``extra``."""
+    from verl_ext.engine.instance import Completion, GenRequest, SamplingSpec
+    from verl_ext.pipe.specactor import _Live, _Run
+    from verl_ext.pipe.strategy import make_strategy
+
+    strategy = make_strategy("specactor", {"profile": "cpu-smollm2-avx2"})
+    live = _Live(GenRequest("r", "g", [1, 2], SamplingSpec(max_tokens=8)))
+    run = _Run(instance=VerlServer(lambda p, s: []), method="ngram", original=False, prefix=[5, 6], steps0=2)
+    run.instance.name = "s1"
+    copy = Completion("r", [7, 8, 2], "stop", logprobs=[-0.7, -0.8, -0.2], num_steps=2, extra={"x": 1})
+    original = Completion("r", [5, 6, 9], "abort", logprobs=[-0.5, -0.6, -0.9])
+    got = strategy._splice(live, run, copy, original)
+    assert got.token_ids == [5, 6, 7, 8, 2] and got.logprobs == [-0.5, -0.6, -0.7, -0.8, -0.2]
+    assert got.num_steps == 4 and got.extra["x"] == 1 and got.extra["bon_method"] == "ngram"

@@ -477,14 +477,26 @@ class StrategyDispatcher:
 
 
 def merged_token_output(completion):
-    """veRL's ``TokenOutput`` for a completion; for one generated in chunks (``seer``), the last
-    chunk's output with the whole response's tokens and logprobs."""
+    """veRL's ``TokenOutput`` for a completion: the last engine call's output, with the whole
+    response's tokens and log-probs wherever the completion holds more than that call generated
+    (chunks of a divided request, a Best-of-N copy spliced after the prefix it resumed from, a
+    migrated request). Raises rather than hand the trainer a response whose log-probs do not
+    cover every token."""
     out = completion.extra[TOKEN_OUTPUT_KEY]
-    if completion.extra.get("chunks", 1) <= 1:
+    tokens = list(completion.token_ids)
+    if list(out.token_ids) == tokens:
         return out
     if out.routed_experts is not None:
         raise RuntimeError(
-            "this request was generated in chunks, and its routed experts (MoE routing replay) cannot be "
-            "joined across chunks; turn chunking off (custom.verl_ext.options.chunk_size=0) with routing replay"
+            "this request was generated in parts (chunks, a copy or a move), and its routed experts (MoE routing "
+            "replay) cannot be joined across them; turn chunking off (custom.verl_ext.options.chunk_size=0) and "
+            "copies off (options.best_of_n=false) with routing replay"
         )
-    return out.model_copy(update={"token_ids": list(completion.token_ids), "log_probs": completion.logprobs})
+    logprobs = completion.logprobs
+    if out.log_probs is not None and (logprobs is None or len(logprobs) != len(tokens)):
+        raise RuntimeError(
+            f"request {completion.request_id}: generated in parts, and the log-probs of {len(tokens)} response "
+            f"tokens are not all known ({'none' if logprobs is None else len(logprobs)}); refusing to hand the "
+            "trainer a partial sample"
+        )
+    return out.model_copy(update={"token_ids": tokens, "log_probs": logprobs})
