@@ -34,10 +34,10 @@ def test_the_switch_is_trainer_device_cpu_and_adds_the_preset_once(monkeypatch):
     monkeypatch.delenv("VLLM_TARGET_DEVICE", raising=False)
     monkeypatch.setattr(mode, "accelerator_present", lambda: False)
     argv = ["-m", "rollout=seer", "trainer.device=cpu"]
-    assert mode.activate_for_trainer(argv) == [*argv, "+verl_ext_cpu=default"]
+    assert mode.activate_for_trainer(argv) == [*argv, "+verl_ext_cpu=default", mode.MEMORY_CHECK_ARG]
     assert os.environ["VERL_PLATFORM"] == "cpu" and os.environ["VLLM_TARGET_DEVICE"] == "cpu"
     # a command line that already picks a preset option keeps it; no preset without the rewrite
-    picked = ["-m", "trainer.device=cpu", "+verl_ext_cpu=default"]
+    picked = ["-m", "trainer.device=cpu", "+verl_ext_cpu=default", mode.MEMORY_CHECK_ARG]
     assert mode.activate_for_trainer(picked) == picked
     assert mode.activate_for_trainer(argv, add_preset=False) == argv
     # other devices, or no device argument, change nothing
@@ -92,7 +92,7 @@ def test_plugin_turns_the_cpu_mode_on_only_for_the_trainer_with_trainer_device_c
     """
     out = probe(["-c", textwrap.dedent(code)])
     assert out == ("['rollout@actor_rollout_ref.rollout=seer', 'trainer.device=cpu', '+verl_ext_cpu=default', "
-                   f"'{CALLBACK_ARG}'] cpu cpu gloo")
+                   f"'{mode.MEMORY_CHECK_ARG}', '{CALLBACK_ARG}'] cpu cpu gloo")
 
 
 def test_cpu_platform_is_veRLs_cpu_device_over_gloo():

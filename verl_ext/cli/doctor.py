@@ -76,9 +76,9 @@ def machine() -> dict:
 
 def native_extension() -> dict:
     try:
-        from verl_ext.spec import _suffix
+        from verl_ext.spec import load_native
 
-        return {"loads": True, "path": _suffix.__file__}
+        return {"loads": True, "path": load_native().__file__}
     except Exception as exc:  # ImportError, or an ABI error surfacing as another type
         return {"loads": False, "error": f"{type(exc).__name__}: {exc}",
                 "fix": "rebuild it: pip install -e . (or bash scripts/setup_env.sh)"}

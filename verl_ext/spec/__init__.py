@@ -20,6 +20,12 @@ _EXPORTS = {"DraftIndex": "_suffix", "SCOPE_REQUEST": "_suffix", "SCOPE_GROUP": 
 __all__ = list(_EXPORTS)
 
 
+def load_native():
+    """Import the native extension (``_suffix``) and return it; raises what its import raises
+    (``verl-ext doctor`` reports it)."""
+    return importlib.import_module(f"{__name__}._suffix")
+
+
 def __getattr__(name: str):
     if name in _EXPORTS:
         return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

@@ -117,7 +117,8 @@ def _engine_info_rpc(wrapper) -> dict:
     """``collective_rpc("verl_ext_engine_info")`` target, run in each worker."""
     from verl_ext.engine.machine import engine_info
 
-    return engine_info(getattr(getattr(wrapper, "worker", None), "model_runner", None))
+    return engine_info(getattr(getattr(wrapper, "worker", None), "model_runner", None),
+                       {"installed": installed(), "reason": reason()})
 
 
 def _drafter_rpc(wrapper, op: str, *args):
