@@ -526,7 +526,8 @@ def test_async_trainers_carry_deferred_requests_into_the_next_step(ray_local, mo
     rhyme = {"verl_ext": {"strategy": "rhyme", "options": {"inter_step": True}}}
     servers = {f"s{i}": MarkovServer.remote(f"s{i}") for i in range(2)}
     for carries in (True, False):
-        d = StrategyDispatcher(VerlExtSettings.from_custom(rhyme, async_trainer=True), servers, 16, carries=carries)
+        d = StrategyDispatcher(VerlExtSettings.from_custom(rhyme, async_trainer=True), servers, 16, carries=carries,
+                               stop_ids=[0])
         assert (d.strategy._carry == d._carry) is carries
 
     from verl_ext.pipe.lifecycle import Lifecycle
@@ -553,7 +554,8 @@ def test_async_trainers_carry_deferred_requests_into_the_next_step(ray_local, mo
 
     async def main(wait_s):
         monkeypatch.setattr(dispatcher_mod, "DEFER_WAIT_S", wait_s)
-        d = StrategyDispatcher(VerlExtSettings.from_custom({"verl_ext": {"strategy": "baseline"}}), servers, 16)
+        d = StrategyDispatcher(VerlExtSettings.from_custom({"verl_ext": {"strategy": "baseline"}}), servers, 16,
+                               stop_ids=[0])  # the Markov servers' responses never hold token 0
         d.strategy = DeferAll()
         d.life = Lifecycle(d.strategy, carrier=d._carry)  # what the dispatcher gives a strategy that defers
         await d.begin_step(1)
@@ -575,7 +577,8 @@ def test_async_trainers_carry_deferred_requests_into_the_next_step(ray_local, mo
         assert m["verl_ext/rollout_s"] >= 0.2
 
     async def cancelled():  # a caller that gives up on a deferred request: it is never resumed
-        d = StrategyDispatcher(VerlExtSettings.from_custom({"verl_ext": {"strategy": "baseline"}}), servers, 16)
+        d = StrategyDispatcher(VerlExtSettings.from_custom({"verl_ext": {"strategy": "baseline"}}), servers, 16,
+                               stop_ids=[0])  # the Markov servers' responses never hold token 0
         d.strategy = DeferAll()
         d.life = Lifecycle(d.strategy, carrier=d._carry)
         call = asyncio.ensure_future(d.generate("r0", long[0], {"max_tokens": 16}))
@@ -601,7 +604,8 @@ def test_async_trainers_carry_deferred_requests_into_the_next_step(ray_local, mo
             return await pool.run(pool.least_loaded(request.request_id), request)
 
     async def resumed():  # an aborted request resent with its tokens so far, as veRL's async client does
-        d = StrategyDispatcher(VerlExtSettings.from_custom({"verl_ext": {"strategy": "baseline"}}), servers, 16)
+        d = StrategyDispatcher(VerlExtSettings.from_custom({"verl_ext": {"strategy": "baseline"}}), servers, 16,
+                               stop_ids=[0])  # the Markov servers' responses never hold token 0
         d.strategy = Capture()
         await d.generate("other", long[0], {"max_tokens": 16})  # sample 0 of the group
         ray.get([s.abort.remote(1) for s in servers.values()])

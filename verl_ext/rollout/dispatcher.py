@@ -14,7 +14,7 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy as np
@@ -97,7 +97,9 @@ class StrategyDispatcher:
         (veRL's async trainers), so a request the strategy defers to the next training step
         (inter-step migration, ``verl_ext.pipe.defer``) is held here and resumed when the manager
         starts that step (``begin_step``); its ``generate`` call returns the whole response then.
-        ``stop_ids``: the model's EOS ids (``verl_ext.rollout.finish.model_stop_ids``).
+        ``stop_ids``: the model's EOS ids (``verl_ext.rollout.finish.model_stop_ids``); where
+        there are none (they could not be read), requests that stop on EOS are generated in one
+        piece (``whole_reason``).
         ``keyed_sampling``: the servers key the samples of keyed requests (vLLM with verl_ext's
         plugin: ``verl_ext.engine.vllm_keyed``); strategies that chunk, migrate or copy requests
         then key theirs (``Strategy.keyed``)."""
@@ -106,7 +108,8 @@ class StrategyDispatcher:
         # a registered name, or the class name of one given by import path (module:Class)
         self._metric_name = type(self.strategy).name or type(self.strategy).__name__
         self._versions: dict[str, int] = {}  # request id -> oldest weight version of its outputs
-        self._warned_whole = False
+        self._stop_ids_known = bool(stop_ids)
+        self._whole: Counter = Counter()  # requests generated in one piece, by reason (``whole_reason``)
         self._load_watch: Optional[asyncio.Task] = None  # reads the servers' load (first request on)
         self._load_watch_ready: Optional[asyncio.Future] = None  # done after the first read
         self.pool = InstancePool(
@@ -355,14 +358,14 @@ class StrategyDispatcher:
             ),
             extra={SAMPLING_KEY: params, KWARGS_KEY: kwargs, BASE_LEN_KEY: len(prompt_ids)},
         )
-        if params.get("presence_penalty") or params.get("frequency_penalty"):
-            # vLLM counts these over the tokens generated in one call: a continuation (chunk,
-            # copy, migration) would restart them, so the request is generated in one piece
+        reason = whole_reason(params, self._stop_ids_known)
+        if reason is not None:
             request.extra[WHOLE_KEY] = True
-            if not self._warned_whole:
-                self._warned_whole = True
-                logger.warning("verl_ext: requests with presence or frequency penalties are generated in one piece "
-                               "(strategy '%s' does not divide, copy or move them)", self.settings.strategy)
+            if not self._whole[reason]:
+                logger.warning("verl_ext: requests with %s are generated in one piece (strategy '%s' does not divide, "
+                               "copy or move them: a continuation could not keep them exact)", reason,
+                               self.settings.strategy)
+            self._whole[reason] += 1
         if len(prompt_ids) > prompt_len:  # a resumed request: its response so far ends its prompt
             request.extra[PRIOR_TOKENS_KEY] = len(prompt_ids) - prompt_len
         try:
@@ -463,6 +466,8 @@ class StrategyDispatcher:
             out[f"verl_ext/inflight/{name}"] = float(count)
         if self._keyed_asked:
             out["verl_ext/keyed_sampling/unconfirmed_servers"] = float(self._keyed_unconfirmed)
+        for reason, count in self._whole.items():  # over the run so far
+            out[f"verl_ext/whole/{reason.replace(' ', '_')}"] = float(count)
         loads = [i.telemetry() for i in self.pool.instances.values()]
         if any(t.kv_capacity_tokens for t in loads):  # what the servers' load metrics say (ReplicaInstance.refresh)
             out["verl_ext/load/kv_capacity_tokens"] = float(sum(t.kv_capacity_tokens or 0 for t in loads))
@@ -474,6 +479,31 @@ class StrategyDispatcher:
             self._requests = self._output_tokens = self._resumed = self._deferred = self._late = self._later_turns = 0
             self._first_in = self._last_out = None
         return out
+
+
+#: sampling parameters whose state a continuation (a chunk, a Best-of-N copy, a move: prompt +
+#: tokens so far, sent as a new request) would restart or could not see, and the reason named in
+#: the warning and in ``verl_ext/whole/<reason>``: vLLM counts penalties over one call's output,
+#: matches stop strings and bad words within one call's text and tokens, and restarts structured
+#: output's grammar at each call
+_WHOLE_PARAMS = (
+    (("presence_penalty", "frequency_penalty"), "presence or frequency penalties"),
+    (("stop",), "stop strings"),
+    (("bad_words",), "bad words"),
+    (("structured_outputs", "guided_decoding", "response_format"), "structured output"),
+)
+
+
+def whole_reason(params: dict, stop_ids_known: bool = True) -> Optional[str]:
+    """Why a veRL request with sampling ``params`` must be generated in one piece, or None. Also
+    where the model's EOS ids are unknown (``model_stop_ids`` read none) and EOS is not ignored: a
+    part that ends on EOS exactly at its budget would be taken as cut off and continued."""
+    for keys, reason in _WHOLE_PARAMS:
+        if any(params.get(k) for k in keys):
+            return reason
+    if not stop_ids_known and not params.get("ignore_eos"):
+        return "unknown EOS ids"
+    return None
 
 
 def merged_token_output(completion):
