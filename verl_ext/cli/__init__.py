@@ -53,23 +53,40 @@ def _model(args) -> int:
     return 0
 
 
-def parser() -> argparse.ArgumentParser:
-    from verl_ext.cli import compare, doctor, fit, trace
+def parser(broken: Optional[list] = None) -> argparse.ArgumentParser:
+    """The command's parser. Where the commands that need verl_ext's whole stack cannot be
+    imported (a broken native extension, a missing dependency), only ``doctor`` is offered and
+    the import error goes to ``broken``."""
+    from verl_ext.cli import doctor
 
     p = argparse.ArgumentParser(prog="verl-ext", description="verl_ext: faster veRL rollouts")
     sub = p.add_subparsers(dest="command", required=True)
+    doctor.add_commands(sub)  # first, and light: it must run where the rest cannot load
+    try:
+        from verl_ext.cli import compare, fit, trace
+    except ImportError as exc:
+        if broken is None:
+            raise
+        broken.append(exc)
+        return p
     compare.add_commands(sub)
     fit.add_commands(sub)
     trace.add_commands(sub)
-    doctor.add_commands(sub)
     sub.add_parser("strategies", help="list the registered strategies").set_defaults(run=_strategies)
     sub.add_parser("model", help="convert the default model if needed and print its directory").set_defaults(run=_model)
     return p
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    broken: list = []
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p = parser(broken)
+    if broken and (not argv or argv[0] != "doctor"):
+        print(f"verl-ext: cannot load its commands ({type(broken[0]).__name__}: {broken[0]}); "
+              "run `verl-ext doctor` to see what is broken", file=sys.stderr)
+        return 1
     try:
-        args = parser().parse_args(argv)
+        args = p.parse_args(argv)
     except SystemExit as exc:  # argparse: usage errors exit 2, --help exits 0
         return exc.code if isinstance(exc.code, int) else 2
     return guarded(args.run, args)
