@@ -139,18 +139,15 @@ try:
 except Exception as exc:  # never raise from a veRL plugin
     logger.warning("verl_ext plugin: skipped argv handling (%s: %s)", type(exc).__name__, exc)
 
+
 def _register_resolvers() -> None:
+    """The CPU preset's KV-size resolver (light: ``verl_ext.cpu.memory`` imports no torch)."""
     from omegaconf import OmegaConf
 
-    from verl_ext.cpu.memory import RESOLVER
+    from verl_ext.cpu.memory import RESOLVER, resolve_kv_bytes
 
     if not OmegaConf.has_resolver(RESOLVER):
-        def kv_bytes(*, _root_):
-            from verl_ext.cpu.memory import resolve_kv_bytes
-
-            return resolve_kv_bytes(_root_=_root_)
-
-        OmegaConf.register_new_resolver(RESOLVER, kv_bytes)
+        OmegaConf.register_new_resolver(RESOLVER, resolve_kv_bytes)
 
 
 try:
