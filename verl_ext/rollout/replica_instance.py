@@ -32,6 +32,7 @@ import uuid
 from typing import Any, Iterable, Optional
 
 from verl_ext.engine.instance import KEYED_SEED, Completion, GenRequest, Instance, Telemetry, chunk_seed
+from verl_ext.engine.machine import confirms_keyed_sampling
 from verl_ext.rollout.finish import finish_reason
 from verl_ext.rollout.verl_compat import server_engine
 from verl_ext.spec.options import REQUEST_DRAFT_KEYS
@@ -128,8 +129,7 @@ class ReplicaInstance(Instance):
         except Exception as exc:
             logger.warning("verl_ext: server %s did not report what it runs (%s: %s)", self.name, type(exc).__name__, exc)
             self.engine_info = None
-        ready = bool(self.engine_info and self.engine_info.get("keyed_sampling", {}).get("ready"))
-        self.keyed_sampling = self.keyed_sampling and ready
+        self.keyed_sampling = self.keyed_sampling and confirms_keyed_sampling(self.engine_info)
         return self.engine_info
 
     async def drafter_stats(self, timeout_s: float = 10.0) -> Optional[dict]:
