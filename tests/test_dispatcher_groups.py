@@ -227,3 +227,27 @@ def test_specactors_splice_keeps_the_prefix_and_its_log_probs():
     got = strategy._splice(live, run, copy, original)
     assert got.token_ids == [5, 6, 7, 8, 2] and got.logprobs == [-0.5, -0.6, -0.7, -0.8, -0.2]
     assert got.num_steps == 4 and got.extra["x"] == 1 and got.extra["bon_method"] == "ngram"
+
+
+@pytest.mark.parametrize("same_tokens", [True, False])
+def test_a_move_whose_abort_came_with_the_last_token_reaches_veRL_finished(same_tokens):
+    """Issue 48, item 2: ``rlhfspec`` aborts a sample to move it; when the abort arrives with the
+    response's last token, the strategy finishes the sample (``length``) but the engine's own
+    ``TokenOutput`` says ``stop_reason="aborted"``. veRL's async client resends an aborted
+    response, so what veRL gets must say it completed, whether the sample was made in one call
+    (the abort hit its first part) or in parts."""
+    from verl.workers.rollout.replica import TokenOutput
+
+    from verl_ext.engine.instance import Completion
+    from verl_ext.rollout.dispatcher import merged_token_output
+    from verl_ext.rollout.replica_instance import TOKEN_OUTPUT_KEY
+
+    last = [7, 8] if same_tokens else [8]
+    aborted = TokenOutput(token_ids=last, log_probs=[-0.1] * len(last), stop_reason="aborted")
+    done = Completion("r", [7, 8], "length", logprobs=[-0.1, -0.1], extra={TOKEN_OUTPUT_KEY: aborted})
+    out = merged_token_output(done)
+    assert out.stop_reason == "completed" and out.token_ids == [7, 8]
+    assert aborted.stop_reason == "aborted"  # the engine's own output is left as it was
+    really = Completion("r", [7], "abort", logprobs=[-0.1], extra={TOKEN_OUTPUT_KEY: aborted.model_copy(
+        update={"token_ids": [7], "log_probs": [-0.1]})})
+    assert merged_token_output(really).stop_reason == "aborted"  # an abort that stands is passed on

@@ -506,16 +506,27 @@ def whole_reason(params: dict, stop_ids_known: bool = True) -> Optional[str]:
     return None
 
 
+#: the ``stop_reason`` of an aborted response: veRL's vLLM server, its SGLang server
+_ABORTED = ("aborted", "abort")
+
+
 def merged_token_output(completion):
     """veRL's ``TokenOutput`` for a completion: the last engine call's output, with the whole
     response's tokens and log-probs wherever the completion holds more than that call generated
     (chunks of a divided request, a Best-of-N copy spliced after the prefix it resumed from, a
-    migrated request). Raises rather than hand the trainer a response whose log-probs do not
+    migrated request), and ``stop_reason="completed"`` where the last call was aborted but the
+    completion finished. Raises rather than hand the trainer a response whose log-probs do not
     cover every token."""
     out = completion.extra[TOKEN_OUTPUT_KEY]
     tokens = list(completion.token_ids)
+    update: dict[str, Any] = {}
+    if out.stop_reason in _ABORTED and completion.finish_reason != FINISH_ABORT:
+        # a move whose abort came with the last token (rlhfspec): the sample is finished, and veRL's
+        # async client would resend one that says "aborted" (vLLM servers say "completed" for stop and
+        # length alike; SGLang's say which)
+        update["stop_reason"] = "completed" if out.stop_reason == "aborted" else completion.finish_reason
     if list(out.token_ids) == tokens:
-        return out
+        return out.model_copy(update=update) if update else out
     if out.routed_experts is not None:
         raise RuntimeError(
             "this request was generated in parts (chunks, a copy or a move), and its routed experts (MoE routing "
@@ -529,4 +540,4 @@ def merged_token_output(completion):
             f"tokens are not all known ({'none' if logprobs is None else len(logprobs)}); refusing to hand the "
             "trainer a partial sample"
         )
-    return out.model_copy(update={"token_ids": tokens, "log_probs": logprobs})
+    return out.model_copy(update={**update, "token_ids": tokens, "log_probs": logprobs})
