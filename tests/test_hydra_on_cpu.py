@@ -219,6 +219,37 @@ def test_config_check_refuses_what_the_rollouts_start_would_refuse(strategy, ove
         check_rollout(cfg.actor_rollout_ref.rollout)
 
 
+REPLAY = "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"
+
+
+@pytest.mark.parametrize(
+    "strategy,overrides,parts",
+    [
+        ("seer", [], "options.chunk_size"),
+        ("specactor", [f"{OPTS}.profile=cpu-smollm2-avx2"], "options.best_of_n"),
+        ("rlhfspec", [f"{OPTS}.profile=cpu-smollm2-avx2"], "options.reallocation"),
+        ("rhyme", [], "options.migration"),
+    ],
+)
+def test_routing_replay_is_refused_with_a_strategy_that_makes_responses_in_parts(strategy, overrides, parts):
+    """Issue 48, item 8: each engine call reports the routed experts of its own tokens, so a
+    response made in parts cannot carry its routing; the config check refuses the pair before
+    anything starts (the rollout used to fail only once a whole response had been generated),
+    and accepts replay once the strategy makes every response in one call."""
+    from verl_ext.config.check import check_rollout
+
+    base = [f"rollout@actor_rollout_ref.rollout={strategy}", "actor_rollout_ref.rollout.name=vllm", *overrides]
+    with pytest.raises(ValueError, match=rf"routing replay .* generates some in parts \({parts}"):
+        check_rollout(compose_verl([*base, REPLAY]).actor_rollout_ref.rollout)
+    off = {"options.chunk_size": "0"}.get(parts, "false")
+    ok = [*base, REPLAY, f"{OPTS}.{parts.split('.')[1]}={off}"]
+    if strategy == "rhyme":
+        ok.append(f"+{OPTS}.inter_step=false")
+    assert check_rollout(compose_verl(ok).actor_rollout_ref.rollout).strategy == strategy
+    assert check_rollout(compose_verl(["rollout@actor_rollout_ref.rollout=baseline", REPLAY])
+                         .actor_rollout_ref.rollout).strategy == "baseline"
+
+
 @pytest.mark.parametrize(
     "args,line",
     [

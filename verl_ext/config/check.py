@@ -84,6 +84,10 @@ def check_drafter_config(settings, rollout) -> None:
                        "verl_ext's drafter (engine_kwargs.vllm.speculative_config); remove it to decode plainly")
 
 
+#: the value that turns a ``Strategy.parts_options`` option off (false where not listed)
+_OFF = {"chunk_size": 0}
+
+
 def check_rollout(rollout):
     """Every check of verl_ext's settings that needs no server (see the module docstring): the
     ``VerlExtSettings``, or None for a rollout that does not select verl_ext."""
@@ -94,7 +98,16 @@ def check_rollout(rollout):
     from verl_ext.pipe.strategy import get_strategy_class
 
     settings = VerlExtSettings.from_custom(custom)
-    get_strategy_class(settings.strategy)(settings.options)  # unknown options, unreadable profiles
+    strategy = get_strategy_class(settings.strategy)(settings.options)  # unknown options, unreadable profiles
+    parts = strategy.parts_options()
+    if rollout.get("enable_rollout_routing_replay") and parts:
+        # each engine call reports the experts of its own tokens only; a response made in parts
+        # would reach the trainer without its routing (issue 48, item 8)
+        raise ValueError(
+            f"verl_ext: rollout routing replay (actor_rollout_ref.rollout.enable_rollout_routing_replay) needs each "
+            f"response generated in one engine call, and strategy '{settings.strategy}' generates some in parts "
+            f"({', '.join(f'options.{p}' for p in parts)}); set "
+            f"{' and '.join(f'custom.verl_ext.options.{p}={_OFF.get(p, False)}' for p in parts)}, or turn replay off")
     spec = drafter_options(rollout)
     if spec is not None:
         from verl_ext.spec.options import SpecOptions

@@ -199,6 +199,9 @@ class RhymeStrategy(Strategy):
         "migrations": "strategy",  # intra-step migration of an outlier
     }
     Options = RhymeOptions
+
+    def parts_options(self) -> list[str]:
+        return [name for name in ("migration", "inter_step") if getattr(self.options, name)]
     uses_history = True
 
     def __init__(self, options=None):

@@ -139,6 +139,9 @@ class RlhfSpecStrategy(Strategy):
     }
     Options = RlhfSpecOptions
 
+    def parts_options(self) -> list[str]:
+        return ["reallocation"] if self.options.reallocation else []
+
     def __init__(self, options=None):
         super().__init__(options)
         self._cost = None

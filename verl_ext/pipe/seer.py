@@ -475,6 +475,9 @@ class _Rollout:
 class SeerStrategy(Strategy):
     keys_samples = True  # a request's chunks emit the tokens of the whole
     Options = SeerOptions
+
+    def parts_options(self) -> list[str]:
+        return ["chunk_size"] if self.options.chunk_size != 0 else []
     mechanisms = {
         "chunk_continuations": "strategy",  # divided rollout: a request's next chunk dispatched
         "probe_picks": "strategy",  # Algorithm 1: a group's probe dispatched ahead of its siblings

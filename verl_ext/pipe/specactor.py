@@ -197,6 +197,9 @@ class SpecActorStrategy(Strategy):
     }
     Options = SpecActorOptions
 
+    def parts_options(self) -> list[str]:
+        return ["best_of_n"] if self.options.best_of_n else []
+
     def __init__(self, options=None):
         super().__init__(options)
         o = self.options

@@ -92,6 +92,12 @@ class Strategy(abc.ABC):
         seed = s.seed if s.seed is not None else secrets.randbits(62)
         return dataclasses.replace(request, sampling=dataclasses.replace(s, seed=seed, keyed=True))
 
+    def parts_options(self) -> list[str]:
+        """The options, as set, under which this strategy generates a request in parts (chunks,
+        copies, moves): settings that a response's engine state cannot cross (MoE routing replay)
+        are refused with them (``verl_ext.config.check``). None here."""
+        return []
+
     def metrics(self) -> dict[str, float]:
         """Strategy-specific metrics of the last rollout (merged into veRL's tracking)."""
         return {}
