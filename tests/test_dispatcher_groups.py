@@ -251,3 +251,25 @@ def test_a_move_whose_abort_came_with_the_last_token_reaches_veRL_finished(same_
     really = Completion("r", [7], "abort", logprobs=[-0.1], extra={TOKEN_OUTPUT_KEY: aborted.model_copy(
         update={"token_ids": [7], "log_probs": [-0.1]})})
     assert merged_token_output(really).stop_reason == "aborted"  # an abort that stands is passed on
+
+
+@pytest.mark.parametrize("setting", [{"min_p": 0.1}, {"logit_bias": {"5": 2.0}}])
+def test_a_setting_that_drafting_engines_cannot_serve_is_refused_clearly(setting):
+    """Issue 48, item 3: vLLM 0.32 serves no min-p or logit-bias request on an engine with
+    speculative decoding (its verification would skip them at draft positions; the engine test
+    ``test_drafting_engines_refuse_min_p_and_logit_bias`` shows the refusal). Where the servers
+    run verl_ext's drafter, such a request is refused before anything is generated, naming the
+    setting and how to run without the drafter; without one it is served as veRL sends it."""
+    from verl_ext.rollout.dispatcher import StrategyDispatcher
+
+    def run(drafting):
+        server = VerlServer(lambda p, s: [5, 6])
+        d = StrategyDispatcher(VerlExtSettings(strategy="seer"), {"s0": server}, max_tokens_default=8, drafting=drafting)
+        out = asyncio.run(d.generate("r", [1, 2], {"max_tokens": 8, "temperature": 1.0, **setting}))
+        return out, server
+
+    with pytest.raises(ValueError, match=rf"sets {next(iter(setting))}=.*speculative_config") as err:
+        run(True)
+    assert "verl_ext" in str(err.value)
+    out, server = run(False)
+    assert out.token_ids == [5, 6] and server.generate.params[0][next(iter(setting))] == next(iter(setting.values()))

@@ -227,3 +227,65 @@ async def test_keyed_samples_on_the_engine_follow_the_target_distribution(fp32_e
     exp = np.append(probs[big], probs[~big].sum())
     assert big.sum() >= 3  # a distribution with some spread, not a near-certain token
     assert _chi2_ok(obs[exp > 0], exp[exp > 0])
+
+
+async def _raw(inst, rid, prompt, **params):
+    """One request straight to an engine with vLLM's own ``SamplingParams`` (the settings verl_ext's
+    ``SamplingSpec`` does not carry: min-p, logit bias); its response tokens."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    final = None
+    async for out in inst.engine.generate(TokensPrompt(prompt_token_ids=list(prompt)), SamplingParams(**params), rid):
+        final = out
+    return list(final.outputs[0].token_ids)
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("setting", [
+    {"presence_penalty": 1.5, "frequency_penalty": 0.5, "repetition_penalty": 1.3},
+    {"bad_words": [" 1", " 2", " 3", " 4"]},
+    {"min_tokens": None},  # past the response's own EOS (set below)
+], ids=["penalties", "bad_words", "min_tokens"])
+async def test_drafted_keyed_samples_keep_what_the_plain_sampler_applies(fp32_engine, spec_engine, prompts, setting):
+    """Issue 48, item 3: at draft positions vLLM applies penalties, bad words, allowed ids and
+    ``min_tokens`` to the target logits before verification, and the keyed rule re-applies
+    temperature, top-k and top-p to those logits: a drafted keyed request emits the plain
+    engine's tokens under each setting. Forced to act: the drafts offered are the plain response
+    itself (a reference draft accepted at rate 1), so a verification that skipped the setting
+    would reject some of them and emit another token there."""
+    tok, ids = prompts
+    common = dict(max_tokens=96, temperature=0.8, top_p=0.95, stop_token_ids=[tok.eos_token_id])
+    keyed = {"request_id": "p", "group_id": "g", "keyed_seed": 11}
+    prompt = ids[2]
+    without = await _raw(fp32_engine, "without", prompt, extra_args={"verl_ext": keyed}, **common)
+    if "min_tokens" in setting:  # a sample that ends on EOS well within the budget, made to go on
+        for seed, prompt in ((s, p) for s in range(11, 15) for p in ids):
+            keyed["keyed_seed"] = seed
+            without = await _raw(fp32_engine, f"without-{seed}", prompt, extra_args={"verl_ext": keyed}, **common)
+            if len(without) < 70:
+                break
+        assert len(without) < 70 and without[-1] == tok.eos_token_id
+        setting = {"min_tokens": len(without) + 16}
+    plain = await _raw(fp32_engine, "plain", prompt, extra_args={"verl_ext": keyed}, **common, **setting)
+    assert plain != without and len(plain) >= 24  # the setting acts
+    t0 = spec_engine.telemetry()
+    drafted = await _raw(spec_engine, "drafted", prompt, extra_args={"verl_ext": {
+        **keyed, "request_id": "d", "spec_reference": list(plain), "spec_accept": 1.0}}, **common, **setting)
+    t1 = spec_engine.telemetry()
+    assert drafted == plain
+    assert t1.accepted_tokens - t0.accepted_tokens >= len(plain) // 2  # the drafts were verified and taken
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("setting", [{"min_p": 0.2}, {"logit_bias": {5: 2.0}}], ids=["min_p", "logit_bias"])
+async def test_drafting_engines_refuse_min_p_and_logit_bias(spec_engine, prompts, setting):
+    """The two settings vLLM 0.32 does not apply at draft positions it refuses outright on an
+    engine with speculative decoding: verl_ext's front end says so before sending
+    (``dispatcher.undraftable_reason``); should a vLLM serve them, this fails and the front
+    end's refusal is to be revisited."""
+    from vllm.exceptions import VLLMValidationError
+
+    tok, ids = prompts
+    with pytest.raises(VLLMValidationError, match="not yet supported with speculative decoding"):
+        await _raw(spec_engine, "refused", ids[0], max_tokens=8, temperature=1.0, **setting)

@@ -127,6 +127,7 @@ class StrategyDispatcher:
         self._last_out: Optional[float] = None
         self._rollout_end: Optional[float] = None  # the last response out (kept across metrics calls)
         self._spec = server_metrics.SpecCounters() if drafting else None
+        self._drafting = drafting
         self._group_sizes: OrderedDict[str, int] = OrderedDict()  # group id -> samples seen
         # request id -> who it was, for requests that ended aborted: veRL's async trainers resume
         # them under the same id (FullyAsyncLLMServerClient)
@@ -340,6 +341,15 @@ class StrategyDispatcher:
         await asyncio.shield(self._load_watch_ready)  # the first read only
         await self._keyed_confirmed()
         params = dict(sampling_params)
+        if self._drafting:
+            refused = undraftable_reason(params)
+            if refused is not None:
+                raise ValueError(
+                    f"verl_ext: request {request_id} sets {refused}, which vLLM does not serve on engines with speculative "
+                    f"decoding (its verification cannot apply it at draft positions), and strategy "
+                    f"'{self.settings.strategy}' runs the rollout servers with verl_ext's drafter. Drop the setting, "
+                    "or start the servers without the drafter (`~actor_rollout_ref.rollout.engine_kwargs.vllm."
+                    "speculative_config`, and the strategy's drafting option off, e.g. options.speculative=false)")
         max_tokens = params.get("max_tokens", params.get("max_new_tokens", self.max_tokens_default))
         ident = self._identify(request_id, prompt_ids, verl_ext_uid)
         prompt_len = ident.prompt_len
@@ -492,6 +502,22 @@ _WHOLE_PARAMS = (
     (("bad_words",), "bad words"),
     (("structured_outputs", "guided_decoding", "response_format"), "structured output"),
 )
+
+
+#: sampling settings that vLLM refuses on an engine with speculative decoding (vLLM 0.32's
+#: ``SamplingParams._validate_spec_decode``; it builds no logits processor for them there), with
+#: the setting's name in errors
+_UNDRAFTABLE_PARAMS = (("min_p", "min_p"), ("logit_bias", "logit_bias"))
+
+
+def undraftable_reason(params: dict) -> Optional[str]:
+    """The setting of ``params`` that an engine running a drafter cannot serve, or None. Every
+    other setting vLLM applies at draft positions too (penalties, bad words, allowed token ids,
+    ``min_tokens``; temperature, top-k and top-p through the keyed rule), before verification."""
+    for key, name in _UNDRAFTABLE_PARAMS:
+        if params.get(key):
+            return f"{name}={params[key]!r}"
+    return None
 
 
 def whole_reason(params: dict, stop_ids_known: bool = True) -> Optional[str]:
