@@ -273,3 +273,25 @@ def test_a_setting_that_drafting_engines_cannot_serve_is_refused_clearly(setting
     assert "verl_ext" in str(err.value)
     out, server = run(False)
     assert out.token_ids == [5, 6] and server.generate.params[0][next(iter(setting))] == next(iter(setting.values()))
+
+
+def test_a_request_that_comes_keyed_keeps_its_key_through_every_strategy():
+    """An agent loop may key its own sampled requests (``extra_args["verl_ext"]["keyed_seed"]``,
+    as the conformance suite's does for veRL's own manager and verl_ext's alike). The key reaches
+    the engine unchanged whether or not the strategy keys samples itself. Where a server did not
+    confirm keyed sampling the strategy does not rely on it (no copies, no parts of sampled
+    requests) and the caller's ``extra_args`` go through as it sent them."""
+    from verl_ext.rollout.dispatcher import StrategyDispatcher
+
+    ready = {"keyed_sampling": {"ready": True, "active": False, "rule": "vllm-fused-op"}}
+    params = {"max_tokens": 8, "temperature": 0.7, "extra_args": {"verl_ext": {"keyed_seed": 4242}}}
+
+    def sent(strategy, info):
+        server = VerlServer(lambda p, s: [5], info)
+        d = StrategyDispatcher(VerlExtSettings(strategy=strategy), {"s0": server}, max_tokens_default=8,
+                               keyed_sampling=True)
+        asyncio.run(d.generate("r", [1, 2], dict(params)))
+        return ((server.generate.params[0].get("extra_args") or {}).get("verl_ext") or {}).get("keyed_seed")
+
+    assert sent("baseline", ready) == 4242 and sent("seer", ready) == 4242 and sent("rhyme", ready) == 4242
+    assert sent("seer", None) == 4242  # the caller's own extra_args, untouched

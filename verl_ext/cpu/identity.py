@@ -41,15 +41,15 @@ def _compose(overrides: list[str]):
 
 
 def compose_config(strategy: str, model: str, data_dir: Path, prompts: int, n: int, max_tokens: int,
-                   out: Path, extra: list[str] = ()):
+                   out: Path, extra: list[str] = (), servers: int = 1):
     """veRL's trainer config for ``rollout=<strategy>`` in the CPU mode, greedy, V0 flavour (the
-    managers return a ``DataProto``), one standalone rollout replica."""
+    managers return a ``DataProto``), ``servers`` standalone rollout replicas."""
     from verl_ext.cpu.e2e import run_overrides
 
     overrides = [
         f"rollout@actor_rollout_ref.rollout={strategy}", PRESET_ARG, "trainer.use_v1=false",
         *run_overrides(strategy, data_dir, model, prompts, n, max_tokens, temperature=0.0),
-        "actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1",
+        "actor_rollout_ref.rollout.nnodes=1", f"actor_rollout_ref.rollout.n_gpus_per_node={servers}",
         f"trainer.default_local_dir={out / 'checkpoints'}",  # rhyme's history workers checkpoint there
     ]
     config = _compose(overrides + list(extra))

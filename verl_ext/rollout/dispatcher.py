@@ -20,7 +20,7 @@ from typing import Any, NamedTuple, Optional, Sequence
 import numpy as np
 
 from verl_ext.config.settings import VerlExtSettings
-from verl_ext.engine.instance import FINISH_ABORT, PRIOR_TOKENS_KEY, GenRequest, SamplingSpec
+from verl_ext.engine.instance import FINISH_ABORT, KEYED_SEED, PRIOR_TOKENS_KEY, GenRequest, SamplingSpec
 from verl_ext.pipe.defer import is_deferred, resume_deferred
 from verl_ext.pipe.pool import InstancePool
 from verl_ext.pipe.strategy import make_strategy
@@ -224,6 +224,12 @@ class StrategyDispatcher:
                            "(no copies or drafts of sampled requests). `verl-ext doctor` says what verl_ext sees",
                            ", ".join(missing), self.settings.strategy)
 
+    async def engine_reports(self) -> dict[str, Optional[dict]]:
+        """Each server's ``engine_report`` (what its engine runs: vLLM, ISA, kernel library, keyed
+        sampling's rule), as confirmed before the first rollout (asked now if none has run)."""
+        await self._keyed_confirmed()
+        return {name: inst.engine_info for name, inst in self.pool.instances.items()}
+
     async def _check_history_cap(self) -> None:
         """Warn once when a history shard has dropped a prompt's whole history to stay under its
         cap: that prompt comes back (next epoch) without one."""
@@ -353,6 +359,11 @@ class StrategyDispatcher:
         max_tokens = params.get("max_tokens", params.get("max_new_tokens", self.max_tokens_default))
         ident = self._identify(request_id, prompt_ids, verl_ext_uid)
         prompt_len = ident.prompt_len
+        # a request that comes keyed (an agent loop's own ``extra_args["verl_ext"]["keyed_seed"]``)
+        # keeps its key through every strategy, where the servers confirmed keyed sampling
+        key = ((params.get("extra_args") or {}).get("verl_ext") or {}).get(KEYED_SEED)
+        keyed = key is not None and self.pool.keyed_sampling
+        seed = int(key) if keyed else (None if params.get("seed") is None else int(params["seed"]))
         request = GenRequest(
             request_id=request_id,
             group_id=ident.group_id,
@@ -364,7 +375,8 @@ class StrategyDispatcher:
                 top_p=float(params.get("top_p", 1.0)),
                 top_k=int(params.get("top_k", -1)),
                 max_tokens=int(max_tokens),
-                seed=None if params.get("seed") is None else int(params["seed"]),
+                seed=seed,
+                keyed=keyed,
             ),
             extra={SAMPLING_KEY: params, KWARGS_KEY: kwargs, BASE_LEN_KEY: len(prompt_ids)},
         )

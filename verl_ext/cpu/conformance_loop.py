@@ -1,0 +1,37 @@
+"""The conformance suite's agent loop (:mod:`verl_ext.cpu.conformance`): veRL's own
+``SingleTurnAgentLoop``, with a cell's sampling settings added to what veRL sends.
+
+Users set sampling parameters beyond veRL's five (temperature, top-p, top-k, repetition penalty,
+log-probs) in an agent loop of their own; this one does the same, from two fields of the batch:
+``conformance_params`` (JSON: the cell's settings, e.g. ``{"stop_token_ids": [30], "min_p":
+0.1}``) and ``conformance_seed`` (each sample's key: a sampled request is keyed,
+``extra_args["verl_ext"]["keyed_seed"]``, so that veRL's own manager and verl_ext's draw the
+same sample; ``verl_ext.engine.keyed_sampling``). Registered through veRL's
+``agent_loop_config_path`` (``AGENT_LOOP_YAML``) as ``AGENT_NAME``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
+
+from verl_ext.engine.instance import KEYED_SEED
+
+AGENT_NAME = "verl_ext_conformance"
+AGENT_LOOP_YAML = f"- name: {AGENT_NAME}\n  _target_: verl_ext.cpu.conformance_loop.ConformanceAgentLoop\n"
+
+
+def cell_sampling(sampling_params: dict[str, Any], cell_params: str, seed) -> dict[str, Any]:
+    """veRL's sampling parameters with a cell's settings over them, keyed where it samples."""
+    params = {**sampling_params, **json.loads(cell_params or "{}")}
+    if seed is not None and float(params.get("temperature", 1.0)) > 0:
+        params["extra_args"] = {**(params.get("extra_args") or {}), "verl_ext": {KEYED_SEED: int(seed)}}
+    return params
+
+
+class ConformanceAgentLoop(SingleTurnAgentLoop):
+    async def run(self, sampling_params: dict[str, Any], **kwargs):
+        params = cell_sampling(sampling_params, kwargs.get("conformance_params"), kwargs.get("conformance_seed"))
+        return await super().run(params, **kwargs)
