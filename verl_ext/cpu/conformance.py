@@ -40,7 +40,7 @@ from verl_ext.cpu.mode import CPU_ENV
 
 #: rollout log-probs may differ by this much (absolute, nats) where a position is computed in
 #: another forward pass (chunk continuations, verification); tokens never may
-LOGPROB_TOL = 2e-3
+LOGPROB_TOL = 1e-3
 SERVERS = 2
 
 #: the grid's cells: name -> the settings the agent loop adds (temperature among them)
@@ -50,15 +50,20 @@ CELLS = {
     "t1.0": {"temperature": 1.0},
     "t0.7_topk_topp": {"temperature": 0.7, "top_k": 40, "top_p": 0.9},
     "t1.0_min_p": {"temperature": 1.0, "min_p": 0.05},
-    "t0.7_stop_ids": {"temperature": 0.7, "stop_token_ids": [30]},  # "?" (arithmetic answers end sentences)
-    "t0.7_stop_strings": {"temperature": 0.7, "stop": [" is "]},
+    # token ids given as text are the model's ids of that text (``resolve``)
+    "t0.7_stop_ids": {"temperature": 0.7, "stop_token_ids": [" ="]},
+    "t0.7_stop_strings": {"temperature": 0.7, "stop": [" = "]},
     "t0.7_penalties": {"temperature": 0.7, "presence_penalty": 0.4, "frequency_penalty": 0.3},
     "t0.7_repetition": {"temperature": 0.7, "repetition_penalty": 1.2},
-    "t0.7_logit_bias": {"temperature": 0.7, "logit_bias": {"30": 3.0}},
+    "t0.7_logit_bias": {"temperature": 0.7, "logit_bias": {" =": 3.0}},
     "t1.0_small_budget": {"temperature": 1.0, "max_tokens": 12},
     "greedy_small_budget": {"temperature": 0.0, "max_tokens": 12},
+    # multi-turn: veRL's ToolAgentLoop, up to three assistant turns around tool responses (short
+    # turns, so that more than one fits the response budget)
+    "tool_greedy": {"agent": "tool", "temperature": 0.0, "max_tokens": 12},
+    "tool_t1.0": {"agent": "tool", "temperature": 1.0, "max_tokens": 12},
 }
-QUICK_CELLS = ("greedy", "t0.7_topk_topp", "t1.0_small_budget", "t0.7_stop_ids")
+QUICK_CELLS = ("greedy", "t0.7_topk_topp", "t1.0_small_budget", "t0.7_stop_ids", "tool_t1.0")
 STRATEGIES = ("baseline", "seer", "rhyme", "rlhfspec", "specactor")
 QUICK_STRATEGIES = ("seer", "specactor")
 
@@ -71,6 +76,29 @@ FORCE = {
     "rlhfspec": [f"{OPTS}.threshold=1", f"{OPTS}.cooldown=1", f"{OPTS}.patience=1"],
     "rhyme": [],
 }
+
+
+def resolve(settings: dict, tokenizer) -> dict:
+    """``settings`` with each token given as text (in ``stop_token_ids`` and ``logit_bias``) as
+    the model's id of it."""
+    def tid(t):
+        if isinstance(t, int):
+            return t
+        ids = tokenizer.encode(t, add_special_tokens=False)
+        if len(ids) != 1:
+            raise ValueError(f"{t!r} is {len(ids)} tokens for this model; give one token")
+        return ids[0]
+
+    out = dict(settings)
+    if "stop_token_ids" in out:
+        out["stop_token_ids"] = [tid(t) for t in out["stop_token_ids"]]
+    if "logit_bias" in out:
+        out["logit_bias"] = {str(tid(k)): v for k, v in out["logit_bias"].items()}
+    return out
+
+
+#: the dispatcher's metrics reported per cell: those of mechanisms acting and of routing around them
+MECHANISM_WORDS = ("chunk", "cop", "migrat", "move", "accepted", "whole", "keyed", "bon", "realloc")
 
 
 def _rows_differing(a, b) -> list[int]:
@@ -115,6 +143,7 @@ def compare(reference, candidate, tol: float = LOGPROB_TOL) -> dict:
             diffs[key] = rows
     lengths = [int(m.sum()) for m in reference.batch["response_mask"]] if "response_mask" in reference.batch.keys() else []
     return {"identical": not diffs, "differing": diffs, "rows": len(reference), "max_logprob_diff": max_lp,
+            "fields": sorted(reference.batch.keys()) + sorted(reference.non_tensor_batch),
             "response_lengths": lengths, "distinct_responses": len({tuple(r) for r in _responses(reference)}),
             "uids": [str(u) for u in reference.non_tensor_batch.get("uid", np.array([]))]}
 
@@ -142,11 +171,13 @@ def cell_batch(batch, name: str, settings: dict, seed_base: int):
     """The batch with the cell's settings and each row's key for the conformance agent loop."""
     import numpy as np
 
-    from verl_ext.cpu.conformance_loop import AGENT_NAME
+    from verl_ext.cpu.conformance_loop import AGENT_NAME, TOOL_AGENT_NAME
 
     cell = copy.deepcopy(batch)
     n = len(cell)
-    cell.non_tensor_batch["agent_name"] = np.array([AGENT_NAME] * n, dtype=object)
+    settings = dict(settings)
+    agent = TOOL_AGENT_NAME if settings.pop("agent", None) == "tool" else AGENT_NAME
+    cell.non_tensor_batch["agent_name"] = np.array([agent] * n, dtype=object)
     cell.non_tensor_batch["conformance_params"] = np.array([json.dumps(settings)] * n, dtype=object)
     cell.non_tensor_batch["conformance_seed"] = np.array([seed_base + i for i in range(n)], dtype=object)
     return cell
@@ -175,14 +206,20 @@ def check_strategy(strategy: str, cells: dict, model: str, data_dir: Path, promp
     from verl.experimental.agent_loop.agent_loop import AgentLoopManager
     from verl.workers.rollout.llm_server import LLMServerManager
 
-    from verl_ext.cpu.conformance_loop import AGENT_LOOP_YAML
+    from verl_ext.cpu import conformance_tools
+    from verl_ext.cpu.conformance_loop import AGENT_LOOP_YAML, TOOL_FORMAT
     from verl_ext.cpu.identity import compose_config, first_batch
     from verl_ext.rollout.manager import VerlExtAgentLoopManager
 
     loops = out / "agent_loops.yaml"
     loops.write_text(AGENT_LOOP_YAML)
     extra = [f"actor_rollout_ref.rollout.agent.agent_loop_config_path={loops}",
-             "actor_rollout_ref.rollout.calculate_log_probs=true", *FORCE.get(strategy, [])]
+             "actor_rollout_ref.rollout.calculate_log_probs=true",
+             "actor_rollout_ref.rollout.load_format=auto",  # the model's weights (no trainer syncs them here)
+             f"actor_rollout_ref.rollout.multi_turn.function_tool_path={conformance_tools.__file__}",
+             f"actor_rollout_ref.rollout.multi_turn.format={TOOL_FORMAT}",
+             "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3",
+             *FORCE.get(strategy, [])]
     config = compose_config(strategy, model, data_dir, prompts, n, max_tokens, out, extra, servers=SERVERS)
     batch = first_batch(config)
     t0 = time.monotonic()
@@ -195,8 +232,13 @@ def check_strategy(strategy: str, cells: dict, model: str, data_dir: Path, promp
         ours = VerlExtAgentLoopManager.create(config=config, llm_client=servers.get_client())
         actors += [*ours.agent_loop_workers, ours.verl_ext_dispatcher]
         engines = _engine_reports(ours)
+        from verl.utils import hf_tokenizer
+
+        tokenizer = hf_tokenizer(model)
+        before: dict[str, float] = {}
         for i, (name, settings) in enumerate(cells.items()):
             c0 = time.monotonic()
+            settings = resolve(settings, tokenizer)
             b = cell_batch(batch, name, settings, seed_base=1000 * (i + 1))
             reference, ref_error = _run(verl_manager, b)
             candidate, cand_error = _run(ours, b)
@@ -210,10 +252,16 @@ def check_strategy(strategy: str, cells: dict, model: str, data_dir: Path, promp
             else:
                 result = compare(reference, candidate)
                 cell.update(outcome="identical" if result["identical"] else "mismatch", **result)
-                cell["mechanisms"] = {k[len("verl_ext/"):]: v for k, v in candidate.meta_info.get("timing", {}).items()
-                                      if k.startswith("verl_ext/") and v and any(
-                                          m in k for m in ("chunk", "cop", "migrat", "move", "accepted", "whole",
-                                                           "keyed", "bon"))}
+                # what the strategy's mechanisms did in this cell (the dispatcher's counters grow)
+                # (``mechanisms/*`` count over the run: their growth is this cell's)
+                now = {k[len("verl_ext/"):]: float(v) for k, v in candidate.meta_info.get("timing", {}).items()
+                       if k.startswith("verl_ext/") and isinstance(v, (int, float))}
+                acted = {k: v - before.get(k, 0.0) if k.startswith("mechanisms/") else v for k, v in now.items()}
+                cell["mechanisms"] = {k: round(v, 3) for k, v in acted.items()
+                                      if v and any(m in k for m in MECHANISM_WORDS)}
+                before = now
+                cell["turns"] = sorted({int(t) for t in reference.non_tensor_batch.get("__num_turns__", [])})
+                cell["sample"] = tokenizer.decode(_responses(reference)[0])[:160]
             cell["seconds"] = round(time.monotonic() - c0, 1)
             cell["server_start_s"] = started
             print(f"[conformance] {strategy}/{name}: {cell['outcome']}"

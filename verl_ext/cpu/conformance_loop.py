@@ -8,6 +8,11 @@ log-probs) in an agent loop of their own; this one does the same, from two field
 ``extra_args["verl_ext"]["keyed_seed"]``, so that veRL's own manager and verl_ext's draw the
 same sample; ``verl_ext.engine.keyed_sampling``). Registered through veRL's
 ``agent_loop_config_path`` (``AGENT_LOOP_YAML``) as ``AGENT_NAME``.
+
+``TOOL_AGENT_NAME`` is veRL's own ``ToolAgentLoop`` under the same rule, for multi-turn cells: a
+small model emits no tool-call syntax, so its tool parser (``TOOL_FORMAT``) reads every assistant
+turn as one call of the suite's tool (``verl_ext.cpu.conformance_tools``) with that turn's text;
+the tool answers, and the next assistant turn follows, up to ``multi_turn.max_assistant_turns``.
 """
 
 from __future__ import annotations
@@ -16,11 +21,16 @@ import json
 from typing import Any
 
 from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
+from verl.experimental.agent_loop.tool_agent_loop import ToolAgentLoop
+from verl.experimental.agent_loop.tool_parser import FunctionCall, ToolParser
 
 from verl_ext.engine.instance import KEYED_SEED
 
 AGENT_NAME = "verl_ext_conformance"
-AGENT_LOOP_YAML = f"- name: {AGENT_NAME}\n  _target_: verl_ext.cpu.conformance_loop.ConformanceAgentLoop\n"
+TOOL_AGENT_NAME = "verl_ext_conformance_tool"
+TOOL_FORMAT = "verl_ext_every_turn"
+AGENT_LOOP_YAML = (f"- name: {AGENT_NAME}\n  _target_: verl_ext.cpu.conformance_loop.ConformanceAgentLoop\n"
+                   f"- name: {TOOL_AGENT_NAME}\n  _target_: verl_ext.cpu.conformance_loop.ConformanceToolAgentLoop\n")
 
 
 def cell_sampling(sampling_params: dict[str, Any], cell_params: str, seed) -> dict[str, Any]:
@@ -35,3 +45,18 @@ class ConformanceAgentLoop(SingleTurnAgentLoop):
     async def run(self, sampling_params: dict[str, Any], **kwargs):
         params = cell_sampling(sampling_params, kwargs.get("conformance_params"), kwargs.get("conformance_seed"))
         return await super().run(params, **kwargs)
+
+
+class ConformanceToolAgentLoop(ToolAgentLoop):
+    async def run(self, sampling_params: dict[str, Any], **kwargs):
+        params = cell_sampling(sampling_params, kwargs.get("conformance_params"), kwargs.get("conformance_seed"))
+        return await super().run(params, **kwargs)
+
+
+@ToolParser.register(TOOL_FORMAT)
+class EveryTurnToolParser(ToolParser):
+    """Every assistant turn is one call of the suite's tool with the turn's text."""
+
+    async def extract_tool_calls(self, responses_ids, tools=None):
+        text = self.tokenizer.decode(responses_ids, skip_special_tokens=True)
+        return text, [FunctionCall(name="verl_ext_echo", arguments=json.dumps({"text": text}))]
