@@ -44,6 +44,7 @@ def test_cells_key_sampled_requests_and_name_tokens_by_text():
     got = cell_sampling(veRL, json.dumps({"temperature": 1.0, "min_p": 0.1}), 7)
     assert got["temperature"] == 1.0 and got["min_p"] == 0.1 and got["extra_args"] == {"verl_ext": {"keyed_seed": 7}}
     assert "extra_args" not in cell_sampling(veRL, json.dumps({"temperature": 0.0}), 7)  # greedy needs no key
+    assert cell_sampling(veRL, json.dumps({"logit_bias": {"446": 3}}), None)["logit_bias"] == {446: 3.0}
 
     class Tok:
         def encode(self, text, add_special_tokens=False):

@@ -36,6 +36,8 @@ AGENT_LOOP_YAML = (f"- name: {AGENT_NAME}\n  _target_: verl_ext.cpu.conformance_
 def cell_sampling(sampling_params: dict[str, Any], cell_params: str, seed) -> dict[str, Any]:
     """veRL's sampling parameters with a cell's settings over them, keyed where it samples."""
     params = {**sampling_params, **json.loads(cell_params or "{}")}
+    if params.get("logit_bias"):  # JSON keys are strings; vLLM's SamplingParams takes token ids
+        params["logit_bias"] = {int(k): float(v) for k, v in params["logit_bias"].items()}
     if seed is not None and float(params.get("temperature", 1.0)) > 0:
         params["extra_args"] = {**(params.get("extra_args") or {}), "verl_ext": {KEYED_SEED: int(seed)}}
     return params
