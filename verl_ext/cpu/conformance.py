@@ -70,8 +70,9 @@ QUICK_STRATEGIES = ("seer", "specactor")
 OPTS = "actor_rollout_ref.rollout.custom.verl_ext.options"
 #: options that make each strategy's mechanisms act on a small batch (chunk boundaries inside a
 #: 48-token budget, copies early, moves at the first imbalance); the defaults stand otherwise
+CHUNK = 8
 FORCE = {
-    "seer": [f"{OPTS}.chunk_size=8"],
+    "seer": [f"{OPTS}.chunk_size={CHUNK}"],
     "specactor": [f"{OPTS}.cooldown=1", f"{OPTS}.min_tokens=4"],
     "rlhfspec": [f"{OPTS}.threshold=1", f"{OPTS}.cooldown=1", f"{OPTS}.patience=1"],
     "rhyme": [],
@@ -99,6 +100,12 @@ def resolve(settings: dict, tokenizer) -> dict:
 
 #: the dispatcher's metrics reported per cell: those of mechanisms acting and of routing around them
 MECHANISM_WORDS = ("chunk", "cop", "migrat", "move", "accepted", "whole", "keyed", "bon", "realloc")
+
+
+def _is_gauge(key: str) -> bool:
+    """A dispatcher metric that is not a running count: the servers' counters since the last
+    reading, ratios, times."""
+    return key.startswith("spec/") or "per_" in key or key.endswith("_s")
 
 
 def _rows_differing(a, b) -> list[int]:
@@ -253,14 +260,19 @@ def check_strategy(strategy: str, cells: dict, model: str, data_dir: Path, promp
                 result = compare(reference, candidate)
                 cell.update(outcome="identical" if result["identical"] else "mismatch", **result)
                 # what the strategy's mechanisms did in this cell (the dispatcher's counters grow)
-                # (``mechanisms/*`` count over the run: their growth is this cell's)
+                # (counters grow over the dispatcher's life: their growth is this cell's; the
+                # servers' spec/* counters and ratios are the call's own)
                 now = {k[len("verl_ext/"):]: float(v) for k, v in candidate.meta_info.get("timing", {}).items()
                        if k.startswith("verl_ext/") and isinstance(v, (int, float))}
-                acted = {k: v - before.get(k, 0.0) if k.startswith("mechanisms/") else v for k, v in now.items()}
+                acted = {k: v if _is_gauge(k) else v - before.get(k, 0.0) for k, v in now.items()}
                 cell["mechanisms"] = {k: round(v, 3) for k, v in acted.items()
                                       if v and any(m in k for m in MECHANISM_WORDS)}
                 before = now
                 cell["turns"] = sorted({int(t) for t in reference.non_tensor_batch.get("__num_turns__", [])})
+                if strategy == "seer" and "agent" not in settings:  # stopped (EOS, a stop id) on a chunk's last token
+                    budget = int(settings.get("max_tokens", max_tokens))
+                    cell["stops_on_chunk_boundary"] = sum(0 < n < budget and n % CHUNK == 0
+                                                          for n in result["response_lengths"])
                 cell["sample"] = tokenizer.decode(_responses(reference)[0])[:160]
             cell["seconds"] = round(time.monotonic() - c0, 1)
             cell["server_start_s"] = started
