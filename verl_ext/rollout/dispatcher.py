@@ -517,18 +517,17 @@ _WHOLE_PARAMS = (
 
 
 #: sampling settings that vLLM refuses on an engine with speculative decoding (vLLM 0.32's
-#: ``SamplingParams._validate_spec_decode``; it builds no logits processor for them there), with
-#: the setting's name in errors
-_UNDRAFTABLE_PARAMS = (("min_p", "min_p"), ("logit_bias", "logit_bias"))
+#: ``SamplingParams._validate_spec_decode``; it builds no logits processor for them there)
+_UNDRAFTABLE_PARAMS = ("min_p", "logit_bias")
 
 
 def undraftable_reason(params: dict) -> Optional[str]:
     """The setting of ``params`` that an engine running a drafter cannot serve, or None. Every
     other setting vLLM applies at draft positions too (penalties, bad words, allowed token ids,
     ``min_tokens``; temperature, top-k and top-p through the keyed rule), before verification."""
-    for key, name in _UNDRAFTABLE_PARAMS:
+    for key in _UNDRAFTABLE_PARAMS:
         if params.get(key):
-            return f"{name}={params[key]!r}"
+            return f"{key}={params[key]!r}"
     return None
 
 
