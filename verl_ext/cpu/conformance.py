@@ -209,13 +209,12 @@ def _reason(error: str) -> str:
 def check_strategy(strategy: str, cells: dict, model: str, data_dir: Path, prompts: int, n: int, max_tokens: int,
                    out: Path) -> list[dict]:
     """Every cell of ``cells`` for ``strategy`` over one set of servers (gone after)."""
-    import ray
     from verl.experimental.agent_loop.agent_loop import AgentLoopManager
     from verl.workers.rollout.llm_server import LLMServerManager
 
     from verl_ext.cpu import conformance_tools
     from verl_ext.cpu.conformance_loop import AGENT_LOOP_YAML, TOOL_FORMAT
-    from verl_ext.cpu.identity import compose_config, first_batch
+    from verl_ext.cpu.identity import compose_config, first_batch, stop_servers
     from verl_ext.rollout.manager import VerlExtAgentLoopManager
 
     loops = out / "agent_loops.yaml"
@@ -281,17 +280,7 @@ def check_strategy(strategy: str, cells: dict, model: str, data_dir: Path, promp
                   flush=True)
             results.append(cell)
     finally:
-        for replica in servers.rollout_replicas:
-            actors += [*replica.servers, *replica.workers]
-        actors.append(servers.global_load_balancer)
-        for actor in actors:
-            try:
-                ray.kill(actor)
-            except Exception:
-                pass
-        for replica in servers.rollout_replicas:
-            for pg in replica.resource_pool.pgs or []:
-                ray.util.remove_placement_group(pg)
+        stop_servers(servers, actors)
     return results
 
 

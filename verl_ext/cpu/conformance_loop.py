@@ -43,16 +43,20 @@ def cell_sampling(sampling_params: dict[str, Any], cell_params: str, seed) -> di
     return params
 
 
-class ConformanceAgentLoop(SingleTurnAgentLoop):
+class _CellSampling:
+    """An agent loop's ``run`` with the row's cell settings over veRL's sampling parameters."""
+
     async def run(self, sampling_params: dict[str, Any], **kwargs):
         params = cell_sampling(sampling_params, kwargs.get("conformance_params"), kwargs.get("conformance_seed"))
         return await super().run(params, **kwargs)
 
 
-class ConformanceToolAgentLoop(ToolAgentLoop):
-    async def run(self, sampling_params: dict[str, Any], **kwargs):
-        params = cell_sampling(sampling_params, kwargs.get("conformance_params"), kwargs.get("conformance_seed"))
-        return await super().run(params, **kwargs)
+class ConformanceAgentLoop(_CellSampling, SingleTurnAgentLoop):
+    pass
+
+
+class ConformanceToolAgentLoop(_CellSampling, ToolAgentLoop):
+    pass
 
 
 @ToolParser.register(TOOL_FORMAT)

@@ -109,7 +109,6 @@ def check_strategy(strategy: str, model: str, data_dir: Path, prompts: int, n: i
                    extra: list[str] = ()) -> dict:
     """Both managers over one set of servers started for ``strategy``; the servers are gone after.
     ``extra``: more Hydra overrides (the training runs' own)."""
-    import ray
     from verl.experimental.agent_loop.agent_loop import AgentLoopManager
     from verl.workers.rollout.llm_server import LLMServerManager
 
@@ -132,20 +131,29 @@ def check_strategy(strategy: str, model: str, data_dir: Path, prompts: int, n: i
         result["verl_ext_metrics"] = {k: v for k, v in candidate.meta_info.get("timing", {}).items()
                                       if k.startswith("verl_ext/")}
     finally:
-        for replica in servers.rollout_replicas:
-            actors += [*replica.servers, *replica.workers]
-        actors.append(servers.global_load_balancer)
-        for actor in actors:
-            try:
-                ray.kill(actor)
-            except Exception:
-                pass
-        for replica in servers.rollout_replicas:  # the next strategy's servers take the same slot
-            for pg in replica.resource_pool.pgs or []:
-                ray.util.remove_placement_group(pg)
+        stop_servers(servers, actors)
     result["server_start_s"] = round(started, 1)
     result["overrides"] = list(extra)
     return result
+
+
+def stop_servers(servers, actors: list) -> None:
+    """Kill ``actors`` (the managers' workers and dispatcher), the servers' actors and their load
+    balancer, and free the servers' placement groups (the next strategy's servers take the same
+    slots)."""
+    import ray
+
+    for replica in servers.rollout_replicas:
+        actors += [*replica.servers, *replica.workers]
+    actors.append(servers.global_load_balancer)
+    for actor in actors:
+        try:
+            ray.kill(actor)
+        except Exception:
+            pass
+    for replica in servers.rollout_replicas:
+        for pg in replica.resource_pool.pgs or []:
+            ray.util.remove_placement_group(pg)
 
 
 class IdentityCheck:
