@@ -16,6 +16,11 @@ data fields), row by row; rollout log-probs agree within ``LOGPROB_TOL`` (a chun
 or a verification step computes a position in another forward pass than plain decoding: same
 model and weights, other float summation order), and their largest difference is reported.
 
+One cell, ``t0.7_busy_server``, loads the first server with requests the managers do not know
+of while verl_ext's manager runs (veRL's runs without: the load changes when samples arrive,
+never which): samples there decode slower than on the second server, so ``specactor``'s
+Best-of-N copies win, and the trainer must still get veRL's samples.
+
 A cell is ``identical``, ``refused`` (both managers raise: a setting the engines refuse, or one
 verl_ext refuses up front; the reason is recorded), or a ``mismatch`` (anything else). The
 JSON has ``cells``, ``identical``, ``refused`` and ``mismatches`` (counts) and the list of cells
@@ -62,10 +67,20 @@ CELLS = {
     # turns, so that more than one fits the response budget)
     "tool_greedy": {"agent": "tool", "temperature": 0.0, "max_tokens": 12},
     "tool_t1.0": {"agent": "tool", "temperature": 1.0, "max_tokens": 12},
+    # the first server busy with other traffic while verl_ext's manager runs the cell: its samples
+    # decode slower than those on the second, which frees first (specactor's copies win there)
+    "t0.7_busy_server": {"temperature": 0.7, "busy": 24},
 }
 QUICK_CELLS = ("greedy", "t0.7_topk_topp", "t1.0_small_budget", "t0.7_stop_ids", "tool_t1.0")
 STRATEGIES = ("baseline", "seer", "rhyme", "rlhfspec", "specactor")
 QUICK_STRATEGIES = ("seer", "specactor")
+#: cells the quick tier adds for one strategy: where its copies win
+QUICK_EXTRA = {"specactor": ("t0.7_busy_server",)}
+
+
+def quick_cells(strategy: str) -> tuple[str, ...]:
+    """The quick tier's cells for ``strategy``."""
+    return QUICK_CELLS + QUICK_EXTRA.get(strategy, ())
 
 OPTS = "actor_rollout_ref.rollout.custom.verl_ext.options"
 #: options that make each strategy's mechanisms act on a small batch (chunk boundaries inside a
@@ -100,12 +115,13 @@ def resolve(settings: dict, tokenizer) -> dict:
 
 #: the dispatcher's metrics reported per cell: those of mechanisms acting and of routing around them
 MECHANISM_WORDS = ("chunk", "cop", "migrat", "move", "accepted", "whole", "keyed", "bon", "realloc")
+#: the dispatcher's metrics counted over its life (``mechanisms/``, ``whole/``); the others (its
+#: own counters, the strategy's, the servers' spec/*) restart at each ``generate_sequences``
+RUN_COUNTERS = ("mechanisms/", "whole/")
 
 
-def _is_gauge(key: str) -> bool:
-    """A dispatcher metric that is not a running count: the servers' counters since the last
-    reading, ratios, times."""
-    return key.startswith("spec/") or "per_" in key or key.endswith("_s")
+def _over_the_run(key: str) -> bool:
+    return key.startswith(RUN_COUNTERS)
 
 
 def _rows_differing(a, b) -> list[int]:
@@ -190,6 +206,36 @@ def cell_batch(batch, name: str, settings: dict, seed_base: int):
     return cell
 
 
+#: a background request's prompt and length: short enough to fit every cell's model length
+BUSY_PROMPT = "Count from one to one hundred:"
+BUSY_TOKENS = 120
+
+
+class _Busy:
+    """``count`` long requests on ``handle`` (a veRL vLLM server) for as long as the block runs,
+    aborted at its end: traffic the managers do not know of (another job on the server)."""
+
+    def __init__(self, handle, prompt_ids: list[int], count: int):
+        self.handle, self.prompt_ids, self.count = handle, prompt_ids, count
+        self.refs, self.ids = [], []
+
+    def __enter__(self):
+        params = {"temperature": 1.0, "max_tokens": BUSY_TOKENS, "ignore_eos": True}
+        for i in range(self.count):
+            rid = f"conformance-busy-{time.monotonic_ns()}-{i}"
+            self.ids.append(rid)
+            self.refs.append(self.handle.generate.remote(prompt_ids=self.prompt_ids, sampling_params=params,
+                                                          request_id=rid))
+        return self
+
+    def __exit__(self, *exc):
+        import ray
+
+        ray.get([self.handle.abort_request.remote(rid, reset_prefix_cache=False) for rid in self.ids], timeout=120)
+        ray.get(self.refs, timeout=300)
+        return False
+
+
 def _run(manager, batch):
     try:
         return manager.generate_sequences(batch), None
@@ -245,10 +291,17 @@ def check_strategy(strategy: str, cells: dict, model: str, data_dir: Path, promp
         for i, (name, settings) in enumerate(cells.items()):
             c0 = time.monotonic()
             settings = resolve(settings, tokenizer)
+            busy = settings.pop("busy", 0)
             b = cell_batch(batch, name, settings, seed_base=1000 * (i + 1))
             reference, ref_error = _run(verl_manager, b)
-            candidate, cand_error = _run(ours, b)
+            if busy:  # the load changes when samples arrive, never which: veRL's run goes without it
+                with _Busy(servers.server_handles[0], tokenizer.encode(BUSY_PROMPT), busy):
+                    candidate, cand_error = _run(ours, b)
+            else:
+                candidate, cand_error = _run(ours, b)
             cell = {"strategy": strategy, "cell": name, "settings": settings, "engines": engines}
+            if busy:
+                cell["busy_requests"] = busy
             if ref_error is not None or cand_error is not None:
                 both = ref_error is not None and cand_error is not None
                 cell.update(outcome="refused" if both else "mismatch",
@@ -258,12 +311,11 @@ def check_strategy(strategy: str, cells: dict, model: str, data_dir: Path, promp
             else:
                 result = compare(reference, candidate)
                 cell.update(outcome="identical" if result["identical"] else "mismatch", **result)
-                # what the strategy's mechanisms did in this cell (the dispatcher's counters grow)
-                # (counters grow over the dispatcher's life: their growth is this cell's; the
-                # servers' spec/* counters and ratios are the call's own)
+                # what the strategy's mechanisms did in this cell: a count over the dispatcher's
+                # life grows by this cell's; the others are the call's own
                 now = {k[len("verl_ext/"):]: float(v) for k, v in candidate.meta_info.get("timing", {}).items()
                        if k.startswith("verl_ext/") and isinstance(v, (int, float))}
-                acted = {k: v if _is_gauge(k) else v - before.get(k, 0.0) for k, v in now.items()}
+                acted = {k: v - before.get(k, 0.0) if _over_the_run(k) else v for k, v in now.items()}
                 cell["mechanisms"] = {k: round(v, 3) for k, v in acted.items()
                                       if v and any(m in k for m in MECHANISM_WORDS)}
                 before = now
@@ -303,7 +355,8 @@ def summarize(cells: list[dict]) -> dict:
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="conformance", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help=f"CI's tier: {', '.join(QUICK_STRATEGIES)} x "
-                                                        f"{', '.join(QUICK_CELLS)}")
+                                                        f"{', '.join(QUICK_CELLS)} (specactor also "
+                                                        f"{', '.join(QUICK_EXTRA['specactor'])})")
     p.add_argument("--strategies", default=None, help="comma-separated (default: the tier's)")
     p.add_argument("--cells", default=None, help="comma-separated cell names (default: the tier's)")
     p.add_argument("--model", default=None)
@@ -315,11 +368,13 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     strategies = [s for s in (args.strategies.split(",") if args.strategies else
                               (QUICK_STRATEGIES if args.quick else STRATEGIES)) if s]
-    names = args.cells.split(",") if args.cells else list(QUICK_CELLS if args.quick else CELLS)
+    def names_for(strategy: str) -> list[str]:
+        return args.cells.split(",") if args.cells else list(quick_cells(strategy) if args.quick else CELLS)
+
+    names = list(dict.fromkeys(c for s in strategies for c in names_for(s)))
     unknown = [c for c in names if c not in CELLS]
     if unknown:
         p.error(f"unknown cell(s) {unknown}; cells: {', '.join(CELLS)}")
-    cells = {c: CELLS[c] for c in names}
 
     os.environ.update(CPU_ENV)  # before veRL resolves its platform
     import ray
@@ -337,6 +392,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         for strategy in strategies:
             try:
+                cells = {c: CELLS[c] for c in names_for(strategy)}
                 results += check_strategy(strategy, cells, model, data_dir, args.prompts, args.n, args.max_tokens, out)
             except Exception as exc:
                 results.append({"strategy": strategy, "cell": "*", "outcome": "mismatch",
