@@ -1,8 +1,9 @@
 """Where each similarity level of the synthetic workloads lands against its per-scope targets.
 
 For every level (``verl_ext.trace.synth.calibration.SCOPE_TARGETS``): its knobs, each target with
-the band it must fall in, the value achieved, ``ok`` and the paper (or trace) the band comes from,
-and the statistics recorded beside them (speculation rate, HistoSpec's speed-up, reuse fraction).
+the band it must fall in, the value achieved, ``ok`` and the paper (or trace) the band comes from;
+the references listed apart (``SCOPE_REFERENCES``: a paper's figure that needs what verl_ext's
+drafting lacks, with the value the level gives, unchecked); and the statistics recorded beside them (speculation rate, HistoSpec's speed-up, reuse fraction).
 Measured by ``verl_ext.sim.calibration.check_level`` on ``CALIBRATION_CONFIG`` (24 prompts x 8
 samples x 2 epochs, mean 2,048 tokens), the mean of one workload per seed; deterministic.
 ``--fit LEVEL`` searches that level's knobs instead (minutes) and prints what it found.
@@ -62,6 +63,9 @@ def main() -> int:
         for t in r["targets"]:
             lo, hi = t["band"]
             print(f"  {t['scope']:>9} {t['name']:<24} {t['achieved']:>8.3f}  in [{lo}, {hi}]  {'ok' if t['ok'] else 'MISS'}")
+        for ref in r["references"]:
+            print(f"  {ref['scope']:>9} {ref['name']:<24} {ref['achieved']:>8.3f}  reference {ref['reference']} "
+                  f"(not checked: needs {ref['needs']})")
         print("  recorded: " + ", ".join(f"{k} {v:.3f}" for k, v in r["recorded"].items()))
     return 0
 

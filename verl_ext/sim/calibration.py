@@ -4,7 +4,9 @@
 per seed) and measures each target of ``trace.synth.calibration.SCOPE_TARGETS[level]``: token
 statistics by replay (``similarity_stats``) and drafting statistics of the strategies the papers
 measured, simulated (``rollout=rhyme``'s HistoSpec with its AIMD window for the history scope,
-``rollout=seer``'s late phase for the group scope). Each target has its band and ``ok``; what
+``rollout=seer``'s late phase for the group scope). Each target has its band and ``ok``; the
+papers' figures that need what this project's drafting lacks (``SCOPE_REFERENCES``: Seer's
+tree-draft late phase) are reported beside them with the value the level gives, unchecked; what
 the papers report but no target holds (speculation rate, HistoSpec's per-rollout speed-up) is
 recorded beside them. ``fit_level`` searches the knobs for a level whose targets all land
 (minutes; its result is what ``SIMILARITY_LEVELS`` holds). ``scripts/bench_calibration.py``
@@ -20,7 +22,8 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from verl_ext.trace.synth.calibration import CALIBRATION_CONFIG, CALIBRATION_STATS, KNOBS, SCOPE_TARGETS, SIMILARITY_LEVELS
+from verl_ext.trace.synth.calibration import (CALIBRATION_CONFIG, CALIBRATION_STATS, KNOBS, SCOPE_REFERENCES,
+                                              SCOPE_TARGETS, SIMILARITY_LEVELS)
 from verl_ext.trace.synth.config import SynthConfig
 from verl_ext.trace.synth.content import load_source, synthesize
 from verl_ext.trace.synth.similarity import similarity_stats
@@ -86,6 +89,11 @@ def score(level: str, measured: dict) -> list[dict]:
     return rows
 
 
+def references(level: str, measured: dict) -> list[dict]:
+    """``SCOPE_REFERENCES[level]`` with what the level gives: reported, never checked."""
+    return [{**r, "achieved": round(measured[r["name"]], 4)} for r in SCOPE_REFERENCES.get(level, [])]
+
+
 def check_level(level: str, seeds: Sequence[int] = SEEDS, source=None, instances: int = INSTANCES) -> dict:
     """The level's knobs, each target with its band, the value achieved and ``ok``, and the
     statistics recorded beside them."""
@@ -94,11 +102,13 @@ def check_level(level: str, seeds: Sequence[int] = SEEDS, source=None, instances
     knobs = {k: SIMILARITY_LEVELS[level][k] for k in KNOBS}
     measured = measure_knobs(knobs, seeds, source, instances)
     targets = score(level, measured)
-    named = {t["name"] for t in targets}
+    refs = references(level, measured)
+    named = {t["name"] for t in targets} | {r["name"] for r in refs}
     return {
         "label": SIMILARITY_LEVELS[level]["label"],
         "knobs": knobs,
         "targets": targets,
+        "references": refs,
         "recorded": {k: round(v, 4) for k, v in measured.items() if k not in named},
         "ok": all(t["ok"] for t in targets),
     }

@@ -45,11 +45,12 @@ CALIBRATION_STATS = {"groups": 24, "targets": 4, "max_tokens": 1024}
 #: ``scripts/bench_calibration.py``). ``measured``: the real source trace's own similarity
 #: (small model on CPU, temperature 1). ``published``: each scope's figure from the paper that
 #: measured it: HistoSpec's acceptance (RhymeRL Fig. 17) and grouped references' gain (Seer
-#: Table 2). Seer's late-phase acceptance length above 3.5 (Fig. 12) does not land with it: in
-#: this generator seer's linear 8-token drafts reach 3.0 there at a grouped gain of +170-180% and
-#: 3.6 only at +480%, against Table 2's +119% (docs/BENCHMARKS.md, "Calibration"); the level
-#: keeps Table 2, the like-for-like figure (linear drafts, at most 8 tokens), so it credits
-#: seer's tail less than Fig. 12 would. RhymeRL §5.1's 75-95% reusable tokens is recorded, not
+#: Table 2). Seer's late-phase acceptance length above 3.5 (Fig. 12) is a reference
+#: (``SCOPE_REFERENCES``), not a target: it comes from multi-path drafts; in this generator
+#: seer's linear 8-token drafts reach 3.0 there at a grouped gain of +170-180% and 3.6 only at
+#: +480%, against Table 2's +119% (docs/BENCHMARKS.md, "Calibration"); the level keeps Table 2,
+#: the like-for-like figure (linear drafts, at most 8 tokens), so it credits seer's tail less
+#: than Fig. 12 would. RhymeRL §5.1's 75-95% reusable tokens is recorded, not
 #: fitted: it counts every token a 3-token prefix could find, an upper bound on what a drafter
 #: takes.
 SIMILARITY_LEVELS: dict[str, dict] = {
@@ -90,11 +91,6 @@ SCOPE_TARGETS: dict[str, list[dict]] = {
         {"name": "history_acceptance", "scope": "history", "band": [0.65, 0.79],
          "source": "RhymeRL §7.2.2, Fig. 17: HistoSpec's acceptance rate (accepted / drafted tokens) stays within 65-79%",
          "how": "rollout=rhyme's HistoSpec (AIMD window, HistoPipe off) in the simulator: accepted / drafted tokens"},
-        {"name": "late_tokens_per_step", "scope": "group", "band": [3.5, 5.0],
-         "source": "Seer §6.3, Fig. 12: the late-phase mean acceptance length (bonus token included) exceeds 3.5; "
-                   "the upper end is an assumption",
-         "how": "rollout=seer in the simulator: tokens per step of requests whose group has at least 3/4 of its "
-                "responses finished"},
         {"name": "group_gain", "scope": "group", "band": [0.6, 1.19],
          "source": "Seer §3.3, Table 2: grouped references raise accepted draft tokens (bonus excluded) by up to 119% "
                    "(linear drafts of at most 8 tokens); the table's other entries are not in the seed text, so the "
@@ -114,6 +110,22 @@ SCOPE_TARGETS: dict[str, list[dict]] = {
                    "far more copyable than the other",
          "how": "replay (similarity_stats): history gain / group gain"},
     ],
+}
+
+
+#: Figures a level is reported beside but not checked against: each needs something this
+#: project's drafting does not have, so no band of ours could hold it. Seer's late-phase
+#: acceptance length comes from multi-path (tree) drafts; vLLM verifies one linear draft per
+#: request. A band derived from our own output would check nothing.
+SCOPE_REFERENCES: dict[str, list[dict]] = {
+    "published": [
+        {"name": "late_tokens_per_step", "scope": "group", "reference": 3.5,
+         "source": "Seer §6.3, Fig. 12: the late-phase mean acceptance length (bonus token included) exceeds 3.5",
+         "needs": "multi-path (tree) drafts; verl_ext drafts one linear path of at most 8 tokens, as Table 2",
+         "how": "rollout=seer in the simulator: tokens per step of requests whose group has at least 3/4 of its "
+                "responses finished"},
+    ],
+    "measured": [],
 }
 
 
