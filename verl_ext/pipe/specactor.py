@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 from collections import Counter
@@ -110,12 +111,14 @@ class SpecActorOptions:
             raise ValueError("switch_modes needs execution=decoupled (requests can only switch out of decoupled mode)")
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def acceptance_from_tokens(tokens_per_step: float, window: int, decoupled: bool = False) -> float:
     """The per-token acceptance ``p`` at which speculation with ``window`` draft tokens emits
-    ``tokens_per_step`` on average, by bisection (both are increasing in ``p``); clipped to
-    [0, 1]. Coupled: ``tau_coupled(p, w) = (1 - p^(w+1)) / (1 - p)``. Decoupled (a round after
+    ``tokens_per_step`` on average, by bisection to 2^-40 (both are increasing in ``p``); clipped
+    to [0, 1]. Coupled: ``tau_coupled(p, w) = (1 - p^(w+1)) / (1 - p)``. Decoupled (a round after
     each rejection verifies stale drafts and emits one token): ``(tau_coupled + r) / (1 + r)``,
-    ``r = 1 - p^w``."""
+    ``r = 1 - p^w``. Cached: the rates of running requests are read every few engine steps, from
+    token and step counts that repeat."""
     from verl_ext.spec.tgs import tau_coupled
 
     def tau(p):
@@ -250,10 +253,10 @@ class SpecActorStrategy(Strategy):
                 raise StrategyConfigError(
                     "strategy 'specactor' needs a draft ladder: set options.ladder (`verl-ext fit ladder`) or "
                     "options.profile (a cost-model preset such as h100-7b, or a `verl-ext fit grid` JSON)")
-            from verl_ext.spec.ladder import DraftLadder, DraftMethod, measure_suffix_draft
+            from verl_ext.spec.ladder import SUFFIX_DRAFT_S, DraftLadder, DraftMethod
 
-            draft_s = measure_suffix_draft(k=self.options.spec_k)
-            methods = [DraftMethod(n, "suffix", p, scopes=s, draft_s=draft_s) for n, s, p in DEFAULT_METHODS]
+            # the proposal's cost from its fit, not timed here: a run's choices depend on its inputs only
+            methods = [DraftMethod(n, "suffix", p, scopes=s, draft_s=SUFFIX_DRAFT_S) for n, s, p in DEFAULT_METHODS]
             self._ladder = DraftLadder.build(cost, methods, verify_gpus=self.options.verify_gpus,
                                              max_window=self.options.spec_k)
         return self._ladder
@@ -577,7 +580,7 @@ class SpecActorStrategy(Strategy):
             await fn([live.request.request_id], tokens=True)
         except Exception:
             return None, 0
-        _, tokens, steps = self._progress(live)
+        _, tokens, steps = self._progress(live, tokens=True)
         return tokens, steps
 
     def _rate(self, live: _Live, fallback: Optional[str], progress: Optional[tuple] = None):
@@ -680,22 +683,25 @@ class SpecActorStrategy(Strategy):
                 per.append((t.timestamp - first[1]) / (t.steps - first[0]))
         return sorted(per)[len(per) // 2] if per else None
 
-    def _progress(self, live: _Live) -> tuple[Optional[int], Optional[list], int]:
-        """(how many tokens the request has so far, those tokens, its engine steps so far) from its
-        original run; the count or the tokens are None where unknown (an instance that does not
-        stream tells the count from its last reading, the tokens only from a reading with them)."""
+    def _progress(self, live: _Live, tokens: bool = False) -> tuple[Optional[int], Optional[list], int]:
+        """(how many tokens the request has so far, those tokens if ``tokens``, its engine steps so
+        far) from its original run; the count or the tokens are None where unknown (an instance
+        that does not stream tells the count from its last reading, the tokens only from a
+        reading with them). The tokens are copied only when asked: the rates need the counts."""
         run = live.original
         if run is None:
             return None, None, 0
         rid = live.request.request_id
         if run.tokens or live.deltas:
-            return len(run.tokens), list(run.tokens), live.deltas
-        partial = getattr(run.instance, "partial", None)
-        tokens = partial(rid) if partial is not None else None
+            return len(run.tokens), (list(run.tokens) if tokens else None), live.deltas
         got = run.instance.progress(rid)
         if got is None:
             return None, None, 0
-        return got[0], (None if tokens is None or len(tokens) != got[0] else list(tokens)), got[1]
+        if not tokens:
+            return got[0], None, got[1]
+        partial = getattr(run.instance, "partial", None)
+        seen = partial(rid) if partial is not None else None
+        return got[0], (None if seen is None or len(seen) != got[0] else list(seen)), got[1]
 
     def _decide(self, pool: InstancePool):
         """Algorithm 3 over the requests in flight; returns the copies to start."""
@@ -709,7 +715,7 @@ class SpecActorStrategy(Strategy):
         methods = ([self._method] if self._method else []) + [n for n in ranked if n != self._method]
         if not methods:
             return []
-        rates, running, snap = {}, {}, {}
+        rates, running = {}, {}
         for rid, live in self._live.items():
             if live.request.sampling.temperature > 0 and live.request.sampling.keyed_seed is None:
                 if not self._warned_sampled:
@@ -723,9 +729,8 @@ class SpecActorStrategy(Strategy):
             got = self._rate(live, methods[0], progress)
             if got is None:
                 continue
-            rates[rid], _, steps = got
+            rates[rid] = got[0]
             running[rid] = {(r.method, r.instance.name) for r in live.runs}
-            snap[rid] = (progress[1], steps)  # the tokens, where known without a reading
         if not rates:
             return []
         busy = [n for n in pool.instances if n not in freed]
@@ -748,7 +753,7 @@ class SpecActorStrategy(Strategy):
             p = rates[rid]
             window = self._window(method, p if p < mean else None, 1)
             self._m["reconfigured"] += p < mean
-            tokens, steps = snap[rid]
+            _, tokens, steps = self._progress(self._live[rid], tokens=True)  # where known without a reading
             out.append((self._live[rid], method, pool.instances[name], tokens, steps, window))
         return out
 

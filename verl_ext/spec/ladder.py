@@ -9,7 +9,8 @@ token with probability ``p`` (the expected tokens per step, ``verl_ext.spec.tgs`
 * ``model``: a small draft model (its ``CostModel`` on one GPU: ``D(b)`` is its decode step),
   drafting through the engine's draft-model speculative method where the engine has one;
 * ``suffix``: model-free drafting from the suffix-tree index (``verl_ext.spec``), which runs on the
-  CPU: ``D(b)`` is the measured time of the native batched proposal (``measure_suffix_draft``).
+  CPU: ``D(b)`` is the measured time of the native batched proposal (``measure_suffix_draft``;
+  ``SUFFIX_DRAFT_S`` is its fit on this project's CI machine).
   ``scopes`` says which trees it drafts from (``request`` alone is n-gram drafting).
 
 At the start of a rollout, ``DraftLadder.select`` picks the method with the best speedup at the
@@ -237,6 +238,16 @@ class DraftLadder:
 def pick(ranked: Sequence[tuple[str, float]]) -> Optional[str]:
     """The best of ``DraftLadder.rank``'s list, or None (plain decoding) below ``MIN_SPEEDUP``."""
     return ranked[0][0] if ranked and ranked[0][1] >= MIN_SPEEDUP else None
+
+
+#: (seconds per request, seconds per call) of the native batched proposal at k = 16 on 1,024-token
+#: contexts, the affine fit ``measure_suffix_draft`` makes: what ``rollout=specactor`` prices its
+#: suffix methods at when it builds its ladder from a cost model (a fit, never timed during a run:
+#: the run's figures then depend on nothing but its inputs). Measured on this project's CI machine
+#: (2-core x86_64, one pinned core, 2026-11-27; k = 8: 1.04e-6, 0):
+#: OMP_NUM_THREADS=1 taskset -c 1 python -c "from verl_ext.spec.ladder import measure_suffix_draft as m; print(m(k=16))"
+#: ``verl-ext fit ladder`` measures it afresh on the machine it runs on.
+SUFFIX_DRAFT_S = (1.08e-6, 0.0)
 
 
 def measure_suffix_draft(k: int = 8, context: int = 1024, batches: Sequence[int] = (1, 16, 64, 256),
