@@ -368,6 +368,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     strategies = [s for s in (args.strategies.split(",") if args.strategies else
                               (QUICK_STRATEGIES if args.quick else STRATEGIES)) if s]
+
     def names_for(strategy: str) -> list[str]:
         return args.cells.split(",") if args.cells else list(quick_cells(strategy) if args.quick else CELLS)
 
