@@ -38,6 +38,7 @@ import json
 import os
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Optional
 
@@ -294,14 +295,12 @@ def check_strategy(strategy: str, cells: dict, model: str, data_dir: Path, promp
             busy = settings.pop("busy", 0)
             b = cell_batch(batch, name, settings, seed_base=1000 * (i + 1))
             reference, ref_error = _run(verl_manager, b)
-            if busy:  # the load changes when samples arrive, never which: veRL's run goes without it
-                with _Busy(servers.server_handles[0], tokenizer.encode(BUSY_PROMPT), busy):
-                    candidate, cand_error = _run(ours, b)
-            else:
+            # the load changes when samples arrive, never which: veRL's run goes without it
+            load = _Busy(servers.server_handles[0], tokenizer.encode(BUSY_PROMPT), busy) if busy else nullcontext()
+            with load:
                 candidate, cand_error = _run(ours, b)
-            cell = {"strategy": strategy, "cell": name, "settings": settings, "engines": engines}
-            if busy:
-                cell["busy_requests"] = busy
+            cell = {"strategy": strategy, "cell": name, "settings": settings, "engines": engines,
+                    **({"busy_requests": busy} if busy else {})}
             if ref_error is not None or cand_error is not None:
                 both = ref_error is not None and cand_error is not None
                 cell.update(outcome="refused" if both else "mismatch",
@@ -355,8 +354,8 @@ def summarize(cells: list[dict]) -> dict:
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="conformance", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help=f"CI's tier: {', '.join(QUICK_STRATEGIES)} x "
-                                                        f"{', '.join(QUICK_CELLS)} (specactor also "
-                                                        f"{', '.join(QUICK_EXTRA['specactor'])})")
+                                                        f"{', '.join(QUICK_CELLS)}; " + "; ".join(
+                                                            f"{s} also {', '.join(c)}" for s, c in QUICK_EXTRA.items()))
     p.add_argument("--strategies", default=None, help="comma-separated (default: the tier's)")
     p.add_argument("--cells", default=None, help="comma-separated cell names (default: the tier's)")
     p.add_argument("--model", default=None)

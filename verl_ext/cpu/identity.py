@@ -143,10 +143,9 @@ def stop_servers(servers, actors: list) -> None:
     slots)."""
     import ray
 
-    for replica in servers.rollout_replicas:
-        actors += [*replica.servers, *replica.workers]
-    actors.append(servers.global_load_balancer)
-    for actor in actors:
+    every = [*actors, *(a for r in servers.rollout_replicas for a in (*r.servers, *r.workers)),
+             servers.global_load_balancer]
+    for actor in every:
         try:
             ray.kill(actor)
         except Exception:
