@@ -283,42 +283,22 @@ def test_profile_cli_bad_input_fails_fast(tmp_path, capsys):
     assert not list(tmp_path.iterdir())
 
 
-def test_shipped_cpu_profile_matches_its_samples():
-    """cpu-smollm2.json's fields are the fit of the samples it records."""
-    from verl_ext.perf import cost as cost_mod
-
-    raw = json.loads((cost_mod._preset_dir() / "cpu-smollm2.json").read_text())
-    shipped = CostModel.from_dict(raw, "cpu-smollm2")
-    if "from_traces" in raw["fit"]:  # `verl-ext fit trace`: the windows it fitted
-        from verl_ext.perf.trace_fit import fit_windows
-
-        refit, rep = fit_windows(raw["fit"]["windows"], shipped)
-        for k in ("overhead_s", "weight_s", "token_s", "kv_token_s", "prefill_token_s", "draft_token_s"):
-            assert getattr(refit, k) == pytest.approx(getattr(shipped, k), rel=1e-6, abs=1e-12), k
-        assert rep["mean_abs_rel_err"] == pytest.approx(raw["fit"]["mean_abs_rel_err"], abs=1e-9)
-        return
-    assert raw["fit"]["samples"], "cpu-smollm2.json must record its samples"
-    refit, rep = fit_cost_model(raw["fit"]["samples"], shipped)
-    for k in ("overhead_s", "weight_s", "token_s", "kv_token_s", "prefill_token_s"):
-        assert getattr(refit, k) == pytest.approx(getattr(shipped, k), rel=1e-6, abs=1e-12), k
-    assert rep["r2"] == pytest.approx(raw["fit"]["r2"], abs=1e-9)
-    assert math.isfinite(rep["request_latency_s"])
-
-
-def test_shipped_avx2_profile_matches_what_it_records():
-    """cpu-smollm2-avx2.json (float32 engines on AVX2-only x86): its base fields are the
-    `verl-ext fit grid` fit of the samples it records, and its draft costs the step-log fit of the
-    windows it records on top of that base."""
+@pytest.mark.parametrize("name", ["cpu-smollm2", "cpu-smollm2-avx2"])
+def test_shipped_cpu_profiles_match_what_they_record(name):
+    """The CPU presets: their base fields are the `verl-ext fit grid` fit of the samples they
+    record, and their draft costs the step-log fit of the windows they record on top of that
+    base (cpu-smollm2: steps at temperature 0.7 with keyed sampling)."""
     from verl_ext.perf import cost as cost_mod
     from verl_ext.perf.steplog_fit import fit_draft_costs
 
-    raw = json.loads((cost_mod._preset_dir() / "cpu-smollm2-avx2.json").read_text())
-    shipped = CostModel.from_dict(raw, "cpu-smollm2-avx2")
+    raw = json.loads((cost_mod._preset_dir() / f"{name}.json").read_text())
+    shipped = CostModel.from_dict(raw, name)
     base_raw = raw["fit"]["base"]
     base = CostModel.from_dict({**base_raw["fields"]}, "base")
     refit, rep = fit_cost_model(base_raw["fit"]["samples"], base)
     for k in ("overhead_s", "weight_s", "token_s", "kv_token_s", "prefill_token_s"):
         assert getattr(refit, k) == pytest.approx(getattr(shipped, k), rel=1e-6, abs=1e-12), k
+    assert math.isfinite(rep["request_latency_s"])
     drafts, rep = fit_draft_costs(raw["fit"]["windows"], base)
     for k in ("draft_token_s", "draft_kv_token_s"):
         assert getattr(drafts, k) == pytest.approx(getattr(shipped, k), rel=1e-6, abs=1e-15), k
