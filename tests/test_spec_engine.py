@@ -7,7 +7,7 @@ import pytest
 
 vllm = pytest.importorskip("vllm")
 
-from conftest import SPEC_K  # noqa: E402
+from conftest import ENGINE_SEQS, SPEC_K  # noqa: E402
 from verl_ext.engine.instance import GenRequest, SamplingSpec  # noqa: E402
 from verl_ext.workload.arith import encode_prompts, make_problems  # noqa: E402
 
@@ -180,3 +180,41 @@ def test_the_drafter_takes_the_vllm_versions_its_hook_points_were_checked_on(ver
     else:
         with pytest.raises(RuntimeError, match=r"vLLM >= 0\.24, < 0\.34"):
             check_version(version)
+
+
+@pytest.fixture(scope="module")
+async def cutoff_engine(model_dir):
+    """A drafting engine whose batch cut-off lets only a lone request draft, at any measured
+    acceptance."""
+    from verl_ext.engine.vllm_local import VLLMInstanceFactory
+    from verl_ext.spec import SpecOptions
+
+    spec = SpecOptions(scopes="request", k=SPEC_K, batch_cutoffs=((0, 0.0, 1),))
+    factory = VLLMInstanceFactory(str(model_dir), max_model_len=512, max_num_seqs=ENGINE_SEQS,
+                                  extra_engine_args={"dtype": "float32"}, spec=spec)
+    (inst,) = await factory.create(1)
+    yield inst
+    await inst.shutdown()
+
+
+async def test_the_batch_cutoff_keeps_a_large_batch_plain_and_lets_a_lone_request_draft(fp32_engine, cutoff_engine,
+                                                                                        prompts):
+    """Every drafting strategy's engines run the batch cut-off (``verl_ext.spec.cutoff``): once
+    the measured acceptance rests on enough drafts, a step whose batch is above the cut-off
+    drafts nothing, and a batch below it drafts again; outputs are the plain engine's."""
+    from verl_ext.spec.cutoff import MIN_DRAFTED
+
+    tok, problems, ids = prompts
+    loop = tok.encode(" 7 8 9 7 8 9 7 8 9 7 8 9 7 8", add_special_tokens=False)
+    batch = [_req(f"b{i}", f"b{i}", x + loop, tok.eos_token_id, scopes="request") for i, x in enumerate(ids * 2)]
+    want = await _gen(fp32_engine, batch)
+    got = await _gen(cutoff_engine, batch)
+    assert got == want
+    stats = await cutoff_engine.drafter_call("stats")
+    drafted = stats["scope_tokens"]["request"][0]
+    assert drafted >= MIN_DRAFTED and 0.0 <= stats["cutoff_rate"] <= 1.0  # the rate was measured first
+    assert stats["cutoff_off_steps"] > 0  # then 8 requests ran plain
+    lone = _req("lone", "lone", ids[0] + loop, tok.eos_token_id, scopes="request")
+    assert await _gen(cutoff_engine, [lone]) == await _gen(fp32_engine, [lone])
+    after = await cutoff_engine.drafter_call("stats")
+    assert after["scope_tokens"]["request"][0] > drafted  # a batch of one is below the cut-off: it drafts

@@ -96,3 +96,29 @@ def test_pool_rejects_duplicate_names():
 def test_sampling_spec_validation():
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingSpec(max_tokens=0)
+
+
+@pytest.mark.parametrize("name, options", [("seer", {}), ("rhyme", {}), ("rlhfspec", {}), ("specactor", {}),
+                                           ("seer", {"draft_profile": "cpu-smollm2-avx2"}),
+                                           ("rlhfspec", {"profile": "cpu-smollm2-avx2"}),
+                                           ("specactor", {"profile": "cpu-smollm2-avx2"})])
+def test_every_drafting_strategy_starts_its_engines_with_the_batch_cutoff(name, options):
+    """The engines of every drafting strategy draft only below the batch cut-off of their cost
+    model (the A/B runner's ``--preset``, or the strategy's profile option), one table from one
+    rule (``verl_ext.spec.cutoff.cutoff_table``); ``batch_cutoff=false`` drafts at every batch,
+    and so do engines without a cost model."""
+    from verl_ext.perf.cost import load_cost_model
+    from verl_ext.spec.cutoff import CUTOFF_DRAFT, cutoff_table
+
+    given = load_cost_model("h100-7b")
+    profile = options.get("draft_profile") or options.get("profile")
+    cost = load_cost_model(profile) if profile else given
+    draft = make_strategy(name, options).options.aimd_start if name == "rhyme" else CUTOFF_DRAFT
+    spec = make_strategy(name, options).engine_spec(given)
+    assert spec.batch_cutoffs == cutoff_table(cost, draft) and spec.batch_cutoff() is not None
+    assert any(b < cost.max_num_seqs for _, _, b in spec.batch_cutoffs)  # the table binds somewhere
+    assert make_strategy(name, {**options, "batch_cutoff": False}).engine_spec(given).batch_cutoffs == ()
+    if name in ("seer", "rhyme"):  # (rlhfspec's selection and specactor's ladder need a cost model)
+        assert make_strategy(name, {}).engine_spec(None).batch_cutoffs == ()
+    with pytest.raises(StrategyConfigError, match="batch_cutoff must be true or false"):
+        make_strategy(name, {"batch_cutoff": "yes"})

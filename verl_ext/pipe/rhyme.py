@@ -211,7 +211,6 @@ class RhymeStrategy(Strategy):
         self._cost = self._load_profile()
         self._t_train_seen = 0.0
         self._overlap = False  # the driver overlaps rollouts with training (set_step_overlap)
-        self._cutoffs = None  # (cost model, its cut-off table)
         self._plan: Optional[_Plan] = None
         self._plan_step: Optional[int] = None  # the step self._plan was made for (None: none yet)
         self._planning: Optional[asyncio.Future] = None
@@ -287,9 +286,9 @@ class RhymeStrategy(Strategy):
         o = self.options
         if not o.batch_cutoff or self._cost is None:
             return ()
-        if self._cutoffs is None or self._cutoffs[0] is not self._cost:
-            self._cutoffs = (self._cost, self._cost.spec_batch_cutoffs(o.aimd_start))
-        return self._cutoffs[1]
+        from verl_ext.spec.cutoff import cutoff_table
+
+        return cutoff_table(self._cost, o.aimd_start)
 
     # -- planning ------------------------------------------------------------------------------
     async def _make_plan(self, requests: Sequence[GenRequest], pool: InstancePool) -> Optional[_Plan]:

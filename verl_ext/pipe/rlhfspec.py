@@ -69,8 +69,11 @@ class RlhfSpecOptions:
     #: first placement: "least_loaded" (veRL's balancer: fewest samples in flight) or "grouped"
     #: (RLHFSpec's sequential allocation: a group's samples together, so its tree is on one engine)
     allocation: str = "least_loaded"
-    #: cost model (preset name or `verl-ext fit grid` JSON) for step times and the threshold on
-    #: real engines; "" = the one A/B runs and the simulator pass (`--preset`)
+    #: no drafts in a step whose batch is above the cut-off for the engine's measured acceptance
+    #: (``verl_ext.spec.cutoff``, from ``profile``), before the selection runs
+    batch_cutoff: bool = True
+    #: cost model (preset name or `verl-ext fit grid` JSON) for step times, the cut-off and the
+    #: threshold on real engines; "" = the one A/B runs and the simulator pass (`--preset`)
     profile: str = ""
     #: F's offline fit (`verl-ext fit acceptance` JSON); "" = F(score) = score before online data
     acceptance_profile: str = ""
@@ -84,7 +87,7 @@ class RlhfSpecOptions:
     cooldown: int = 32
 
     def __post_init__(self):
-        for name in ("speculation", "selection", "reallocation"):
+        for name in ("speculation", "selection", "reallocation", "batch_cutoff"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not 1 <= self.spec_k <= 128:
@@ -196,8 +199,11 @@ class RlhfSpecStrategy(Strategy):
                 raise StrategyConfigError(
                     "strategy 'rlhfspec': selection needs the engines' step times: set options.profile to a cost-model "
                     "preset (h100-7b, ...) or a `verl-ext fit grid` JSON, or selection=false")
+        from verl_ext.spec.cutoff import cutoff_table
+
+        cutoffs = cutoff_table(self._cost) if o.batch_cutoff else ()
         return SpecOptions(scopes=o.scopes, k=o.spec_k, min_prob=0.0, select=o.selection, select_profile=profile,
-                           acceptance=self._acceptance, select_patience=o.patience)
+                           acceptance=self._acceptance, select_patience=o.patience, batch_cutoffs=cutoffs)
 
     # -- dispatch ----------------------------------------------------------------------------
     def _place(self, request: GenRequest, pool: InstancePool) -> Instance:

@@ -98,8 +98,12 @@ class SeerOptions:
     adaptive_draft: bool = True
     #: most draft tokens per request per step
     spec_k: int = 8
-    #: adaptive thresholds: a cost-model preset or JSON (``verl-ext fit grid``) to derive them
-    #: from; "" = the simulator's own cost model there, and no batch threshold on real engines
+    #: no drafts in a step whose batch is above the cut-off for the engine's measured acceptance
+    #: (``verl_ext.spec.cutoff``, from the same cost model as the adaptive thresholds)
+    batch_cutoff: bool = True
+    #: adaptive thresholds and the batch cut-off: a cost-model preset or JSON (``verl-ext fit
+    #: grid``) to derive them from; "" = the cost model A/B runs and the simulator pass
+    #: (``--preset``), and neither on real engines without one
     draft_profile: str = ""
     #: distributed grouped draft server (Ray actors) for engines that can import group trees:
     #: true | false | "auto". ``auto``: on, except where the drafting engines are pinned CPU
@@ -133,7 +137,7 @@ class SeerOptions:
             raise ValueError(f"dgds_sync_interval_s must be > 0, got {self.dgds_sync_interval_s}")
         if self.dgds_append_every < 1:
             raise ValueError(f"dgds_append_every must be >= 1, got {self.dgds_append_every}")
-        for name in ("context", "probes", "speculative", "group_drafts", "adaptive_draft"):
+        for name in ("context", "probes", "speculative", "group_drafts", "adaptive_draft", "batch_cutoff"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.dgds not in (True, False, "auto") or not isinstance(self.dgds, (bool, str)):
@@ -526,22 +530,22 @@ class SeerStrategy(Strategy):
             return None
         from verl_ext.spec.options import SpecOptions
 
-        knee = 0
-        if o.adaptive_draft:
-            if o.draft_profile:
-                from verl_ext.perf.cost import load_cost_model
+        from verl_ext.spec.cutoff import cutoff_table
 
-                try:
-                    cost = load_cost_model(o.draft_profile)
-                except (OSError, ValueError) as exc:
-                    raise StrategyConfigError(f"strategy 'seer': draft_profile: {exc}") from exc
-            if cost is not None:
-                knee = int(cost.draft_thresholds()["knee_tokens"])
+        if o.draft_profile and (o.adaptive_draft or o.batch_cutoff):
+            from verl_ext.perf.cost import load_cost_model
+
+            try:
+                cost = load_cost_model(o.draft_profile)
+            except (OSError, ValueError) as exc:
+                raise StrategyConfigError(f"strategy 'seer': draft_profile: {exc}") from exc
+        knee = int(cost.draft_thresholds()["knee_tokens"]) if (o.adaptive_draft and cost is not None) else 0
         return SpecOptions(
             scopes="request+group" if o.group_drafts else "request",
             k=o.spec_k,
             adaptive=o.adaptive_draft,
             knee_tokens=knee,
+            batch_cutoffs=cutoff_table(cost) if o.batch_cutoff else (),
             group_source="remote" if (o.group_drafts and o.dgds) else "local",
         )
 

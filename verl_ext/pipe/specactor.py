@@ -56,9 +56,15 @@ class SpecActorOptions:
     speculation: bool = True
     #: draft ladder JSON (``verl-ext fit ladder``); "" = built from ``profile``
     ladder: str = ""
-    #: the engines' cost model (preset or ``verl-ext fit grid`` JSON) to build the ladder and plan
-    #: from when ``ladder`` is ""; "" = the one A/B runs and the simulator pass (``--preset``)
+    #: the engines' cost model (preset or ``verl-ext fit grid`` JSON) to build the ladder, plan and
+    #: compute the batch cut-off from when ``ladder`` is ""; "" = the one A/B runs and the
+    #: simulator pass (``--preset``)
     profile: str = ""
+    #: coupled engines draft nothing in a step whose batch is above the cut-off for their measured
+    #: acceptance (``verl_ext.spec.cutoff``, from the cost model): the ladder's windows are chosen
+    #: from the step's batch at the historical rate; the cut-off re-checks each step at the
+    #: engines' measured rate
+    batch_cutoff: bool = True
     #: historical acceptance overriding the ladder's, "method=rate,method=rate"
     acceptance: str = ""
     #: per-worker batch at the start of a step for the initial selection when the strategy sees
@@ -95,7 +101,7 @@ class SpecActorOptions:
     switch_modes: bool = False
 
     def __post_init__(self):
-        for name in ("speculation", "best_of_n", "reconfigure", "model_methods", "switch_modes"):
+        for name in ("speculation", "best_of_n", "reconfigure", "model_methods", "switch_modes", "batch_cutoff"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not 1 <= self.spec_k <= 128:
@@ -324,7 +330,11 @@ class SpecActorStrategy(Strategy):
 
         lad = self.ladder()
         scopes = "+".join(sorted({s for n in self._usable(lad) for s in lad.methods[n].scopes.split("+")}))
-        return SpecOptions(scopes=scopes, k=o.spec_k)
+        from verl_ext.spec.cutoff import cutoff_table
+
+        # the table prices verification on the engine's own step: decoupled drafters are not
+        cutoffs = cutoff_table(self._cost) if (o.batch_cutoff and o.execution == "coupled") else ()
+        return SpecOptions(scopes=scopes, k=o.spec_k, batch_cutoffs=cutoffs)
 
     def _plan_for(self, batch: int, gpus: int) -> None:
         """Algorithm 1 for the selected method (reported; engines run coupled)."""

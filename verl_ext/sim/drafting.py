@@ -323,14 +323,16 @@ class ReplayDrafter:
         for key, p in zip(keys, pos.tolist()):
             self._sync(key, p)
         ks = np.full(len(keys), s.k, dtype=np.int64) if caps is None else np.minimum(np.asarray(caps, dtype=np.int64), s.k)
+        if not ks.any():  # a step the cut-off keeps plain: the engine's drafter selects nothing either
+            self.last_scopes = np.zeros(len(keys), dtype=np.int64)
+            return np.minimum(1, self._left(keys, pos)), np.zeros(len(keys), dtype=np.int64)
         toks, n, probs, scope = self.index.batch_propose([self._ik[k] for k in keys], ks, scopes=self.mask,
                                                          min_match=s.min_match, max_match=s.max_match, min_prob=s.min_prob)
         self.last_scopes = scope.astype(np.int64)
         scores = cumulative_scores(probs, n)
         lengths, _ = selector.select_lengths(scores, n, kv_tokens)
         lengths = lengths.astype(np.int64)
-        ends = np.fromiter((self._ends[k] for k in keys), dtype=np.int64, count=len(keys))
-        left = ends - pos
+        left = self._left(keys, pos)
         acc = np.zeros(len(keys), dtype=np.int64)
         for j in np.flatnonzero(lengths).tolist():
             row, p = self._rows[keys[j]], int(pos[j])
@@ -339,6 +341,10 @@ class ReplayDrafter:
             acc[j] = m if same.all() else int(np.argmin(same))
         selector.observe(scores, lengths, acc)
         return np.minimum(acc + 1, left), lengths
+
+    def _left(self, keys, pos: np.ndarray) -> np.ndarray:
+        """Tokens each request has left to emit at ``pos``."""
+        return np.fromiter((self._ends[k] for k in keys), dtype=np.int64, count=len(keys)) - pos
 
     def _sync(self, key: str, pos: int) -> None:
         ik = self._ik[key]

@@ -20,11 +20,16 @@ cut-off is 0 and nothing would re-measure it. So every ``probe_every`` steps spe
 drafts anyway (a probe) and updates the rate; at most one step in ``probe_every + 1`` pays for a
 probe that does not help. Tables with ``B = 0`` everywhere (drafting never pays, e.g. a CPU
 profile) are exact and never probed.
+
+Every drafting strategy's engines apply it by default (``batch_cutoff`` in each strategy's
+options; ``cutoff_table`` below): RhymeRL's rule is the general one, "draft only where the
+measured acceptance and the engine's step costs predict a gain".
 """
 
 from __future__ import annotations
 
 import bisect
+import functools
 from typing import Optional, Sequence
 
 
@@ -38,6 +43,19 @@ def check_cutoffs(table) -> tuple:
         if c < 0 or not 0.0 <= a <= 1.0 or b < 0:
             raise ValueError(f"batch cut-off ({c}, {a}, {b}): context >= 0, rate in [0, 1], batch >= 0")
     return rows
+
+
+#: the draft length a strategy without an AIMD window computes its table at: with step costs linear
+#: in draft tokens (``CostModel.step_time``) the cut-off does not depend on it, except where the
+#: drafts reach the engine's token budget
+CUTOFF_DRAFT = 2
+
+
+@functools.lru_cache(maxsize=64)
+def cutoff_table(cost, draft: int = CUTOFF_DRAFT) -> tuple:
+    """The cut-off table of ``cost`` (a ``CostModel``, frozen and hashable) at drafts of ``draft``
+    tokens; () without a cost model (no cut-off: every batch drafts)."""
+    return cost.spec_batch_cutoffs(draft) if cost is not None else ()
 
 
 #: steps spent with drafting off between two probes

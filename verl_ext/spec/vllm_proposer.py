@@ -180,9 +180,9 @@ class SuffixProposer:
                                   ks)
         if self.selector is not None:
             self.selector.note_prefill(step_prefill_tokens(sched))
-        if self.selector is not None and b:
+        if self.selector is not None and b and ks.any():
             drafts, scope = self._select(req_ids, ks, token_ids_cpu, lens)
-        elif b:
+        elif b:  # with every cap 0 (a step the cut-off keeps plain) this only syncs the trees
             toks, n, _, scope = index.batch_propose(
                 req_ids,
                 ks,
@@ -405,6 +405,10 @@ class SuffixProposer:
                 "proposed_tokens": self.proposed_tokens,
                 "propose_s": self.propose_s,
                 "capped_tokens": self.capped_tokens,
+                # the batch cut-off: steps it kept plain, probe steps, the acceptance it measured
+                **({"cutoff_off_steps": self.cutoff.off_steps, "cutoff_probes": self.cutoff.probes,
+                    "cutoff_rate": -1.0 if self.cutoff.rate is None else self.cutoff.rate}
+                   if self.cutoff is not None else {}),
                 "import_calls": self.import_calls,
                 "imported_tokens": self.imported_tokens,
                 "import_refused": self.import_refused,
