@@ -55,6 +55,7 @@ def test_ab_end_to_end(tmp_path, model_dir):
     assert 4 <= m["output_tokens"] <= 4 * 16
     assert m["throughput_tok_s"] == pytest.approx(m["output_tokens"] / m["wall_s"])
     assert 0.0 <= m["mean_reward"] <= 1.0
+    assert 0.0 < m["driver_cpu_s"] < m["wall_s"] * 8  # the driver's CPU time over the rollout (all its threads)
     assert set(m["per_instance"]) == {"vllm-0"}  # (several instances: test_seer_engine)
     for png in ("completion_cdf.png", "running_requests.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

