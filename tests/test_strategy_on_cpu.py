@@ -98,15 +98,17 @@ def test_sampling_spec_validation():
         SamplingSpec(max_tokens=0)
 
 
-@pytest.mark.parametrize("name, options", [("seer", {}), ("rhyme", {}), ("rlhfspec", {}), ("specactor", {}),
+@pytest.mark.parametrize("name, options", [("seer", {}), ("rhyme", {}), ("rlhfspec", {"batch_cutoff": True}),
+                                           ("specactor", {}),
                                            ("seer", {"draft_profile": "cpu-smollm2-avx2"}),
-                                           ("rlhfspec", {"profile": "cpu-smollm2-avx2"}),
+                                           ("rlhfspec", {"profile": "cpu-smollm2-avx2", "batch_cutoff": True}),
                                            ("specactor", {"profile": "cpu-smollm2-avx2"})])
-def test_every_drafting_strategy_starts_its_engines_with_the_batch_cutoff(name, options):
-    """The engines of every drafting strategy draft only below the batch cut-off of their cost
-    model (the A/B runner's ``--preset``, or the strategy's profile option), one table from one
-    rule (``verl_ext.spec.cutoff.cutoff_table``); ``batch_cutoff=false`` drafts at every batch,
-    and so do engines without a cost model."""
+def test_drafting_strategies_start_their_engines_with_the_batch_cutoff(name, options):
+    """The engines of ``seer``, ``rhyme`` and ``specactor`` (``rlhfspec`` on request: its
+    selection drafts by predicted gain) draft only below the batch cut-off of their cost model
+    (the A/B runner's ``--preset``, or the strategy's profile option), one table from one rule
+    (``verl_ext.spec.cutoff.cutoff_table``); ``batch_cutoff=false`` drafts at every batch, and so
+    do engines without a cost model."""
     from verl_ext.perf.cost import load_cost_model
     from verl_ext.spec.cutoff import CUTOFF_DRAFT, cutoff_table
 
@@ -122,3 +124,4 @@ def test_every_drafting_strategy_starts_its_engines_with_the_batch_cutoff(name, 
         assert make_strategy(name, {}).engine_spec(None).batch_cutoffs == ()
     with pytest.raises(StrategyConfigError, match="batch_cutoff must be true or false"):
         make_strategy(name, {"batch_cutoff": "yes"})
+    assert make_strategy(name).options.batch_cutoff is (name != "rlhfspec")

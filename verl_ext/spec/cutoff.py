@@ -21,9 +21,10 @@ drafts anyway (a probe) and updates the rate; at most one step in ``probe_every 
 probe that does not help. Tables with ``B = 0`` everywhere (drafting never pays, e.g. a CPU
 profile) are exact and never probed.
 
-Every drafting strategy's engines apply it by default (``batch_cutoff`` in each strategy's
-options; ``cutoff_table`` below): RhymeRL's rule is the general one, "draft only where the
-measured acceptance and the engine's step costs predict a gain".
+The engines of ``seer``, ``rhyme`` and ``specactor`` apply it by default, ``rlhfspec``'s on
+request (``batch_cutoff`` in each strategy's options; ``cutoff_table`` below): RhymeRL's rule is
+the general one, "draft only where the measured acceptance and the engine's step costs predict a
+gain".
 """
 
 from __future__ import annotations
