@@ -307,3 +307,29 @@ def test_a_profile_option_drafts_the_same_through_hydra_as_in_verl_ext_ab(strate
     bare_vllm = omega_conf_to_dataclass(bare.actor_rollout_ref.rollout).engine_kwargs["vllm"]
     bare_spec = SpecOptions.from_dict({**bare_vllm["additional_config"]["verl_ext_spec"], "k": k})
     assert effective(bare_spec) != effective(engines)
+
+
+@pytest.mark.parametrize("overrides, warned", [
+    ([f"{OPTS}.batch_cutoff=true"], "no cut-off table"),  # rlhfspec's engines keep cutoff_profile '' by default
+    ([f"{OPTS}.batch_cutoff=true", "actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config.verl_ext_spec."
+      "cutoff_profile=cpu-smollm2-avx2"], None),
+    ([], None),
+])
+def test_a_cutoff_the_engines_would_not_run_is_warned(caplog, overrides, warned):
+    """``options.batch_cutoff`` and the engines' ``cutoff_profile`` must agree: the config check
+    warns where the strategy asks for the cut-off and the servers would start without a table."""
+    import logging
+
+    from verl.utils.config import omega_conf_to_dataclass
+
+    from verl_ext.config.check import check_drafter_config
+
+    cfg = compose_verl(["rollout@actor_rollout_ref.rollout=rlhfspec", "actor_rollout_ref.rollout.name=vllm",
+                        f"{OPTS}.profile=cpu-smollm2-avx2", *overrides])
+    rollout = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout)
+    with caplog.at_level(logging.WARNING, logger="verl_ext"):
+        check_drafter_config(VerlExtSettings.from_custom(rollout.custom), rollout)
+    if warned:
+        assert warned in caplog.text
+    else:
+        assert "cut-off" not in caplog.text
