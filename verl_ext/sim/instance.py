@@ -412,9 +412,7 @@ class SimInstance(Instance):
             return None
         out = {"scope_tokens": {k: list(v) for k, v in self.scope_tokens.items()}}
         if self._cutoff is not None:
-            c = self._cutoff
-            out.update(cutoff_off_steps=c.off_steps, cutoff_probes=c.probes,
-                       cutoff_rate=-1.0 if c.rate is None else c.rate)
+            out.update(self._cutoff.stats())
         if self.selector is not None:
             out.update(self.selector.stats())
         return out

@@ -143,3 +143,9 @@ class BatchCutoff:
     def note_off(self, steps: int) -> None:
         self.off_steps += steps
         self._since_probe += steps
+
+    def stats(self) -> dict:
+        """What a drafter's ``stats`` report of it: steps kept plain, probe steps, and the
+        measured acceptance (-1 before any)."""
+        return {"cutoff_off_steps": self.off_steps, "cutoff_probes": self.probes,
+                "cutoff_rate": -1.0 if self.rate is None else self.rate}

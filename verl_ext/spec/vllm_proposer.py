@@ -405,10 +405,7 @@ class SuffixProposer:
                 "proposed_tokens": self.proposed_tokens,
                 "propose_s": self.propose_s,
                 "capped_tokens": self.capped_tokens,
-                # the batch cut-off: steps it kept plain, probe steps, the acceptance it measured
-                **({"cutoff_off_steps": self.cutoff.off_steps, "cutoff_probes": self.cutoff.probes,
-                    "cutoff_rate": -1.0 if self.cutoff.rate is None else self.cutoff.rate}
-                   if self.cutoff is not None else {}),
+                **(self.cutoff.stats() if self.cutoff is not None else {}),
                 "import_calls": self.import_calls,
                 "imported_tokens": self.imported_tokens,
                 "import_refused": self.import_refused,
