@@ -17,7 +17,7 @@ from verl_ext.pipe.strategy import StrategyConfigError
 from verl_ext.perf.cost import load_cost_model
 from verl_ext.spec import SpecOptions
 from verl_ext.spec._suffix import select_chains, select_tree
-from verl_ext.spec.select import AcceptanceModel, DraftSelector, StepTimePredictor, cumulative_scores
+from verl_ext.spec.select import AcceptanceModel, DraftSelector, StepTimePredictor, cumulative_scores, depth_bucket, pav
 
 
 # -- the search ---------------------------------------------------------------------------------
@@ -532,3 +532,28 @@ def test_selection_on_simulated_engines_keeps_outputs_and_drafts():
     assert sum(s.accepted_tokens for s in sims) > 0
     with pytest.raises(ValueError, match="exact"):
         make_drafter(spec, sims[0].source, mode="lockstep")
+
+
+def test_pav_is_the_weighted_isotonic_fit_row_by_row():
+    """The native pool-adjacent-violators (F's refit after every step) against the closed form
+    of the weighted least-squares non-decreasing fit, x_i = max_{j<=i} min_{k>=i} mean_w(y[j..k])."""
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 5, 21):
+        y = rng.random((7, n))
+        w = rng.random((7, n)) * 10 + 1e-3
+        got = pav(y, w)
+        for r in range(7):
+            mean = lambda j, k: float(np.dot(y[r, j:k + 1], w[r, j:k + 1]) / w[r, j:k + 1].sum())
+            want = [max(min(mean(j, k) for k in range(i, n)) for j in range(i + 1)) for i in range(n)]
+            np.testing.assert_allclose(got[r], want, rtol=1e-12)
+        assert (np.diff(got, axis=1) >= 0).all()
+        np.testing.assert_array_equal(pav(y[0], w[0]), got[0])  # 1-D: one row
+    assert pav([3.0, 1.0, 2.0], 1.0).tolist() == [2.0, 2.0, 2.0]
+
+
+def test_acceptance_counts_land_in_their_depth_bucket_and_score_point():
+    assert depth_bucket([0, 3, 4, 7, 8, 15, 16, 40]).tolist() == [0, 3, 4, 4, 5, 5, 6, 6]
+    m = AcceptanceModel(points=11)
+    m.observe([0.0, 0.52, 0.52, 1.0], [1, 0, 1, 1], [0, 5, 5, 20])
+    assert m.seen[0, 0] == 1 and m.seen[4, 5] == 2 and m.seen[6, 10] == 1 and m.seen.sum() == 4
+    assert m.accepted[4, 5] == 1 and m.accepted.sum() == 3

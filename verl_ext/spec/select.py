@@ -48,7 +48,7 @@ from typing import Optional
 
 import numpy as np
 
-from verl_ext.spec._suffix import select_chains, select_tree
+from verl_ext.spec._suffix import isotonic_rows, select_chains, select_tree
 
 #: points of F's piecewise-linear table over scores in [0, 1]
 ACCEPTANCE_POINTS = 21
@@ -67,28 +67,25 @@ PREFILL_SHARE_STEPS = 32
 
 
 def pav(y: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """Pool-adjacent-violators: the non-decreasing fit of ``y`` with weights ``w``."""
-    vals, wts, size = [], [], []
-    for yi, wi in zip(y.tolist(), w.tolist()):
-        vals.append(yi)
-        wts.append(wi)
-        size.append(1)
-        while len(vals) > 1 and vals[-2] > vals[-1]:
-            tw = wts[-2] + wts[-1]
-            v = (vals[-2] * wts[-2] + vals[-1] * wts[-1]) / tw if tw > 0 else (vals[-2] + vals[-1]) / 2
-            n = size[-2] + size[-1]
-            del vals[-1], wts[-1], size[-1]
-            vals[-1], wts[-1], size[-1] = v, tw, n
-    return np.repeat(np.asarray(vals), size)
+    """Pool-adjacent-violators: the non-decreasing fit of ``y`` with weights ``w``, along the
+    last axis (a 2-D ``y`` is fitted row by row). Native: F's table is refitted after every
+    step's observations, on the engine and in the simulator."""
+    y = np.asarray(y, dtype=np.float64)
+    rows = np.ascontiguousarray(y.reshape(-1, y.shape[-1]) if y.ndim != 2 else y)
+    w = np.ascontiguousarray(np.broadcast_to(np.asarray(w, dtype=np.float64), y.shape).reshape(rows.shape))
+    return isotonic_rows(rows, w).reshape(y.shape)
 
 
 #: depth buckets of F's rows (``csrc/draft_select.h``): 0, 1, 2, 3, 4-7, 8-15, 16+
 DEPTH_BUCKETS = 7
 
 
+#: depth 0..16 -> its bucket (16 and deeper: the last)
+_BUCKET_OF = np.array([0, 1, 2, 3, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5, 6], dtype=np.int64)
+
+
 def depth_bucket(depth) -> np.ndarray:
-    d = np.asarray(depth, dtype=np.int64)
-    return np.where(d < 4, d, np.where(d < 8, 4, np.where(d < 16, 5, 6)))
+    return _BUCKET_OF[np.clip(np.asarray(depth, dtype=np.int64), 0, 16)]
 
 
 class AcceptanceModel:
@@ -132,7 +129,7 @@ class AcceptanceModel:
         if self._table is None:
             m = self.prior_weight
             est = (self.accepted + m * self.prior) / np.maximum(self.seen + m, 1e-12)
-            self._table = np.clip(np.stack([pav(e, w + 1.0) for e, w in zip(est, self.seen)]), 0.0, 1.0).astype(np.float32)
+            self._table = np.clip(pav(est, self.seen + 1.0), 0.0, 1.0).astype(np.float32)
         return self._table
 
     def __call__(self, scores, depth=0) -> np.ndarray:
@@ -151,9 +148,10 @@ class AcceptanceModel:
             return
         a = np.asarray(accepted, dtype=np.float64).ravel()
         d = depth_bucket(np.broadcast_to(depths, np.shape(scores)).ravel())
-        idx = np.rint(s * (len(self.grid) - 1)).astype(np.int64)
-        np.add.at(self.seen, (d, idx), 1.0)
-        np.add.at(self.accepted, (d, idx), a)
+        points = len(self.grid)
+        flat = d * points + np.rint(s * (points - 1)).astype(np.int64)
+        self.seen += np.bincount(flat, minlength=self.seen.size).reshape(self.seen.shape)
+        self.accepted += np.bincount(flat, weights=a, minlength=self.seen.size).reshape(self.seen.shape)
         over = self.seen > self.window
         if over.any():
             f = self.window / self.seen[over]

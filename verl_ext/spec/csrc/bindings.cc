@@ -492,6 +492,22 @@ PYBIND11_MODULE(_suffix, m) {
       "RLHFSpec layer-level search over linear drafts (see draft_select.h): (draft length per "
       "row, (n, evaluations, objective, al)).");
   m.def(
+      "isotonic_rows",
+      [](py::handle y, py::handle w) {
+        auto ya = dense<double>(y, 2, "y");
+        auto wa = dense<double>(w, 2, "w");
+        if (ya.shape(0) != wa.shape(0) || ya.shape(1) != wa.shape(1))
+          throw py::value_error("isotonic_rows: y and w must have the same shape");
+        const int64_t rows = ya.shape(0), n = ya.shape(1);
+        py::array_t<double> out({rows, n});
+        double* o = out.mutable_data();
+        for (int64_t i = 0; i < rows; ++i) isotonic_fit(ya.data() + i * n, wa.data() + i * n, n, o + i * n);
+        return out;
+      },
+      py::arg("y"), py::arg("w"),
+      "Per row of y (2-D), the non-decreasing weighted least-squares fit with weights w "
+      "(pool-adjacent-violators; F's refit in RLHFSpec's selector).");
+  m.def(
       "select_tree",
       [](py::handle parents, py::handle scores, py::handle f, py::handle t, double base, int patience) {
         auto pa = dense<int32_t>(parents, 1, "parents");

@@ -100,4 +100,30 @@ SelectResult select_tree(const int32_t* parents, const float* scores, int64_t no
   return search(q, children, t, t_len, base, patience);
 }
 
+void isotonic_fit(const double* y, const double* w, int64_t n, double* out) {
+  std::vector<double> val, wt;
+  std::vector<int64_t> size;
+  val.reserve(n);
+  wt.reserve(n);
+  size.reserve(n);
+  for (int64_t i = 0; i < n; ++i) {
+    val.push_back(y[i]);
+    wt.push_back(w[i]);
+    size.push_back(1);
+    while (val.size() > 1 && val[val.size() - 2] > val.back()) {  // pool the violating pair
+      const size_t b = val.size() - 1, a = b - 1;
+      const double tw = wt[a] + wt[b];
+      val[a] = tw > 0 ? (val[a] * wt[a] + val[b] * wt[b]) / tw : (val[a] + val[b]) / 2;
+      wt[a] = tw;
+      size[a] += size[b];
+      val.pop_back();
+      wt.pop_back();
+      size.pop_back();
+    }
+  }
+  int64_t k = 0;
+  for (size_t b = 0; b < val.size(); ++b)
+    for (int64_t j = 0; j < size[b]; ++j) out[k++] = val[b];
+}
+
 }  // namespace verl_ext

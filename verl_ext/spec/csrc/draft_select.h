@@ -43,4 +43,8 @@ SelectResult select_tree(const int32_t* parents, const float* scores, int64_t no
                          const float* f, int m, int f_rows, const double* t, int64_t t_len,
                          double base, int patience);
 
+// F's refit (AcceptanceModel.table): the non-decreasing weighted least-squares fit of y[0..n)
+// with positive weights w, by pool-adjacent-violators, into out[0..n).
+void isotonic_fit(const double* y, const double* w, int64_t n, double* out);
+
 }  // namespace verl_ext
