@@ -59,6 +59,10 @@ fi
 
 # test_manager_on_cpu's fake servers do not run vLLM: one of its tests checks that veRL's agent
 # loops and verl_ext's manager import and run with these pins; the rest run in the main suite.
+# The keyed sampler's distribution check runs here at temperature 1 only (2,000 requests each;
+# the main suite also checks temperature 0.7 with top-p 0.9): the rule is the same code on both
+# versions, the hooks that reach it are what differs.
 PYTHONPATH="$PWD/scripts/compat${PYTHONPATH:+:$PYTHONPATH}" exec bash scripts/run_pytest.sh "$VENV/bin/python" \
   tests/test_spec_engine.py tests/test_keyed_sampling.py tests/test_plugin_on_cpu.py \
-  tests/test_manager_on_cpu.py::test_manager_rhyme_feeds_history_and_serves_it_next_epoch "$@"
+  tests/test_manager_on_cpu.py::test_manager_rhyme_feeds_history_and_serves_it_next_epoch \
+  --deselect "tests/test_keyed_sampling.py::test_keyed_samples_on_the_engine_follow_the_target_distribution[0.7-0.9]" "$@"
