@@ -1,4 +1,4 @@
-"""SpecActor's ablation in the simulator (seed 003, section 5.4, Figure 13), coupled execution.
+"""SpecActor's ablation in the simulator (section 5.4, Figure 13), coupled execution.
 
 A 32B target on ``h100-32b`` instances (TP4 each, as the paper's traces), a long-tail synthetic
 workload, and draft-model methods through ``verl_ext.sim.synthetic.SyntheticDrafter`` (per-request

@@ -1,4 +1,4 @@
-"""The grouped draft server (verl_ext.spec.dgds, Seer seed 000 §4.4/§5): delta append/fetch with
+"""The grouped draft server (verl_ext.spec.dgds, Seer §4.4/§5): delta append/fetch with
 version tracking, idempotent appends, request-id isolation, stable sharding, a client against
 real Ray actors pushing into instance-like objects, and the fault path (a killed or stalled shard
 degrades the client without raising or hanging). Plus the engine-side proposer with a fake runner

@@ -1,4 +1,4 @@
-"""History workers (RhymeRL, seed 001 sections 4.2, 5.3): the per-prompt store, its statistics,
+"""History workers (RhymeRL sections 4.2, 5.3): the per-prompt store, its statistics,
 snapshots, and the Ray actors' checkpoint/restore and failure handling."""
 
 import asyncio

@@ -1,4 +1,4 @@
-"""RhymeRL (seed 001): HistoSpec's AIMD window and batch cut-off, HistoPipe's ranking,
+"""RhymeRL: HistoSpec's AIMD window and batch cut-off, HistoPipe's ranking,
 alternation, migration thresholds and two-tier allocation, on constructed cases."""
 
 import itertools

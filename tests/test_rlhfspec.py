@@ -1,4 +1,4 @@
-"""`rlhfspec` (RLHFSpec, seed 002): the workload-aware draft selection (search, early stop against
+"""`rlhfspec` (RLHFSpec): the workload-aware draft selection (search, early stop against
 exhaustive search and a brute-force reference, F, the step-time cache), the reallocation greedy
 against its constraints, and sample migration on simulated engines: nothing lost or duplicated,
 a migration racing a finishing request, a full or failing destination."""

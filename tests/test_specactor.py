@@ -1,4 +1,4 @@
-"""`specactor` (SpecActor, seed 003): the TGS model against hand-computed values, Algorithm 1
+"""`specactor` (SpecActor): the TGS model against hand-computed values, Algorithm 1
 against brute force, Algorithm 2's choice, the draft ladder and initial selection, Algorithm 3
 on constructed cases against brute force, and Best-of-N on simulated engines (copies finish
 once, lose and duplicate nothing, and leave no engine slot behind; sampled requests refused)."""

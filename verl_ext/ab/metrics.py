@@ -2,7 +2,7 @@
 
 Every field is derived from the pool's ``RequestRecord`` list, so a real engine and the
 simulator produce comparable numbers by construction. Definitions (also in
-docs/ARCHITECTURE.md):
+docs/USAGE.md, "summary.json"):
 
 * ``wall_s``: first dispatch to last completion;
 * ``throughput_tok_s``: output tokens / ``wall_s``;

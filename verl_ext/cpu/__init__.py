@@ -1,4 +1,4 @@
 """veRL on CPUs: a ``cpu`` platform for veRL's platform registry, the runtime shim for what veRL
 0.9 cannot do on a CPU through its extension points, the switch that turns both on
 (``trainer.device=cpu``), and the harnesses that run real veRL training here
-(``scripts/verl_e2e.sh``). docs/ARCHITECTURE.md, "CPU mode", has the rationale."""
+(``scripts/verl_e2e.sh``). docs/CPU_MODE.md has the rationale."""

@@ -1,4 +1,4 @@
-"""History workers (RhymeRL, seed 001 sections 4.2 and 5.3): Ray actors on idle CPUs that keep each
+"""History workers (RhymeRL sections 4.2 and 5.3): Ray actors on idle CPUs that keep each
 prompt's last rollouts (for HistoSpec drafting) and its length statistics (for HistoPipe).
 
 * ``store``: the per-prompt data, statistics and snapshots (``HistoryStore``).

@@ -1,4 +1,4 @@
-"""Per-prompt rollout history: the data a history worker keeps between epochs (RhymeRL, seed 001
+"""Per-prompt rollout history: the data a history worker keeps between epochs (RhymeRL
 sections 4.2 and 5.3; the length statistics are HistoPipe's, section 6).
 
 For every prompt uid, ``HistoryStore`` keeps its last ``keep`` rollouts (a rollout: all responses

@@ -1,4 +1,4 @@
-"""History workers: Ray actors on idle CPUs that hold the rollout history (RhymeRL, seed 001
+"""History workers: Ray actors on idle CPUs that hold the rollout history (RhymeRL
 section 4.2 "history workers", section 5.3 "Resources").
 
 ``HistoryWorker`` wraps one shard's ``HistoryStore`` (``verl_ext.history.store``). Prompts are

@@ -1,4 +1,4 @@
-"""SpecActor's draft ladder measured on the engine (seed 003, section 4.2): the speedup of
+"""SpecActor's draft ladder measured on the engine (section 4.2): the speedup of
 speculation over plain decoding, per batch size and acceptance rate, timed on real instances
 with "the verifier simulated by marking tokens accepted at a given rate".
 

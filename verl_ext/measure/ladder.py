@@ -1,4 +1,4 @@
-"""``verl-ext fit ladder``: SpecActor's draft ladder (seed 003, section 4.2) built against a
+"""``verl-ext fit ladder``: SpecActor's draft ladder (section 4.2) built against a
 verifier cost model (:class:`verl_ext.spec.ladder.DraftLadder`), with suffix methods' acceptance
 measured by replaying the drafter over a trace (``@trace``) and their proposal time measured
 on this CPU. ``specactor[ladder=...]`` reads the written JSON."""

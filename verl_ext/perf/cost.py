@@ -12,7 +12,7 @@ contexts; ``prefill_tokens``: prompt (or recomputed) tokens processed; ``draft_t
 tokens verified. ``kv_capacity_tokens``, ``max_num_seqs`` and ``max_batched_tokens`` state the
 engine's limits; the simulator enforces them. ``draft_thresholds`` derives Seer's adaptive
 drafting range from the fields. What each term means on GPUs and CPUs:
-docs/ARCHITECTURE.md, "Traces and the simulator".
+docs/SIMULATOR.md.
 
 Presets: ``presets/<name>.json`` (fields, ``sources``, ``assumptions``, and optional ``fit`` /
 ``derivation`` provenance sections that ``from_dict`` ignores); :func:`load_cost_model` takes a
@@ -111,7 +111,7 @@ class CostModel:
         return self.weight_s / self.token_s if self.token_s > 0 else math.inf
 
     def draft_thresholds(self, kv_tokens: int = DRAFT_THRESHOLD_KV_TOKENS, max_k: int = 128) -> dict:
-        """Seer's adaptive speculation range (seed 000, section 4.4) for this instance:
+        """Seer's adaptive speculation range (section 4.4) for this instance:
         ``{"knee_tokens": int, "k_single": int, "kv_tokens": kv_tokens}``.
 
         ``knee_tokens`` ("the whole batch" threshold, ``SpecOptions.knee_tokens``)::
@@ -150,7 +150,7 @@ class CostModel:
 
     def spec_batch_cutoffs(self, draft: int = 2, contexts: Sequence[int] = SPEC_CUTOFF_CONTEXTS,
                            rates: Sequence[float] = tuple(i / 20 for i in range(1, 20))) -> tuple:
-        """HistoSpec's batch-size cut-off table (RhymeRL, seed 001 section 5.4): for each context
+        """HistoSpec's batch-size cut-off table (RhymeRL section 5.4): for each context
         length ``c`` (KV tokens per request) and acceptance rate ``a`` (accepted / drafted tokens),
         the largest batch ``B`` (at most ``max_num_seqs``) at which drafting ``draft`` tokens per
         request still emits at least as fast as plain decoding::

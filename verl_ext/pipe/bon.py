@@ -1,4 +1,4 @@
-"""SpecActor's greedy Best-of-N assignment (seed 003, section 4.2, Algorithm 3), as a function.
+"""SpecActor's greedy Best-of-N assignment (section 4.2, Algorithm 3), as a function.
 
 When workers free up, each freed worker is given the drafting method that has the fewest workers
 (lines 1-3); then, method by method, the active requests are taken lowest acceptance rate first and

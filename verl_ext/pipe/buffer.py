@@ -1,4 +1,4 @@
-"""The request buffer of divided rollout (Seer, seed 000 section 4.2) and the context-aware
+"""The request buffer of divided rollout (Seer section 4.2) and the context-aware
 scheduler over it (section 4.3, Algorithm 1).
 
 ``RequestBuffer`` keeps, per request: its group, prompt length, original ``max_tokens``, the

@@ -1,5 +1,5 @@
-"""A request generated in pieces (chunks): Seer's divided rollout (seed 000 section 4.2) and
-RhymeRL's migration (seed 001 section 6.3) both stop a request after some tokens and resume it,
+"""A request generated in pieces (chunks): Seer's divided rollout (Seer section 4.2) and
+RhymeRL's migration (RhymeRL section 6.3) both stop a request after some tokens and resume it,
 on the same instance (prefix cache) or another one (re-prefill).
 
 A continuation is the same request with a longer prompt (prompt + tokens so far) and the budget

@@ -1,4 +1,4 @@
-"""Inter-step migration's handoff (RhymeRL, seed 001 section 6.3): a strategy defers an outlier
+"""Inter-step migration's handoff (RhymeRL section 6.3): a strategy defers an outlier
 to the next training step, and the driver that runs consecutive steps resumes it there.
 
 The strategy stops the request at a chunk boundary (``verl_ext.pipe.chunks``), hands its

@@ -1,4 +1,4 @@
-"""HistoPipe's decisions (RhymeRL, seed 001 section 6), as plain functions over lengths and times.
+"""HistoPipe's decisions (RhymeRL section 6), as plain functions over lengths and times.
 
 * **Ranking (section 6.2).** Prompts are ranked by their historical response length (the median
   of the prompt's group in its last rollout) and split into ``N`` ranking groups of equal size

@@ -1,4 +1,4 @@
-"""Lightweight sample reallocation: RLHFSpec (seed 002) section 6.1.
+"""Lightweight sample reallocation: RLHFSpec section 6.1.
 
 An instance's throughput rises with its sample count and then flattens (Figure 9): past the
 turning point (the *threshold*) one more sample adds almost nothing, below it one more sample

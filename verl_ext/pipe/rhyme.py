@@ -1,4 +1,4 @@
-"""``rhyme``: RhymeRL's rollout (seed 001) over a history provider (the history workers inside
+"""``rhyme``: RhymeRL's rollout over a history provider (the history workers inside
 veRL, a local ``HistoryStore`` over epochs in A/B runs, the trace's previous epoch in the
 simulator; without history it dispatches like ``baseline`` until history exists).
 
@@ -15,7 +15,7 @@ simulator; without history it dispatches like ``baseline`` until history exists)
   (``verl_ext.pipe.defer``).
 
 Knob ladder of Figure 14: ``histopipe=false``, ``two_tier=false``, ``histospec=false``,
-``migration=false``. Rationale, knobs and metrics: docs/ARCHITECTURE.md, "rhyme".
+``migration=false``. Rationale, knobs and metrics: docs/papers/rhymerl.md.
 """
 
 from __future__ import annotations

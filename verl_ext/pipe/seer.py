@@ -1,4 +1,4 @@
-"""``seer``: Seer's rollout (seed 000).
+"""``seer``: Seer's rollout.
 
 * Divided rollout (section 4.2): every sample is generated in chunks of at most ``chunk_size``
   tokens (``auto``: an eighth of its ``max_tokens``); after each chunk it returns to the
@@ -15,7 +15,7 @@
 
 Table 6's ablation ladder: ``chunk_size=0``, ``context=false``, ``lengths=oracle`` (simulator),
 ``speculative=false``, ``group_drafts=false``, ``adaptive_draft=false``. Rationale, knobs and
-metrics: docs/ARCHITECTURE.md, "seer".
+metrics: docs/papers/seer.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``specactor``: SpecActor's rollout (seed 003).
+"""``specactor``: SpecActor's rollout.
 
 * Initial selection (section 4.2, ``verl_ext.spec.ladder``): each training step, the ladder
   (``options.ladder`` or built from ``options.profile``) picks the method with the best speedup
@@ -18,7 +18,7 @@
   keyed by position (``Strategy.keyed``: on engines with ``keyed_sampling``); other sampled
   requests are refused copies (``bon_refused_sampled``).
 
-Rationale, knobs and metrics: docs/ARCHITECTURE.md, "specactor".
+Rationale, knobs and metrics: docs/papers/specactor.md.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""A cluster-wide KV-cache pool for simulated instances (Seer, seed 000 section 5, "global
+"""A cluster-wide KV-cache pool for simulated instances (Seer section 5, "global
 KVCache pool"; on vLLM, a KV connector such as LMCache or Mooncake: ``kv_transfer_config`` in
-the engine arguments, docs/ARCHITECTURE.md "Global KV pool").
+the engine arguments, docs/papers/seer.md, "Global KV pool").
 
 Without a pool, a request that comes back to an instance that does not hold its context (a
 Seer chunk placed elsewhere, a migrated or re-admitted request) prefills that context again,

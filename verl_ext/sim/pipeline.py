@@ -1,7 +1,7 @@
 """Consecutive training steps in the simulator: rollout and training as a pipeline.
 
 A single simulated rollout (``verl_ext.sim.runner``) measures one step in isolation. RhymeRL's
-HistoPipe (seed 001, section 6.2, Figure 10) gains across steps: the instances that drew short
+HistoPipe (RhymeRL, section 6.2, Figure 10) gains across steps: the instances that drew short
 ranking groups in step ``s`` start step ``s + 1`` (with long groups, alternation) while the others
 still finish, so one step's tail overlaps the next step's work. This module replays one trace epoch
 as ``steps`` training steps (its prompts shuffled into equal batches, the same for every arm) on

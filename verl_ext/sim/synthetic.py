@@ -1,6 +1,6 @@
 """Synthetic drafting in the simulator: draft-model methods, whose drafts a trace cannot replay.
 
-SpecActor (seed 003, sections 4.2 and 5) ranks drafting methods that include small draft models
+SpecActor (sections 4.2 and 5) ranks drafting methods that include small draft models
 (e.g. Qwen2.5-0.5B and 1.5B for a 32B target). A trace holds the target's tokens, not what a draft
 model would have proposed, so the replay drafter (``verl_ext.sim.drafting``) cannot draft for them.
 ``SyntheticDrafter`` stands in with the model SpecActor's own analysis uses (section 4.1, the TGS

@@ -1,7 +1,7 @@
 """Model-free speculative drafting.
 
 - ``_suffix`` (native, ``csrc/``): the suffix-tree draft index. ``DraftIndex`` keeps request,
-  group (Seer, seed 000 section 4.4) and history (RhymeRL HistoSpec, seed 001 section 5.3)
+  group (Seer section 4.4) and history (RhymeRL HistoSpec, section 5.3)
   trees and proposes drafts for a whole engine batch in one call.
 - ``options``: ``SpecOptions``, the knobs, and the vLLM engine arguments that enable drafting.
 - ``vllm_proposer``: the vLLM ``custom_class`` proposer over the index.

@@ -1,11 +1,11 @@
-"""Adaptive draft length: Seer's adaptive speculation range (seed 000, section 4.4).
+"""Adaptive draft length: Seer's adaptive speculation range (section 4.4).
 
 Seer pre-computes, per model, thresholds for "a single request" and "the whole batch", and each
 instance derives the maximum draft length from its current concurrency: few drafts while the
 batch is large (a step is already compute-bound, and verifying drafts costs as much as decoding),
 long drafts in the tail, when the batch is small (a step is memory-bound and extra tokens are
 almost free). Grouped drafting pays off most for requests whose siblings have finished: the
-group's suffix tree then holds complete responses to match against (seed 000, Table 2).
+group's suffix tree then holds complete responses to match against (Seer, Table 2).
 
 Here the thresholds are ``k`` (most drafts for one request in a step) and ``knee_tokens``: the
 tokens one step can process before it turns compute-bound, ``(overhead_s + weight_s) /

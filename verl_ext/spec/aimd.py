@@ -1,4 +1,4 @@
-"""RhymeRL's AIMD draft window (seed 001 section 5.4, "AIMD-like Token Speculation").
+"""RhymeRL's AIMD draft window (RhymeRL section 5.4, "AIMD-like Token Speculation").
 
 Each response has its own draft window: it starts at ``start`` tokens (2), grows by ``step`` (2)
 after every step whose whole draft was accepted, up to ``max_window`` (32, the drafter's ``k``),

@@ -1,4 +1,4 @@
-"""HistoSpec's batch-size cut-off (RhymeRL, seed 001 section 5.4): above a batch size that depends
+"""HistoSpec's batch-size cut-off (RhymeRL section 5.4): above a batch size that depends
 on the acceptance rate, verifying drafts costs more compute than the accepted tokens save, so
 drafting is switched off for the step.
 

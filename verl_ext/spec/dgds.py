@@ -1,6 +1,6 @@
-"""Distributed Grouped Draft Server (DGDS): Seer's shared group suffix trees (seed 000, §4.4, §5).
+"""Distributed Grouped Draft Server (DGDS): Seer's shared group suffix trees (§4.4, §5).
 
-Seer (seed 000 §4.4) keeps one compressed suffix tree per prompt group on a draft server that
+Seer (§4.4) keeps one compressed suffix tree per prompt group on a draft server that
 aggregates the responses of every request of the group, wherever they run, and lets each
 inference instance speculate from a local copy. Its workflow has four steps, mapped here:
 

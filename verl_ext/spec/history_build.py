@@ -1,4 +1,4 @@
-"""History trees built off the engine's thread (RhymeRL HistoSpec, seed 001 section 5.3).
+"""History trees built off the engine's thread (RhymeRL HistoSpec, section 5.3).
 
 Contract: ``submit(items, drop)`` queues one ``set_histories`` payload and returns at once; one
 daemon thread builds each prompt's tree natively with the GIL released

@@ -1,4 +1,4 @@
-"""SpecActor's draft ladder and initial selection (seed 003, section 4.2, Figure 10).
+"""SpecActor's draft ladder and initial selection (section 4.2, Figure 10).
 
 A ladder maps, for each drafting method, an acceptance rate to the speedup of speculation over
 plain decoding, at a few per-worker batch sizes. It is built offline without the trained model's

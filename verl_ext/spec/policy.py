@@ -4,11 +4,11 @@ per plan of steps (``plan_caps``). Each rule is a small class behind one interfa
 (``limit(batch, ks)``: lower the caps ``ks`` in place); the policy applies them in this order:
 
 1. ``RequestWindows``: a request's own window (``spec_window``; SpecActor, Algorithm 2);
-2. ``AimdRule``: RhymeRL's AIMD window (seed 001 section 5.4; live engines only: the simulator's
+2. ``AimdRule``: RhymeRL's AIMD window (RhymeRL section 5.4; live engines only: the simulator's
    drafter replays the same ``AimdWindows`` by position, ``verl_ext.sim.drafting``);
 3. ``CutoffRule``: HistoSpec's batch-size cut-off: nothing drafted above it, with probe steps
    that re-measure the acceptance rate (``verl_ext.spec.cutoff``);
-4. ``AdaptiveBudget``: Seer's adaptive budget (seed 000 section 4.4, ``verl_ext.spec.adaptive``).
+4. ``AdaptiveBudget``: Seer's adaptive budget (Seer section 4.4, ``verl_ext.spec.adaptive``).
 
 The caps are minima, so the order changes no cap; it decides what ``AdaptiveBudget.capped``
 counts (room the budget took that the other rules left). RLHFSpec's selection and reference

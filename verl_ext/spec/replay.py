@@ -1,7 +1,7 @@
 """The drafter replayed over recorded responses (a trace): what it would have drafted and
 accepted, with no engine.
 
-* ``replay_observations`` / ``fit_from_trace``: RLHFSpec's acceptance map ``F`` (seed 002
+* ``replay_observations`` / ``fit_from_trace``: RLHFSpec's acceptance map ``F`` (RLHFSpec
   section 5.2). Each prompt's responses advance in lockstep through a ``DraftIndex``; every step
   drafts a full candidate of ``k`` tokens, each node scored by its cumulative empirical
   probability and accepted iff it and every node before it match the trace (exact-match

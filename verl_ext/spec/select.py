@@ -1,4 +1,4 @@
-"""Workload-aware drafting strategy selection: RLHFSpec (seed 002) section 5.
+"""Workload-aware drafting strategy selection: RLHFSpec section 5.
 
 Every engine step the selector picks the draft tokens that maximise Equation 2,
 ``al(n) / t_sd(n)``, over the candidate drafts the index proposed for the batch:

@@ -1,4 +1,4 @@
-"""SpecActor's performance model and plans (seed 003, section 4.1): token generation speed (TGS)
+"""SpecActor's performance model and plans (section 4.1): token generation speed (TGS)
 of coupled and decoupled speculation, the decoupled execution plan (Algorithm 1) and the
 request-level reconfiguration (Algorithm 2).
 

@@ -2,9 +2,9 @@
 //
 //   request  one tree per live request: its prompt (a closed sequence, indexed to its last
 //            token) and its own generated tokens (a second, growing sequence).
-//   group    one tree per prompt group (Seer, seed 000 section 4.4): every response of the
+//   group    one tree per prompt group (Seer section 4.4): every response of the
 //            group is its own sequence, keyed by request id, growing token by token.
-//   history  one tree per prompt (RhymeRL HistoSpec, seed 001 section 5.3): earlier epochs'
+//   history  one tree per prompt (RhymeRL HistoSpec, section 5.3): earlier epochs'
 //            responses, weighted by reward.
 //
 // Thread-safety: none inside. The Python binding never releases the GIL, so calls from
@@ -29,7 +29,7 @@ struct DraftParams {
   float min_prob = 0.3f;   // stop when the cumulative probability drops below this
 };
 
-// RhymeRL's AIMD draft window (seed 001 section 5.4): a request's window starts at `start`
+// RhymeRL's AIMD draft window (RhymeRL section 5.4): a request's window starts at `start`
 // tokens, grows by `step` after every step whose whole draft was accepted (up to the step's k),
 // and falls back to `start` when any drafted token is rejected. start = 0: no window.
 struct AimdParams {

@@ -1,4 +1,4 @@
-// Workload-aware draft selection: RLHFSpec (seed 002) section 5.3, layer-level strategy search.
+// Workload-aware draft selection: RLHFSpec section 5.3, layer-level strategy search.
 //
 // Input: a draft forest (every request's draft; a linear draft is a chain), each node with a
 // score (its cumulative draft probability), a monotone map F from score to acceptance

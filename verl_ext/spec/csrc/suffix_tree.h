@@ -10,7 +10,7 @@
 //   when the sequence is closed. D is `max_depth`.
 //   prio(u) = sum of w over inserted windows that have u as a prefix.
 // With w = 1 everywhere prio is the occurrence count (arctic-inference, Seer's CST); with
-// w = reward it is RhymeRL's priority (seed 001, section 5.3): a leaf carries the rewards
+// w = reward it is RhymeRL's priority (section 5.3): a leaf carries the rewards
 // of the responses ending in that suffix and a parent the sum of its children.
 //
 // Appending a token inserts at most one window: O(D) work and at most two new nodes.

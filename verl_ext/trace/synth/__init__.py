@@ -4,7 +4,7 @@
 long-tail model (``lengths``) and whose tokens are real responses of ``source`` with tunable
 within-group, cross-epoch and self similarity. ``SynthConfig`` (``config``) sets both;
 ``with_level`` applies one of the two calibrated similarity levels (``calibration``: their knobs
-and per-scope targets, measured by ``verl_ext.sim.calibration``). The papers' figures, the model and its limits: docs/ARCHITECTURE.md,
+and per-scope targets, measured by ``verl_ext.sim.calibration``). The papers' figures, the model and its limits: docs/SIMULATOR.md,
 "Synthetic workloads"."""
 
 from verl_ext.trace.synth.calibration import (

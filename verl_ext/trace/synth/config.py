@@ -19,7 +19,7 @@ class SynthConfig:
     Shape: ``prompts`` GRPO groups of ``samples`` responses, rolled out ``epochs`` times.
     Lengths (tokens): exact per response, in ``[min_len, max_len]``, mean ``mean_len``.
 
-    Length-model defaults (sources: docs/ARCHITECTURE.md, "Synthetic workloads"): ``group_sigma`` /
+    Length-model defaults (sources: docs/SIMULATOR.md, "Synthetic workloads"): ``group_sigma`` /
     ``sample_sigma``: log-sd of prompt difficulty / of lengths within a group (total ~0.78:
     RLHFSpec §3.1, Seer §6.2.2); ``epoch_rho``: correlation of a prompt's difficulty across
     adjacent epochs; with ``sample_sigma`` fitted to RhymeRL §6.1 / Table 2 (8 rank groups:

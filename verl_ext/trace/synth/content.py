@@ -6,7 +6,7 @@ of the group's template sibling, of the previous-epoch response the response fol
 own earlier text (the ``*_similarity`` knobs), each copied token put back to the response's own
 at the ``*_edit_rate`` knobs. The same config and source give the same arrays. The knobs are
 fitted per scope to the papers' drafting statistics (``calibration``). The construction and its
-limits: docs/ARCHITECTURE.md, "Synthetic workloads"."""
+limits: docs/SIMULATOR.md, "Synthetic workloads"."""
 
 from __future__ import annotations
 
@@ -132,7 +132,7 @@ def _expand(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
 
 
 class _Plan:
-    """Per-epoch chapter tables and copy segments (docs/ARCHITECTURE.md, "Synthetic workloads")."""
+    """Per-epoch chapter tables and copy segments (docs/SIMULATOR.md, "Synthetic workloads")."""
 
     def __init__(self, cfg: SynthConfig, src: _Source, L: np.ndarray):
         self.cfg, self.src, self.L = cfg, src, L

@@ -4,7 +4,7 @@
 same seed gives the same lengths. ``length_stats(trace)``: the tail-shape metrics the defaults are
 fitted to (``calibration.SEED_TARGETS``): Seer §6.2.2 (the last 10% of requests take up to 50% of
 rollout time), RLHFSpec §3.1 (p95 ~3.6x the median), RhymeRL §6.1 / Table 2 (~16% of responses
-move up a rank group) and §6.3 (2.2-5.5% outliers). The model: docs/ARCHITECTURE.md,
+move up a rank group) and §6.3 (2.2-5.5% outliers). The model: docs/SIMULATOR.md,
 "Synthetic workloads"."""
 
 from __future__ import annotations
