@@ -106,7 +106,8 @@ def trace_for(args, work: dict, out: Path) -> str:
     record_trace(RecordConfig(prompts=work["prompts"], samples=work["samples"], epochs=work["epochs"],
                               max_tokens=work["max_tokens"], instances=work["instances"], seed=work["seed"],
                               temperature=work["temperature"], difficulty=work["difficulty"],
-                              keyed_sampling=work["keyed_sampling"], dtype=work["dtype"], out=path), progress=not args.json)
+                              keyed_sampling=work["keyed_sampling"], dtype=work["dtype"], out=path,
+                              engine_log=str(out / "trace_engines.log")), progress=not args.json)
     return path
 
 

@@ -31,6 +31,7 @@ def add_commands(subparsers) -> None:
     p.add_argument("--keyed-sampling", action="store_true",
                    help="position-keyed sampling, as verl-ext ab --keyed-sampling: every strategy's ab responses are this trace's")
     p.add_argument("--dtype", default=None, help="the engines' model dtype, as verl-ext ab --dtype (default: vLLM's choice)")
+    p.add_argument("--engine-log", default=None, help="the engines' logs and output to this file, as verl-ext ab --engine-log")
     p.add_argument("--strategy", default=d.strategy, help="strategy, or <strategy>+spec[:scopes] to draft (default: %(default)s)")
     p.add_argument("--spec-k", type=int, default=d.spec_k, help="most draft tokens per step with +spec (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -50,6 +51,7 @@ def run_record(args) -> int:
         difficulty=args.difficulty,
         keyed_sampling=args.keyed_sampling,
         dtype=args.dtype,
+        engine_log=args.engine_log,
         strategy=args.strategy,
         spec_k=args.spec_k,
         out=args.out,

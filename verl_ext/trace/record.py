@@ -53,6 +53,7 @@ class RecordConfig:
     difficulty: int = ORIGINAL_DIFFICULTY  # the arithmetic workload's level (verl_ext.workload.arith.LEVELS)
     keyed_sampling: bool = False  # position-keyed sampling, as `verl-ext ab --keyed-sampling`
     dtype: Optional[str] = None  # the engines' model dtype, as `verl-ext ab --dtype` (None: vLLM's choice)
+    engine_log: Optional[str] = None  # the local engines' logs and output to this file, as `verl-ext ab --engine-log`
     strategy: str = "baseline"  # an ab arm: a strategy name, optionally with +spec[:scopes]
     spec_k: int = 8
     out: Optional[str] = "runs/trace.parquet"  # None: do not write, only return the trace
@@ -167,7 +168,8 @@ async def arecord_trace(cfg: RecordConfig, engine_factory=None, progress: bool =
         from verl_ext.engine.vllm_local import VLLMInstanceFactory
 
         engine_factory = VLLMInstanceFactory(str(model_dir), seed=cfg.seed, max_model_len=max_model_len(prompt_ids, ab_cfg),
-                                             extra_engine_args={"dtype": cfg.dtype} if cfg.dtype not in (None, "auto") else None)
+                                             extra_engine_args={"dtype": cfg.dtype} if cfg.dtype not in (None, "auto") else None,
+                                             engine_log=cfg.engine_log)
 
     t_start = time.monotonic()
     rows, epoch_wall = await _record(cfg, engine_factory, epoch_requests, score, progress)
