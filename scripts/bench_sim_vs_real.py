@@ -15,7 +15,9 @@ same rollout, side by side:
    workload must match.
 3. **sim**: the trace's last epoch, the earlier one as history, on as many simulated instances as
    real engines, with this machine's shipped cost model (``cpu-smollm2``, or ``--preset``) and
-   no veRL dispatcher (``verl-ext ab`` has none); ``sim_ratio`` the same quotient.
+   no veRL dispatcher (``verl-ext ab`` has none). The earlier epoch is rolled out first, untimed,
+   and the timed epoch's instances keep what its drafters learned (``--warm-epochs``), as ``ab``'s
+   engines serve both epochs; ``sim_ratio`` the same quotient.
 
 Prints one JSON object: ``rows`` (one per strategy and path: ``real_ratio``, ``sim_ratio``,
 ``error`` = sim / real - 1, ``band``, ``within``; ``baseline``'s row compares absolute wall
@@ -118,7 +120,7 @@ def simulate(args, summary: dict, trace: str, out: Path) -> dict:
     cfg = summary["config"]
     sim = SimConfig(strategies=list(summary["strategies"]), trace=trace, preset=args.preset or cfg.get("preset") or cpu_default_preset(),
                     instances=cfg["instances"], spec_k=cfg["spec_k"], seed=cfg["seed"], max_tokens=cfg["max_tokens"],
-                    dispatcher=False, out=str(out / "sim"))
+                    dispatcher=False, warm_epochs=True, out=str(out / "sim"))
     say(args, f"sim: verl-ext sim --trace {trace} --preset {sim.preset} --instances {sim.instances} --no-dispatcher")
     return run_sim_ab(sim, progress=False)
 

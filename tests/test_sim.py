@@ -299,3 +299,49 @@ def test_parallel_lockstep_precompute_equals_sequential():
     assert one._cache.keys() == two._cache.keys() and len(one._cache) == len(tr)
     for k in one._cache:
         assert all((a == b).all() for a, b in zip(one._cache[k], two._cache[k])), k
+
+
+def test_an_instance_takes_over_what_an_earlier_epochs_engine_learned():
+    """``SimInstance.carry_state``: the draft selector (RLHFSpec's ``F``) and the batch cut-off's
+    measured acceptance move to the next epoch's instance, as they stay on an engine that serves
+    both; an instance without them keeps its own (none)."""
+    tr = _trace()
+    spec = SpecOptions(scopes="request+group", k=4, select=True, batch_cutoffs=((256, 0.3, 8),))
+    before, after = (SimInstance(f"sim-{i}", _cost(), TraceSource(tr), ReplayDrafter(spec, TraceSource(tr), "exact"))
+                     for i in range(2))
+    before.selector.observe(np.full((1, 3), 0.5, dtype=np.float32), np.array([3]), np.array([2]))
+    before._cutoff.observe(10, 4)
+    assert after.selector is not before.selector and after._cutoff.stats() != before._cutoff.stats()
+    after.carry_state(before)
+    assert after.selector is before.selector and after.selector.acceptance.seen.sum() == 3
+    assert after._cutoff is before._cutoff and after._policy.cutoff.cutoff is before._cutoff
+    plain = SimInstance("plain", _cost(), TraceSource(tr))
+    plain.carry_state(before)
+    assert plain.selector is None and plain._cutoff is None
+
+
+def test_warm_epochs_roll_the_first_epoch_out_before_the_timed_one(tmp_path):
+    """``--warm-epochs`` on the committed two-epoch trace: plain decoding is unchanged, and
+    ``rlhfspec``'s timed epoch starts from the acceptance map its first epoch taught it, so its
+    drafts and time differ from a cold start; the same seed gives the same figures."""
+    from pathlib import Path
+
+    from verl_ext.sim.runner import SimConfig, run_sim_ab
+    from verl_ext.trace.format import read_trace, write_trace
+
+    full = read_trace(Path(__file__).resolve().parent.parent / "data" / "traces" / "smollm2_arith_e2.parquet")
+    trace = str(tmp_path / "first_12_prompts.parquet")  # both epochs of 12 of its 64 prompts
+    write_trace(full.select(np.isin(full.prompt_uid, sorted(set(full.prompt_uid.tolist()))[:12])), trace)
+
+    def sim(warm, name):
+        cfg = SimConfig(strategies=["baseline", "rlhfspec"], trace=trace, preset="cpu-smollm2", instances=2,
+                        dispatcher=False, warm_epochs=warm, out=str(tmp_path / name))
+        return run_sim_ab(cfg, progress=False)["strategies"]
+
+    cold, warm, again = sim(False, "cold"), sim(True, "warm"), sim(True, "again")
+    assert warm["baseline"]["wall_s"] == cold["baseline"]["wall_s"]
+    assert warm["rlhfspec"]["draft_tokens"] != cold["rlhfspec"]["draft_tokens"]
+    assert warm["rlhfspec"]["output_tokens"] == cold["rlhfspec"]["output_tokens"]
+    assert again["rlhfspec"]["wall_s"] == warm["rlhfspec"]["wall_s"]
+    with pytest.raises(ValueError, match="warm-epochs"):
+        SimConfig(warm_epochs=True, pipeline="sync").validate()

@@ -27,7 +27,7 @@ def _budgets(text: Optional[str]):
 #: flags of ``sim`` only; ``ab`` accepts them hidden, to say where they belong (``_run_sim`` names
 #: each real-engine flag it refuses the same way)
 SIM_ONLY = ("trace", "similarity", "mean_len", "max_len", "epoch", "replay", "pipeline", "steps", "t_train",
-            "kv_pool_gbps", "dispatcher")
+            "kv_pool_gbps", "dispatcher", "warm_epochs")
 
 
 def _flags(p, sim: bool) -> None:
@@ -98,6 +98,10 @@ def _flags(p, sim: bool) -> None:
     p.add_argument("--dispatcher", action=argparse.BooleanOptionalAction, default=None,
                    help=sim_help("charge veRL's one dispatcher actor for every server call and response token, at the "
                                  "costs measured by scripts/bench_dispatcher.py (default: on)"))
+    p.add_argument("--warm-epochs", action="store_true", default=None,
+                   help=sim_help("roll the trace's earlier epochs out first, untimed, and start the timed epoch's instances "
+                                 "with the drafting state they learned (acceptance map, batch cut-off), as engines that serve "
+                                 "every epoch of verl-ext ab --epochs 2 do (default: cold instances)"))
 
 
 def add_commands(sub) -> None:
@@ -164,7 +168,7 @@ def _run_sim(args) -> int:
         epoch=args.epoch,
         max_tokens=_one_budget(args.max_tokens),
         out=args.out or "runs/ab_sim",
-        **_given(args, "instances", "preset", "steps", "t_train", "kv_pool_gbps", "dispatcher"),
+        **_given(args, "instances", "preset", "steps", "t_train", "kv_pool_gbps", "dispatcher", "warm_epochs"),
     )
     summary = run_sim_ab(cfg, progress=not args.no_progress)
     if cfg.pipeline is not None:

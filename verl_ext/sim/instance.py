@@ -183,6 +183,15 @@ class SimInstance(Instance):
         # RLHFSpec's workload-aware selection: this engine's own selector over its cost model
         self.selector = spec.draft_selector(cost) if spec is not None else None
 
+    def carry_state(self, before: "SimInstance") -> None:
+        """Take over what an engine learns while it drafts and keeps between a run's rollouts:
+        ``before``'s draft selector (RLHFSpec's ``F``, its prefill statistics, the step-time
+        cache) and the batch cut-off's measured acceptance, where both instances have them."""
+        if self.selector is not None and before.selector is not None:
+            self.selector = before.selector
+        if self._cutoff is not None and before._cutoff is not None:
+            self._cutoff = self._policy.cutoff.cutoff = before._cutoff
+
     # -- the Instance contract ----------------------------------------------------------------
     async def generate(self, request: GenRequest, on_tokens=None) -> Completion:
         if self.dispatcher is not None:

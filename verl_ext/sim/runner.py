@@ -77,6 +77,11 @@ class SimConfig:
     kv_pool_gbps: float = DEFAULT_POOL_BW / 1e9
     #: charge veRL's dispatcher actor for every server call (``verl_ext.sim.dispatcher``)
     dispatcher: bool = True
+    #: roll the trace's earlier epochs out first, untimed, on instances whose learned drafting
+    #: state (RLHFSpec's acceptance map and prefill statistics, the batch cut-off's measured
+    #: acceptance) the timed epoch's instances take over: what engines that serve every epoch of
+    #: a run carry (``verl-ext ab --epochs 2``). Off: the timed epoch starts from cold engines.
+    warm_epochs: bool = False
 
     def validate(self) -> None:
         validate_strategies(self.strategies)
@@ -90,6 +95,8 @@ class SimConfig:
             raise ValueError(f"--max-tokens must be > 0, got {self.max_tokens}")
         if not (self.kv_pool_gbps > 0 and self.kv_pool_gbps != float("inf")):
             raise ValueError(f"--kv-pool-gbps must be a number of GB/s > 0, got {self.kv_pool_gbps}")
+        if self.warm_epochs and self.pipeline is not None:
+            raise ValueError("--warm-epochs is for one rollout; --pipeline's consecutive steps run on the same instances")
         if self.pipeline is not None:
             from verl_ext.sim.pipeline import MODES as PIPELINE_MODES
 
@@ -135,8 +142,10 @@ def run_sim_ab(cfg: SimConfig, progress: bool = True, trace=None) -> dict:
 
     results = []
     for label, strategy, spec, kv_pool in arms:
+        warm = _warm_instances(cfg, trace, epoch, strategy, spec, cost) if cfg.warm_epochs else None
         results.append(run_arm(label, strategy, spec, trace, rows, history, cost, cfg.instances, cfg.replay, requests,
-                               seed=cfg.seed, progress=progress, kv_pool=kv_pool, dispatcher=cfg.dispatcher))
+                               seed=cfg.seed, progress=progress, kv_pool=kv_pool, dispatcher=cfg.dispatcher,
+                               warm_from=warm))
     _add_ratios(results)
     summary = {
         "schema": SCHEMA,
@@ -160,13 +169,28 @@ def run_sim_ab(cfg: SimConfig, progress: bool = True, trace=None) -> dict:
     return summary
 
 
+def _warm_instances(cfg: SimConfig, trace, epoch: int, strategy, spec, cost) -> Optional[list]:
+    """``SimConfig.warm_epochs``: the trace's epochs before ``epoch`` rolled out in order, untimed,
+    each on instances that take over the one before's drafting state; the last one's instances."""
+    warm = None
+    for e in [e for e in trace.epochs() if e < epoch]:
+        _, rows_e, history_e = select_epoch(trace, e)
+        max_tokens = cfg.max_tokens or int(trace.response_lengths()[rows_e].max())
+        arm = run_arm(f"warm e{e}", strategy, spec, trace, rows_e, history_e, cost, cfg.instances, cfg.replay,
+                      build_requests(trace, rows_e, max_tokens), seed=cfg.seed, record_timeline=False,
+                      dispatcher=cfg.dispatcher, warm_from=warm)
+        warm = arm.instances
+    return warm
+
+
 def run_arm(label, strategy, spec, trace, rows, history, cost, instances: int, replay: str, requests,
             seed: int = 0, progress: bool = False, record_timeline: bool = True, kv_pool=None,
-            dispatcher: bool = True) -> SimArm:
+            dispatcher: bool = True, warm_from: Optional[list] = None) -> SimArm:
     """One strategy (with its drafting options ``spec`` or None) over trace ``rows`` on
     ``instances`` simulated instances of ``cost``; ``history`` feeds the history scope;
     ``kv_pool``: the instances' shared ``KVPool`` (None: none); ``dispatcher``: every call
-    passes veRL's dispatcher actor (``SimDispatcher``).
+    passes veRL's dispatcher actor (``SimDispatcher``); ``warm_from``: instances of an earlier
+    epoch whose learned drafting state these take over (``SimInstance.carry_state``).
     ``metrics["sim_seconds"]`` is the simulator's own wall time, draft replay included."""
     from verl_ext.sim.clock import run_virtual
     from verl_ext.sim.drafting import make_drafter
@@ -193,6 +217,8 @@ def run_arm(label, strategy, spec, trace, rows, history, cost, instances: int, r
     via = SimDispatcher() if dispatcher else None
     sims = [SimInstance(f"sim-{i}", cost, source, drafter, record_timeline, kv_pool=kv_pool, dispatcher=via)
             for i in range(instances)]
+    for sim, before in zip(sims, warm_from or ()):
+        sim.carry_state(before)
     rewards = {i: float(trace.reward[i]) for i in rows.tolist()}
     lengths = trace.response_lengths()
 
