@@ -118,10 +118,11 @@ def simulate(args, summary: dict, trace: str, out: Path) -> dict:
     from verl_ext.sim.runner import SimConfig, run_sim_ab
 
     cfg = summary["config"]
+    budget = cfg["max_tokens"]  # one per epoch where ab ran with a list: the timed (last) epoch's
     sim = SimConfig(strategies=list(summary["strategies"]), trace=trace, preset=args.preset or cfg.get("preset") or cpu_default_preset(),
-                    instances=cfg["instances"], spec_k=cfg["spec_k"], seed=cfg["seed"], max_tokens=cfg["max_tokens"],
+                    instances=cfg["instances"], spec_k=cfg["spec_k"], seed=cfg["seed"], max_tokens=budget[-1] if isinstance(budget, list) else budget,
                     dispatcher=False, warm_epochs=True, out=str(out / "sim"))
-    say(args, f"sim: verl-ext sim --trace {trace} --preset {sim.preset} --instances {sim.instances} --no-dispatcher")
+    say(args, f"sim: verl-ext sim --trace {trace} --preset {sim.preset} --instances {sim.instances} --no-dispatcher --warm-epochs")
     return run_sim_ab(sim, progress=False)
 
 
