@@ -94,9 +94,7 @@ def trace_for(args, work: dict, out: Path) -> str:
     from verl_ext.trace import read_trace
 
     if args.trace:
-        meta = read_trace(args.trace).meta
-        have = {**meta["config"], "difficulty": meta["config"].get("difficulty"),
-                "keyed_sampling": meta["config"].get("keyed_sampling")}
+        have = read_trace(args.trace).meta["config"]
         wrong = {k: (have.get(k), work[k]) for k in (*WORKLOAD_KEYS, "epochs", "dtype") if have.get(k) != work[k]}
         if wrong:
             raise SystemExit(f"--trace {args.trace} is another workload than the ab run: {wrong} (trace, ab)")

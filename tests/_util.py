@@ -167,3 +167,19 @@ class VerlServer:
 
         self.generate, self.collective_rpc = _Method(generate), _Method(collective_rpc)
         self.__ray_call__ = _Method(ray_call)
+
+
+class SharedEngineFactory:
+    """An engine factory (``create(n)``) that hands out one already-started engine, the
+    session's, and leaves it running (``owns_instances = False``): for ``arecord_trace``."""
+
+    owns_instances = False
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    async def create(self, n):
+        return [self.engine]
+
+    def describe(self):
+        return {"engine": "vllm", "shared_test_engine": True}

@@ -108,18 +108,6 @@ def test_ab_with_drafting_on_and_off(tmp_path, model_dir):
         assert f"{arm}: 6/6 responses token-identical to baseline's" in r.stdout
 
 
-class _Shared:
-    """Hands out the session's engine to ``arecord_trace`` without shutting it down."""
-
-    owns_instances = False
-
-    def __init__(self, engine):
-        self.engine = engine
-
-    async def create(self, n):
-        return [self.engine]
-
-
 @pytest.mark.engine
 async def test_ab_keyed_sampling_at_temperature_one(tmp_path, model_dir, fp32_engine):
     """With --keyed-sampling, sampled responses depend on their seeds alone: `baseline`, a drafting
@@ -143,12 +131,14 @@ async def test_ab_keyed_sampling_at_temperature_one(tmp_path, model_dir, fp32_en
     # scripts/bench_sim_vs_real.py on this run: a trace of the same requests (recorded on the
     # session's float32 engine, as the run's engines; keyed, so the same tokens), every arm
     # simulated from it, the ratios side by side
+    from _util import SharedEngineFactory
+
     from verl_ext.trace.record import RecordConfig, arecord_trace
 
     trace = tmp_path / "trace.parquet"
     await arecord_trace(RecordConfig(prompts=2, samples=3, epochs=1, max_tokens=48, instances=1, temperature=1.0,
                                      difficulty=DEFAULT_DIFFICULTY, keyed_sampling=True, dtype="float32", out=str(trace)),
-                        engine_factory=_Shared(fp32_engine), progress=False)
+                        engine_factory=SharedEngineFactory(fp32_engine), progress=False)
     bench = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_sim_vs_real.py"), "--json", "--ab", str(out / "summary.json"),
                             "--trace", str(trace), "--out", str(tmp_path / "svr")],
                            capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})

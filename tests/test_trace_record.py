@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+from _util import SharedEngineFactory
 
 from verl_ext.trace import read_trace
 from verl_ext.cli import main as cli_main
@@ -40,26 +41,11 @@ def test_bad_model_and_out_dir(capsys, tmp_path):
     assert "is a directory" in capsys.readouterr().err
 
 
-class _Shared:
-    """Hands out the session's engine without shutting it down."""
-
-    owns_instances = False
-
-    def __init__(self, engine):
-        self.engine = engine
-
-    async def create(self, n):
-        return [self.engine]
-
-    def describe(self):
-        return {"engine": "vllm", "shared_test_engine": True}
-
-
 @pytest.mark.engine
 async def test_record_tiny_on_real_engine(fp32_engine, model_dir, tmp_path):
     cfg = RecordConfig(prompts=2, samples=2, epochs=2, max_tokens=16, instances=1, seed=3, temperature=0.8,
                        difficulty=1, keyed_sampling=True, out=str(tmp_path / "tiny.parquet"))
-    t = await arecord_trace(cfg, engine_factory=_Shared(fp32_engine), progress=False)
+    t = await arecord_trace(cfg, engine_factory=SharedEngineFactory(fp32_engine), progress=False)
     back = read_trace(cfg.out)
     assert len(back) == len(t) == 8 and back.epochs() == [0, 1]
     uids = [p.uid for p in make_problems(2, seed=3, difficulty=1)]

@@ -204,10 +204,9 @@ def _run_ab(args) -> int:
                  "engine_log", "keyed_sampling"),
         **({"max_tokens": _budgets(args.max_tokens)} if args.max_tokens is not None else {}),
     )
-    dtypes = ("auto", "float32", "bfloat16", "float16")
-    if args.dtype is not None and args.dtype not in dtypes:
-        raise ValueError(f"--dtype must be one of {', '.join(dtypes)}, got '{args.dtype}'")
-    engine_args = {"dtype": args.dtype} if args.dtype not in (None, "auto") else {}
+    from verl_ext.engine.vllm_local import dtype_engine_args
+
+    engine_args = dtype_engine_args(args.dtype)
     if args.engine_arg:
         from verl_ext.engine.vllm_local import parse_engine_args
 

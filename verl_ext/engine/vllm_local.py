@@ -40,6 +40,18 @@ logger = logging.getLogger(__name__)
 _ENV_LOCK = threading.Lock()
 
 
+#: the model dtypes ``--dtype`` takes (vLLM's ``dtype`` engine argument; "auto": vLLM's choice)
+ENGINE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def dtype_engine_args(dtype: Optional[str]) -> dict:
+    """The engine arguments ``--dtype`` stands for (``{}`` for None or "auto"); ValueError on
+    another value."""
+    if dtype is not None and dtype not in ENGINE_DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(ENGINE_DTYPES)}, got '{dtype}'")
+    return {"dtype": dtype} if dtype not in (None, "auto") else {}
+
+
 def is_cpu_build() -> bool:
     from vllm.platforms import current_platform
 

@@ -136,8 +136,7 @@ def run_sim_ab(cfg: SimConfig, progress: bool = True, trace=None) -> dict:
     t_load = time.perf_counter()
     trace = trace if trace is not None else load_workload(cfg)
     epoch, rows, history = select_epoch(trace, cfg.epoch)
-    max_tokens = cfg.max_tokens or int(trace.response_lengths()[rows].max())
-    requests = build_requests(trace, rows, max_tokens)
+    max_tokens, requests = _epoch_requests(cfg, trace, rows)
     load_s = time.perf_counter() - t_load
 
     results = []
@@ -169,15 +168,21 @@ def run_sim_ab(cfg: SimConfig, progress: bool = True, trace=None) -> dict:
     return summary
 
 
+def _epoch_requests(cfg: SimConfig, trace, rows) -> tuple[int, list]:
+    """(the response budget, the requests) of an epoch's ``rows``: ``cfg.max_tokens``, or the
+    longest of those responses."""
+    max_tokens = cfg.max_tokens or int(trace.response_lengths()[rows].max())
+    return max_tokens, build_requests(trace, rows, max_tokens)
+
+
 def _warm_instances(cfg: SimConfig, trace, epoch: int, strategy, spec, cost) -> Optional[list]:
     """``SimConfig.warm_epochs``: the trace's epochs before ``epoch`` rolled out in order, untimed,
     each on instances that take over the one before's drafting state; the last one's instances."""
     warm = None
     for e in [e for e in trace.epochs() if e < epoch]:
         _, rows_e, history_e = select_epoch(trace, e)
-        max_tokens = cfg.max_tokens or int(trace.response_lengths()[rows_e].max())
         arm = run_arm(f"warm e{e}", strategy, spec, trace, rows_e, history_e, cost, cfg.instances, cfg.replay,
-                      build_requests(trace, rows_e, max_tokens), seed=cfg.seed, record_timeline=False,
+                      _epoch_requests(cfg, trace, rows_e)[1], seed=cfg.seed, record_timeline=False,
                       dispatcher=cfg.dispatcher, warm_from=warm)
         warm = arm.instances
     return warm
