@@ -87,3 +87,39 @@ def test_no_module_imports_another_packages_private_names():
         if private and not own:
             offending.append(f"{f}:{line} imports {private} from {name}")
     assert not offending, offending
+
+
+def _architecture_table():
+    """docs/ARCHITECTURE.md's package table: [(packages of the row, the imports it states)]."""
+    import re
+
+    text = (ROOT.parent / "docs" / "ARCHITECTURE.md").read_text()
+    section = text[text.index("## Packages"):]
+    section = section[:section.index("\n## ", 3)]
+    rows = []
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 3 or not cells[0].startswith("`"):
+            continue
+        names = [re.sub(r"(/|\.py)$", "", n) for n in re.findall(r"`([^`]+)`", cells[0])]
+        stated = None if cells[2] == "any" else set(re.findall(r"`([^`]+)`", cells[2]))
+        rows.append((names, stated))
+    return rows
+
+
+def test_the_architecture_table_lists_every_package_and_the_imports_it_has():
+    rows = _architecture_table()
+    listed = [n for names, _ in rows for n in names]
+    packages = {p.name for p in ROOT.iterdir() if p.is_dir() and any(p.glob("*.py"))}
+    packages |= {p.stem for p in ROOT.glob("*.py") if p.stem != "__init__"}
+    assert sorted(listed) == sorted(packages), "docs/ARCHITECTURE.md's package table and verl_ext's packages differ"
+    edges, above, wrong = _graph(), set(), []
+    for names, stated in rows:
+        for name in names:
+            actual = edges.get(name, set())
+            if stated is not None and actual != stated:
+                wrong.append(f"{name}: the table says {sorted(stated)}, the code imports {sorted(actual)}")
+            if stated is not None and not actual <= above:
+                wrong.append(f"{name} imports {sorted(actual - above)}, listed below it")
+        above |= set(names)
+    assert not wrong, wrong
