@@ -99,6 +99,24 @@ def test_mechanisms_act_in_the_simulator(sim_run, arm):
     assert sim_run["baseline"]["mechanisms"] == {}
 
 
+@pytest.mark.parametrize("keyed", [None, False])
+def test_the_simulator_copies_sampled_requests_only_on_engines_that_key_them(tmp_path, keyed):
+    """At temperature 1 specactor's Best-of-N copies a request only where every engine keys
+    sampled requests: the simulated engines do, unless the trace says its engines sampled unkeyed
+    (``meta.seeds.keyed`` false), where the copies are refused as on such real engines."""
+    from verl_ext.sim.runner import SimConfig, load_workload, run_sim_ab
+
+    cfg = SimConfig(strategies=["specactor"], synth=dict(prompts=16, samples=4, mean_len=256, max_len=1024),
+                    instances=4, replay="exact", out=str(tmp_path))
+    trace = load_workload(cfg)
+    assert float(trace.meta.get("temperature", 1.0)) > 0
+    if keyed is not None:
+        trace.meta["seeds"] = {"keyed": keyed}
+    got = run_sim_ab(cfg, progress=False, trace=trace)["strategies"]["specactor"]
+    copies, refused = got["mechanisms"]["bon_copies"], got.get("strategy/bon_refused_sampled", 0)
+    assert (copies > 0 and refused == 0) if keyed is None else (copies == 0 and refused > 0), (copies, refused)
+
+
 def test_group_drafts_are_not_attributed_where_replayed_schedules_mix_scopes(tmp_path):
     """``lockstep`` replays request+group drafts without telling them apart: the group count stays
     0 there (a limit of the instrument, not of seer), while single-scope history drafts count."""

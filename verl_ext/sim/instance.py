@@ -109,9 +109,13 @@ class SimInstance(Instance):
     prefix_block = 16
 
     def __init__(self, name: str, cost, source: TraceSource, drafter=None, record_timeline: bool = True,
-                 prefix_caching: bool = True, kv_pool=None, dispatcher=None):
-        """``dispatcher``: the ``SimDispatcher`` every call passes through (veRL's), or None."""
+                 prefix_caching: bool = True, kv_pool=None, dispatcher=None, keyed_sampling: bool = False):
+        """``dispatcher``: the ``SimDispatcher`` every call passes through (veRL's), or None.
+        ``keyed_sampling``: the engine this models samples keyed requests by key (vLLM with
+        verl_ext's plugin), so strategies may copy sampled requests (``trace_keyed``); the
+        replayed tokens are the trace's either way."""
         self.name = name
+        self.keyed_sampling = keyed_sampling
         self.dispatcher = dispatcher
         self.cost = cost
         self.source = source

@@ -374,7 +374,7 @@ def run_pipeline_arm(label: str, cfg, cost, trace, rows, history, batches, max_t
     from verl_ext.sim.clock import run_virtual
     from verl_ext.sim.drafting import make_drafter
     from verl_ext.sim.instance import SimInstance
-    from verl_ext.sim.workload import build_requests, trace_history
+    from verl_ext.sim.workload import build_requests, trace_history, trace_keyed
     from verl_ext.sim.source import TraceSource
     from verl_ext.spec import SCOPE_HISTORY
 
@@ -393,8 +393,8 @@ def run_pipeline_arm(label: str, cfg, cost, trace, rows, history, batches, max_t
     from verl_ext.sim.dispatcher import SimDispatcher
 
     via = SimDispatcher() if cfg.dispatcher else None
-    sims = [SimInstance(f"sim-{i}", cost, source, drafter, record_timeline=False, dispatcher=via)
-            for i in range(cfg.instances)]
+    sims = [SimInstance(f"sim-{i}", cost, source, drafter, record_timeline=False, dispatcher=via,
+                        keyed_sampling=trace_keyed(trace)) for i in range(cfg.instances)]
     step_requests = [build_requests(trace, b, max_tokens) for b in batches]
     pipe = Pipeline(sims, mode, t_train, len(batches))
     per_step: list[dict] = []

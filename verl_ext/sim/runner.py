@@ -28,7 +28,7 @@ from verl_ext.engine.instance import GenRequest
 from verl_ext.pipe.lifecycle import UNSET, Lifecycle
 from verl_ext.sim.defaults import DEFAULT_INSTANCES, DEFAULT_PRESET
 from verl_ext.sim.kv_pool import DEFAULT_POOL_BW
-from verl_ext.sim.workload import build_requests, load_workload, select_epoch, trace_history
+from verl_ext.sim.workload import build_requests, load_workload, select_epoch, trace_history, trace_keyed
 
 #: an arm label ending in this runs its instances with a cluster KV pool (``verl_ext.sim.kv_pool``)
 KV_POOL_SUFFIX = "@kvpool"
@@ -220,8 +220,8 @@ def run_arm(label, strategy, spec, trace, rows, history, cost, instances: int, r
     from verl_ext.sim.dispatcher import SimDispatcher
 
     via = SimDispatcher() if dispatcher else None
-    sims = [SimInstance(f"sim-{i}", cost, source, drafter, record_timeline, kv_pool=kv_pool, dispatcher=via)
-            for i in range(instances)]
+    sims = [SimInstance(f"sim-{i}", cost, source, drafter, record_timeline, kv_pool=kv_pool, dispatcher=via,
+                        keyed_sampling=trace_keyed(trace)) for i in range(instances)]
     for sim, before in zip(sims, warm_from or ()):
         sim.carry_state(before)
     rewards = {i: float(trace.reward[i]) for i in rows.tolist()}

@@ -58,6 +58,16 @@ def build_requests(trace, rows: np.ndarray, max_tokens: int) -> list[GenRequest]
     return out
 
 
+def trace_keyed(trace) -> bool:
+    """Whether the simulated engines of ``trace`` sample keyed requests by key: as the engines that
+    recorded it did where its meta says (``seeds.keyed``, ``verl-ext trace record
+    --keyed-sampling``), else as vLLM with verl_ext's plugin does (synthetic workloads, older
+    recordings). It decides what a strategy may do with sampled requests (``specactor``'s
+    Best-of-N copies them only when keyed), as ``Instance.keyed_sampling`` does on real engines."""
+    seeds = (trace.meta or {}).get("seeds")
+    return not (isinstance(seeds, dict) and seeds.get("keyed") is False)
+
+
 def trace_history(trace, epoch: int):
     """A ``HistoryStore`` holding the trace's rollouts of the epochs before ``epoch``, one training
     step per epoch (step = epoch + 1), with each epoch's growth rates recorded."""
