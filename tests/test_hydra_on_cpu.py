@@ -200,6 +200,23 @@ def test_config_check_passes_each_strategys_own_config(strategy):
     assert check_rollout(compose_verl([]).actor_rollout_ref.rollout) is None  # verl_ext not selected
 
 
+@pytest.mark.parametrize("strategy", ["seer", "rhyme", "rlhfspec", "specactor"])
+def test_the_draft_length_is_set_once_in_the_strategys_options(strategy):
+    """``options.spec_k`` is the engines' ``num_speculative_tokens`` too; an engine setting that
+    disagrees with the strategy's options is refused, naming the setting."""
+    from verl_ext.config.check import check_rollout
+
+    base = [f"rollout@actor_rollout_ref.rollout={strategy}", "actor_rollout_ref.rollout.name=vllm",
+            f"{OPTS}.profile=cpu-smollm2-avx2" if strategy in ("rlhfspec", "specactor") else f"{OPTS}.spec_k=8"]
+    cfg = compose_verl(base + [f"{OPTS}.spec_k=12"]).actor_rollout_ref.rollout
+    assert check_rollout(cfg).options["spec_k"] == 12
+    assert cfg.engine_kwargs.vllm.speculative_config.num_speculative_tokens == 12
+    assert cfg.engine_kwargs.vllm.additional_config.verl_ext_spec.get("k", 12) == 12
+    apart = compose_verl(base + ["actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config.num_speculative_tokens=4"])
+    with pytest.raises(ValueError, match=r"disagree with what strategy '%s' asks of them .*k: engines 4" % strategy):
+        check_rollout(apart.actor_rollout_ref.rollout)
+
+
 @pytest.mark.parametrize(
     "strategy,overrides,match",
     [

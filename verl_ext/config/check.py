@@ -54,12 +54,44 @@ def drafter_options(rollout) -> Optional[dict]:
     return spec
 
 
-def check_drafter_config(settings, rollout) -> None:
+#: drafter settings the engines may hold apart from the strategy's ``engine_spec``: the profiles
+#: are named where the engines resolve them, and ``seer`` switches the group trees' source at run
+#: time where a grouped draft server streams to the engines
+_ENGINE_LOCAL = ("knee_profile", "cutoff_profile", "select_profile", "group_source")
+
+
+def engine_spec_differences(want, have) -> list[str]:
+    """The drafter settings in which the engines' ``SpecOptions`` (``have``, from
+    ``engine_kwargs``) differ from what the strategy's options ask of them (``want``,
+    ``Strategy.engine_spec``), as ``"name: engines X, options Y"``."""
+    a, b = want.to_dict(), have.to_dict()
+    a["scopes"], b["scopes"] = want.mask, have.mask  # "group+request" is "request+group"
+    return [f"{key}: engines {b.get(key)!r}, options {a.get(key)!r}" for key in sorted(set(a) | set(b))
+            if key not in _ENGINE_LOCAL and a.get(key) != b.get(key)]
+
+
+def check_drafter_config(settings, rollout, strategy=None) -> None:
     """Refuse, or warn about, strategy options and engine drafter settings that disagree (the
-    engines read theirs from ``engine_kwargs`` at start-up)."""
+    engines read theirs from ``engine_kwargs`` at start-up). ``strategy``: the strategy built
+    from ``settings``, whose ``engine_spec`` the engines' settings must match."""
     spec = drafter_options(rollout)
     if spec is None:
         return
+    if strategy is not None:
+        from verl_ext.pipe.strategy import StrategyConfigError
+        from verl_ext.spec.options import SpecOptions
+
+        try:
+            want = strategy.engine_spec()
+        except StrategyConfigError:  # options the rollout refuses anyway (checked below or at start)
+            want = None
+        diff = engine_spec_differences(want, SpecOptions.from_dict(spec)) if want is not None else []
+        if diff:
+            raise ValueError(
+                f"verl_ext: the engines' drafter settings (actor_rollout_ref.rollout.engine_kwargs.vllm: "
+                f"speculative_config.num_speculative_tokens and additional_config.verl_ext_spec) disagree with what "
+                f"strategy '{settings.strategy}' asks of them (its custom.verl_ext.options): {'; '.join(diff)}. "
+                f"Set the strategy's options and leave the engines' settings to rollout={settings.strategy}'s config")
     if spec.get("select") and not spec.get("select_profile"):
         raise ValueError("verl_ext: the engines' draft selection (engine_kwargs.vllm.additional_config.verl_ext_spec."
                          "select, rollout=rlhfspec) needs step times: set actor_rollout_ref.rollout.custom.verl_ext."
@@ -117,7 +149,7 @@ def check_rollout(rollout):
         from verl_ext.spec.options import SpecOptions
 
         SpecOptions.from_dict(spec)  # as each engine's drafter does at start-up
-    check_drafter_config(settings, rollout)
+    check_drafter_config(settings, rollout, strategy)
     return settings
 
 
