@@ -19,14 +19,23 @@ same rollout, side by side:
    and the timed epoch's instances keep what its drafters learned (``--warm-epochs``), as ``ab``'s
    engines serve both epochs; ``sim_ratio`` the same quotient.
 
+**The veRL path** (``--verl DIR``: a finished ``bash scripts/verl_e2e.sh --trace`` run, with
+``baseline``): each strategy's training run recorded its own rollouts, one trace per step, and
+its dispatcher's ``rollout_s`` per step. Each step ``k`` from the second on is simulated from that
+run's own trace (steps before ``k``: history, and rolled out first on the same instances), with
+veRL's dispatcher, the CPU mode's float32 cost model (``cpu-smollm2-avx2``) and as many instances
+as the run had servers. ``real_ratio`` is the median over steps of ``rollout_s`` over
+``baseline``'s at the same step, ``sim_ratio`` the same quotient of the predictions (each run's
+own workload on both sides: the policies, hence the responses, differ between runs).
+
 Prints one JSON object: ``rows`` (one per strategy and path: ``real_ratio``, ``sim_ratio``,
 ``error`` = sim / real - 1, ``band``, ``within``; ``baseline``'s row compares absolute wall
-times) and the commands and workload behind them. Only the ``ab`` path runs here; the veRL path
-(``scripts/verl_e2e.sh``'s ``rollout_s``) is listed under ``not_run`` with its reason.
+times) and the commands and workload behind them. A path not run is listed under ``not_run``.
 
     python scripts/bench_sim_vs_real.py --json                  # ~30 min on a 2-core CPU
     python scripts/bench_sim_vs_real.py --json --quick          # a smaller version for checks
     python scripts/bench_sim_vs_real.py --json --ab runs/realistic/summary.json
+    python scripts/bench_sim_vs_real.py --json --no-ab --verl runs/verl_t07   # the veRL path only
 """
 
 from __future__ import annotations
@@ -36,6 +45,8 @@ import json
 import sys
 import time
 from pathlib import Path
+
+import numpy as np
 
 STRATEGIES = "baseline,seer,rhyme,rlhfspec,specactor"
 #: issue 49 part 4's bands, relative error of the ratio per path
@@ -58,12 +69,16 @@ def parse_args(argv=None):
     p.add_argument("--ab", default=None, help="a finished `verl-ext ab` run's summary.json instead of running one")
     p.add_argument("--trace", default=None, help="a recorded trace of the same workload instead of recording one")
     p.add_argument("--preset", default=None, help="the simulator's cost model (default: this machine's shipped CPU preset)")
+    p.add_argument("--verl", default=None, help="a finished `scripts/verl_e2e.sh --trace` run's directory: the veRL path")
+    p.add_argument("--no-ab", action="store_true", help="skip the ab path (with --verl)")
     p.add_argument("--out", default="runs/sim_vs_real", help="directory for the ab run, the trace and the sim run")
     args = p.parse_args(argv)
     if args.quick:
         args.prompts, args.samples, args.max_tokens, args.repeats = 4, 4, 64, 1
         args.strategies = args.strategies or "baseline,seer"
     args.strategies = args.strategies or STRATEGIES
+    if args.no_ab and not args.verl:
+        p.error("--no-ab leaves nothing to compare without --verl")
     return args
 
 
@@ -162,11 +177,87 @@ def rows_for(real: dict, sim: dict) -> list[dict]:
     return rows
 
 
+def _overrides(run_dir: Path) -> dict[str, str]:
+    """The Hydra overrides of a verl_e2e strategy run's (first) trainer command."""
+    words = (run_dir / "command.txt").read_text().split()
+    return dict(w.lstrip("+").split("=", 1) for w in words if "=" in w and not w.startswith("-"))
+
+
+def verl_rows(args, out: Path) -> tuple[list[dict], dict]:
+    """The veRL path's rows (see the module docstring) and what each strategy's were made of."""
+    from verl_ext.cpu.e2e import CPU_PROFILE
+    from verl_ext.sim.runner import SimConfig, run_sim_ab
+    from verl_ext.trace import Trace, read_trace, write_trace
+
+    root = Path(args.verl)
+    runs = {}
+    for name in args.strategies.split(","):
+        run_dir = root / name
+        if not (run_dir / "summary.json").is_file():
+            continue
+        real = json.loads((run_dir / "summary.json").read_text())["rollout_s"]
+        files = sorted((run_dir / "traces").glob("step_*.parquet"), key=lambda f: int(f.stem.split("_")[1]))
+        if not files:
+            raise SystemExit(f"{run_dir}: no traces; run scripts/verl_e2e.sh with --trace")
+        steps = Trace.concat([read_trace(f) for f in files])
+        path = out / "verl_sim" / name / "steps.parquet"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_trace(steps, path)
+        servers = int(_overrides(run_dir).get("trainer.n_gpus_per_node", 1))
+        sim = {}
+        for k in sorted(int(e) for e in steps.epochs())[1:]:
+            cfg = SimConfig(strategies=[name], trace=str(path), preset=args.preset or CPU_PROFILE, instances=servers,
+                            epoch=k, max_tokens=steps.meta.get("response_length"), seed=args.seed,
+                            dispatcher=True, warm_epochs=True, out=str(path.parent / f"step_{k}"))
+            sim[k] = run_sim_ab(cfg, progress=False)["strategies"][name]["wall_s"]
+        runs[name] = {"real": {k: real[k - 1] for k in sim if k - 1 < len(real) and real[k - 1]}, "sim": sim,
+                      "servers": servers, "trace": str(path)}
+        say(args, f"verl: {name}: real rollout_s {runs[name]['real']}, simulated {sim}")
+    if "baseline" not in runs:
+        raise SystemExit(f"{root}: no baseline run to compare with")
+    base = runs["baseline"]
+    rows = []
+    for name, r in runs.items():
+        steps = sorted(set(r["real"]) & set(base["real"]) & set(r["sim"]))
+        row = {"path": "verl", "strategy": name, "steps": steps,
+               "real_rollout_s": [round(r["real"][k], 3) for k in steps], "sim_rollout_s": [round(r["sim"][k], 3) for k in steps]}
+        if name == "baseline":
+            row.update(real_ratio=1.0, sim_ratio=1.0, error=None,
+                       wall_error=round(float(np.median([r["sim"][k] / r["real"][k] for k in steps])) - 1, 4))
+        else:
+            real_q = [r["real"][k] / base["real"][k] for k in steps]
+            sim_q = [r["sim"][k] / base["sim"][k] for k in steps]
+            row.update(real_ratio=round(float(np.median(real_q)), 4), real_spread=[round(min(real_q), 4), round(max(real_q), 4)],
+                       sim_ratio=round(float(np.median(sim_q)), 4))
+            row["error"] = round(row["sim_ratio"] / row["real_ratio"] - 1, 4)
+            row.update(band=BANDS["verl"], within=abs(row["error"]) <= BANDS["verl"])
+        rows.append(row)
+    return rows, {n: {k: v for k, v in r.items() if k in ("servers", "trace")} for n, r in runs.items()}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
+    result: dict = {"bench": "sim_vs_real", "quick": args.quick, "rows": [], "not_run": {}, "bands": BANDS}
+    if args.no_ab:
+        result["not_run"]["ab"] = "--no-ab"
+    else:
+        result.update(ab_path(args, out))
+    if args.verl:
+        rows, runs = verl_rows(args, out)
+        result["rows"] += rows
+        result["verl"] = {"dir": args.verl, "runs": runs}
+    else:
+        result["not_run"]["verl"] = "no --verl run given (bash scripts/verl_e2e.sh --trace ...)"
+    result["wall_s"] = round(time.monotonic() - t0, 1)
+    print(json.dumps(result, indent=None if args.json else 2))
+    return 0
+
+
+def ab_path(args, out: Path) -> dict:
+    """The ``ab`` path: its rows and what they were made of."""
     real = real_ab(args, out)
     if "baseline" not in real["strategies"]:
         raise SystemExit("the ab run has no baseline arm")
@@ -179,21 +270,14 @@ def main(argv=None) -> int:
     same = same_lengths(args, out, trace)
     real_tokens = real["strategies"]["baseline"]["output_tokens"]
     sim_tokens = sim["workload"]["response_tokens"]
-    result = {
-        "bench": "sim_vs_real",
-        "quick": args.quick,
+    return {
         "workload": work,
         "tokens": {"real": real_tokens, "trace": sim_tokens, "same": real_tokens == sim_tokens, "same_lengths": same},
         "preset": sim["config"]["preset"],
         "rows": rows_for(real, sim),
-        "not_run": {"verl": "scripts/verl_e2e.sh's steps are not recorded as traces yet"},
-        "bands": BANDS,
         "outputs": {"ab": args.ab or str(out / "ab"), "trace": trace, "sim": str(out / "sim")},
         "machine": real.get("machine"),
-        "wall_s": round(time.monotonic() - t0, 1),
     }
-    print(json.dumps(result, indent=None if args.json else 2))
-    return 0
 
 
 if __name__ == "__main__":

@@ -115,3 +115,48 @@ def test_each_command_shows_its_own_flags_and_the_old_spelling_still_works(tmp_p
     assert main(["profile", "--thresholds", "h100-7b"]) == 0
     captured = capsys.readouterr()
     assert "use `verl-ext fit thresholds`" in captured.err and captured.out.startswith("h100-7b: draft thresholds")
+
+
+def test_bench_sim_vs_real_simulates_each_verl_step_from_its_runs_own_trace(tmp_path):
+    """``scripts/bench_sim_vs_real.py --verl``: each strategy's ``verl_e2e.sh --trace`` run is
+    simulated step by step from its own traces (steps before: history and warm engines), and
+    its ratio to ``baseline`` is the median over steps of each side's per-step quotient. The
+    runs here are slices of the committed trace, laid out as the trace hook and verl_e2e write
+    them, with rollout times chosen so that the real quotients are known."""
+    import subprocess
+    import sys
+
+    from verl_ext.sim.runner import SimConfig, run_sim_ab
+    from verl_ext.trace.format import write_trace
+
+    repo = Path(__file__).resolve().parent.parent
+    full = read_trace(repo / "data" / "traces" / "smollm2_arith_e2.parquet")
+    uids = sorted(set(full.prompt_uid.tolist()))
+    real = {"baseline": [9.0, 8.0], "rhyme": [9.5, 6.0]}
+    for name, prompts in (("baseline", uids[:3]), ("rhyme", uids[3:6])):
+        run = tmp_path / "verl" / name
+        (run / "traces").mkdir(parents=True)
+        (run / "summary.json").write_text(json.dumps({"rollout_s": real[name]}))
+        (run / "command.txt").write_text(f"python -m verl.trainer.main_ppo rollout={name} trainer.n_gpus_per_node=2")
+        for e in (0, 1):
+            step = full.select(np.isin(full.prompt_uid, prompts) & (full.epoch == e) & (full.sample_index < 4))
+            step.epoch[:] = e + 1  # the hook's epoch is the training step
+            step.meta.update(response_length=256, temperature=1.0)
+            write_trace(step, run / "traces" / f"step_{e + 1}.parquet")
+    r = subprocess.run([sys.executable, str(repo / "scripts" / "bench_sim_vs_real.py"), "--json", "--no-ab",
+                        "--verl", str(tmp_path / "verl"), "--strategies", "baseline,rhyme", "--out", str(tmp_path / "svr")],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout)
+    rows = {row["strategy"]: row for row in got["rows"]}
+    assert set(rows) == {"baseline", "rhyme"} and all(row["path"] == "verl" and row["steps"] == [2] for row in rows.values())
+    assert "ab" in got["not_run"] and got["verl"]["runs"]["rhyme"]["servers"] == 2
+    assert rows["rhyme"]["real_ratio"] == round(6.0 / 8.0, 4) and rows["rhyme"]["band"] == 0.15
+    # each step's prediction is what `verl-ext sim` gives for that run's trace at that step
+    sim = {name: run_sim_ab(SimConfig(strategies=[name], trace=got["verl"]["runs"][name]["trace"], preset="cpu-smollm2-avx2",
+                                      instances=2, epoch=2, max_tokens=256, warm_epochs=True, out=str(tmp_path / name)),
+                            progress=False)["strategies"][name]["wall_s"] for name in real}
+    assert rows["rhyme"]["sim_rollout_s"] == [round(sim["rhyme"], 3)] and rows["baseline"]["sim_rollout_s"] == [round(sim["baseline"], 3)]
+    assert rows["rhyme"]["sim_ratio"] == round(sim["rhyme"] / sim["baseline"], 4)
+    assert rows["rhyme"]["error"] == round(rows["rhyme"]["sim_ratio"] / rows["rhyme"]["real_ratio"] - 1, 4)
+    assert rows["baseline"]["wall_error"] == round(sim["baseline"] / 8.0 - 1, 4)
