@@ -551,6 +551,40 @@ def test_pav_is_the_weighted_isotonic_fit_row_by_row():
     assert pav([3.0, 1.0, 2.0], 1.0).tolist() == [2.0, 2.0, 2.0]
 
 
+def test_the_native_step_observation_table_and_scores_are_the_numpy_rule_bit_for_bit():
+    """What the selector does every step, native (observe_chains, acceptance_table,
+    cumulative_scores), against the rule written in numpy: the counts of each drafted node at
+    its depth bucket and nearest score point (ties to even), the window's scaling, the shrunk
+    and isotonic table, and the running float32 products, equal to the last bit over many
+    random steps, with the window reached."""
+    rng = np.random.default_rng(1)
+    native = AcceptanceModel(points=21, window=64.0)
+    ref = AcceptanceModel(points=21, window=64.0)
+
+    def ref_table(m):
+        est = (m.accepted + m.prior_weight * m.prior) / np.maximum(m.seen + m.prior_weight, 1e-12)
+        return np.clip(pav(est, m.seen + 1.0), 0.0, 1.0).astype(np.float32)
+
+    for step in range(300):
+        b, w = int(rng.integers(1, 9)), int(rng.integers(1, 40))
+        probs = rng.random((b, w)).astype(np.float32)
+        lens = rng.integers(0, w + 1, b)
+        p = np.where(np.arange(w)[None, :] < lens[:, None], probs, 0.0)
+        scores = cumulative_scores(probs, lens)
+        np.testing.assert_array_equal(scores, np.cumprod(p, axis=1, dtype=np.float32))
+        scores[rng.random((b, w)) < 0.05] = rng.choice([0.125, 0.375, 0.625, 0.875])  # x 20: exactly half-way
+        drafted = np.minimum(lens, rng.integers(0, w + 1, b))
+        accepted = rng.integers(0, w + 1, b)
+        native.observe_chains(scores, drafted, accepted)
+        j = np.broadcast_to(np.arange(w)[None, :], scores.shape)
+        mask = j < drafted[:, None]
+        ref.observe(scores[mask], (j < accepted[:, None])[mask], j[mask])
+        np.testing.assert_array_equal(native.seen, ref.seen)
+        np.testing.assert_array_equal(native.accepted, ref.accepted)
+        np.testing.assert_array_equal(native.table(), ref_table(ref))
+    assert native.seen.max() == 64.0  # the window scaled some points
+
+
 def test_acceptance_counts_land_in_their_depth_bucket_and_score_point():
     assert depth_bucket([0, 3, 4, 7, 8, 15, 16, 40]).tolist() == [0, 3, 4, 4, 5, 5, 6, 6]
     m = AcceptanceModel(points=11)

@@ -48,7 +48,8 @@ from typing import Optional
 
 import numpy as np
 
-from verl_ext.spec._suffix import isotonic_rows, select_chains, select_tree
+from verl_ext.spec._suffix import acceptance_table, isotonic_rows, observe_chains, select_chains, select_tree
+from verl_ext.spec._suffix import cumulative_scores as _cumulative_scores
 
 #: points of F's piecewise-linear table over scores in [0, 1]
 ACCEPTANCE_POINTS = 21
@@ -125,11 +126,11 @@ class AcceptanceModel:
         self._table: Optional[np.ndarray] = None
 
     def table(self) -> np.ndarray:
-        """F at the grid points, one row per depth bucket (float32, non-decreasing along rows)."""
+        """F at the grid points, one row per depth bucket (float32, non-decreasing along rows):
+        ``clip(pav((accepted + m prior) / max(seen + m, 1e-12), seen + 1), 0, 1)`` with ``m`` the
+        prior weight, in one native call (refitted after every step's observations)."""
         if self._table is None:
-            m = self.prior_weight
-            est = (self.accepted + m * self.prior) / np.maximum(self.seen + m, 1e-12)
-            self._table = np.clip(pav(est, self.seen + 1.0), 0.0, 1.0).astype(np.float32)
+            self._table = acceptance_table(self.accepted, self.seen, self.prior, self.prior_weight)
         return self._table
 
     def __call__(self, scores, depth=0) -> np.ndarray:
@@ -157,6 +158,13 @@ class AcceptanceModel:
             f = self.window / self.seen[over]
             self.seen[over] *= f
             self.accepted[over] *= f
+        self._table = None
+
+    def observe_chains(self, scores: np.ndarray, drafted: np.ndarray, accepted: np.ndarray) -> None:
+        """``observe`` for one step's linear drafts, in one native call: row i drafted
+        ``drafted[i]`` tokens with cumulative ``scores[i, :drafted[i]]`` (depth = position), and
+        the target accepted the first ``accepted[i]``."""
+        observe_chains(scores, drafted, accepted, self.seen, self.accepted, self.window)
         self._table = None
 
     @classmethod
@@ -309,10 +317,7 @@ class DraftSelector:
         drafted = np.asarray(drafted, dtype=np.int64)
         if not drafted.any():
             return
-        w = scores.shape[1]
-        j = np.broadcast_to(np.arange(w)[None, :], scores.shape)
-        mask = j < drafted[:, None]
-        self.acceptance.observe(scores[mask], (j < np.asarray(accepted)[:, None])[mask], j[mask])
+        self.acceptance.observe_chains(scores, drafted, accepted)
 
     def stats(self) -> dict:
         return {
@@ -329,10 +334,9 @@ class DraftSelector:
 
 
 def cumulative_scores(probs: np.ndarray, lens: np.ndarray) -> np.ndarray:
-    """Node scores from per-token conditional probabilities: products along each draft."""
+    """Node scores from per-token conditional probabilities: float32 products along each draft
+    (0 past its length), native."""
     p = np.asarray(probs, dtype=np.float32)
-    w = p.shape[1] if p.ndim == 2 else 0
-    if not w:
+    if p.ndim != 2 or not p.shape[1]:
         return np.zeros((len(lens), 0), dtype=np.float32)
-    p = np.where(np.arange(w)[None, :] < np.asarray(lens)[:, None], p, 0.0)
-    return np.cumprod(p, axis=1, dtype=np.float32)
+    return _cumulative_scores(p, lens)

@@ -508,6 +508,56 @@ PYBIND11_MODULE(_suffix, m) {
       "Per row of y (2-D), the non-decreasing weighted least-squares fit with weights w "
       "(pool-adjacent-violators; F's refit in RLHFSpec's selector).");
   m.def(
+      "observe_chains",
+      [](py::handle scores, py::handle drafted, py::handle accepted, py::array_t<double> seen,
+         py::array_t<double> acc, double window) {
+        auto sc = dense<float>(scores, 2, "scores");
+        auto dr = dense<int64_t>(drafted, 1, "drafted");
+        auto ac = dense<int64_t>(accepted, 1, "accepted");
+        const int64_t rows = sc.shape(0), width = sc.shape(1);
+        if (dr.shape(0) != rows || ac.shape(0) != rows)
+          throw py::value_error("observe_chains: one drafted and one accepted count per row of scores");
+        for (auto* a : {&seen, &acc})
+          if (a->ndim() != 2 || a->shape(0) != kDepthBuckets || a->shape(1) < 2 ||
+              !(a->flags() & py::array::c_style) || !a->writeable())
+            throw py::value_error("observe_chains: seen and accepted must be writeable C-contiguous float64 "
+                                  "arrays of one row per depth bucket");
+        if (seen.shape(1) != acc.shape(1)) throw py::value_error("observe_chains: seen and accepted differ in shape");
+        if (!(window > 0)) throw py::value_error("observe_chains: window must be > 0");
+        observe_chains(sc.data(), rows, width, dr.data(), ac.data(), static_cast<int>(seen.shape(1)), window,
+                       seen.mutable_data(), acc.mutable_data());
+      },
+      py::arg("scores"), py::arg("drafted"), py::arg("accepted"), py::arg("seen"), py::arg("acc"), py::arg("window"),
+      "F's online counts from one step's linear drafts, in place (see draft_select.h).");
+  m.def(
+      "acceptance_table",
+      [](py::handle accepted, py::handle seen, py::handle prior, double prior_weight) {
+        auto ac = dense<double>(accepted, 2, "accepted");
+        auto se = dense<double>(seen, 2, "seen");
+        auto pr = dense<double>(prior, 2, "prior");
+        const int64_t rows = ac.shape(0), points = ac.shape(1);
+        if (se.shape(0) != rows || se.shape(1) != points || pr.shape(0) != rows || pr.shape(1) != points)
+          throw py::value_error("acceptance_table: accepted, seen and prior must have the same shape");
+        py::array_t<float> out({rows, points});
+        acceptance_table(ac.data(), se.data(), pr.data(), rows, points, prior_weight, out.mutable_data());
+        return out;
+      },
+      py::arg("accepted"), py::arg("seen"), py::arg("prior"), py::arg("prior_weight"),
+      "F's table from its counts and prior (see draft_select.h).");
+  m.def(
+      "cumulative_scores",
+      [](py::handle probs, py::handle lens) {
+        auto pa = dense<float>(probs, 2, "probs");
+        auto ln = dense<int32_t>(lens, 1, "lens");
+        const int64_t rows = pa.shape(0), width = pa.shape(1);
+        if (ln.shape(0) != rows) throw py::value_error("cumulative_scores: one length per row of probs");
+        py::array_t<float> out({rows, width});
+        cumulative_scores(pa.data(), rows, width, ln.data(), out.mutable_data());
+        return out;
+      },
+      py::arg("probs"), py::arg("lens"),
+      "Cumulative draft scores: running float32 products of each row's first lens[i] probabilities, 0 after.");
+  m.def(
       "select_tree",
       [](py::handle parents, py::handle scores, py::handle f, py::handle t, double base, int patience) {
         auto pa = dense<int32_t>(parents, 1, "parents");

@@ -1,6 +1,7 @@
 #include "draft_select.h"
 
 #include <algorithm>
+#include <cmath>
 #include <queue>
 #include <utility>
 
@@ -124,6 +125,58 @@ void isotonic_fit(const double* y, const double* w, int64_t n, double* out) {
   int64_t k = 0;
   for (size_t b = 0; b < val.size(); ++b)
     for (int64_t j = 0; j < size[b]; ++j) out[k++] = val[b];
+}
+
+void observe_chains(const float* scores, int64_t rows, int64_t width, const int64_t* drafted,
+                    const int64_t* accepted, int points, double window, double* seen_counts,
+                    double* accepted_counts) {
+  const int64_t cells = static_cast<int64_t>(kDepthBuckets) * points;
+  std::vector<int64_t> seen(cells, 0), acc(cells, 0);
+  for (int64_t i = 0; i < rows; ++i) {
+    const int64_t d = std::min(std::max<int64_t>(drafted[i], 0), width);
+    for (int64_t j = 0; j < d; ++j) {
+      const double s = std::min(1.0, std::max(0.0, static_cast<double>(scores[i * width + j])));
+      const int64_t cell = depth_bucket(j) * static_cast<int64_t>(points) +
+                           static_cast<int64_t>(std::nearbyint(s * (points - 1)));
+      ++seen[cell];
+      if (j < accepted[i]) ++acc[cell];
+    }
+  }
+  for (int64_t c = 0; c < cells; ++c) {
+    seen_counts[c] += static_cast<double>(seen[c]);
+    accepted_counts[c] += static_cast<double>(acc[c]);
+  }
+  for (int64_t c = 0; c < cells; ++c)
+    if (seen_counts[c] > window) {
+      const double f = window / seen_counts[c];
+      seen_counts[c] *= f;
+      accepted_counts[c] *= f;
+    }
+}
+
+void acceptance_table(const double* accepted_counts, const double* seen_counts, const double* prior,
+                      int64_t rows, int64_t points, double prior_weight, float* out) {
+  std::vector<double> est(points), w(points), fit(points);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t o = r * points;
+    for (int64_t i = 0; i < points; ++i) {
+      est[i] = (accepted_counts[o + i] + prior_weight * prior[o + i]) /
+               std::max(seen_counts[o + i] + prior_weight, 1e-12);
+      w[i] = seen_counts[o + i] + 1.0;
+    }
+    isotonic_fit(est.data(), w.data(), points, fit.data());
+    for (int64_t i = 0; i < points; ++i) out[o + i] = static_cast<float>(std::min(1.0, std::max(0.0, fit[i])));
+  }
+}
+
+void cumulative_scores(const float* probs, int64_t rows, int64_t width, const int32_t* lens, float* out) {
+  for (int64_t i = 0; i < rows; ++i) {
+    float acc = 1.0f;
+    for (int64_t j = 0; j < width; ++j) {
+      acc = acc * (j < lens[i] ? probs[i * width + j] : 0.0f);
+      out[i * width + j] = acc;
+    }
+  }
 }
 
 }  // namespace verl_ext

@@ -47,4 +47,25 @@ SelectResult select_tree(const int32_t* parents, const float* scores, int64_t no
 // with positive weights w, by pool-adjacent-violators, into out[0..n).
 void isotonic_fit(const double* y, const double* w, int64_t n, double* out);
 
+// F's online counts (AcceptanceModel.observe over one step's linear drafts): row i drafted
+// drafted[i] tokens (at most width) with cumulative scores scores[i * width + j], and the target
+// accepted the first accepted[i]. Node (i, j) counts at depth bucket depth_bucket(j) and the
+// grid point nearest its score clipped to [0, 1] (rounded half to even, as numpy's rint): one
+// more seen there, and one more accepted where j < accepted[i]. The step's counts are added per
+// point at once; then every point seen more than `window` times is scaled down to `window`
+// (accepted with it). seen and accepted: kDepthBuckets x points, row-major.
+void observe_chains(const float* scores, int64_t rows, int64_t width, const int64_t* drafted,
+                    const int64_t* accepted, int points, double window, double* seen_counts,
+                    double* accepted_counts);
+
+// F's table from its counts (AcceptanceModel.table): per point (accepted + m prior) /
+// max(seen + m, 1e-12) with m = prior_weight, made non-decreasing along each row with weights
+// seen + 1 (isotonic_fit), clipped to [0, 1]. All arrays rows x points, row-major.
+void acceptance_table(const double* accepted_counts, const double* seen_counts, const double* prior,
+                      int64_t rows, int64_t points, double prior_weight, float* out);
+
+// Cumulative draft scores: out[i, j] = prod_{l <= j} p[i, l] for j < lens[i], 0 after (float32
+// products, left to right).
+void cumulative_scores(const float* probs, int64_t rows, int64_t width, const int32_t* lens, float* out);
+
 }  // namespace verl_ext
