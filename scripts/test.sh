@@ -57,6 +57,7 @@ lane_a() {
 }
 lane_a >runs/test_lane_a.log 2>&1 &
 lane_a_pid=$!
+trap 'kill "$lane_a_pid" 2>/dev/null' INT TERM
 ignore=()
 for f in "$FIRST" "${LANE_A[@]}"; do ignore+=(--ignore="$f"); done
 pytest_run tests "${ignore[@]}" --durations=20 || status=1

@@ -17,8 +17,8 @@ or a verification step computes a position in another forward pass than plain de
 model and weights, other float summation order), and their largest difference is reported.
 
 One cell, ``t0.7_busy_server``, loads the first server with requests the managers do not know
-of while verl_ext's manager runs (veRL's runs without: the load changes when samples arrive,
-never which): samples there decode slower than on the second server, so ``specactor``'s
+of while verl_ext's manager runs, replacing each as it ends (veRL's runs without: the load
+changes when samples arrive, never which): samples there decode slower than on the second server, so ``specactor``'s
 Best-of-N copies win, and the trainer must still get veRL's samples.
 
 A cell is ``identical``, ``refused`` (both managers raise: a setting the engines refuse, or one
@@ -37,6 +37,7 @@ import copy
 import json
 import os
 import sys
+import threading
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -214,26 +215,46 @@ BUSY_TOKENS = 120
 
 class _Busy:
     """``count`` long requests on ``handle`` (a veRL vLLM server) for as long as the block runs,
-    aborted at its end: traffic the managers do not know of (another job on the server)."""
+    each replaced by a new one as it ends, all aborted at the block's end: traffic the managers
+    do not know of (another job on the server), as heavy at the cell's end as at its start
+    however fast the machine decodes."""
 
     def __init__(self, handle, prompt_ids: list[int], count: int):
         self.handle, self.prompt_ids, self.count = handle, prompt_ids, count
-        self.refs, self.ids = [], []
+        self.live: dict = {}  # ref -> request id
+        self.started = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._keep_busy, name="conformance-busy", daemon=True)
+
+    def _submit(self) -> None:
+        rid = f"conformance-busy-{time.monotonic_ns()}-{self.started}"
+        self.started += 1
+        params = {"temperature": 1.0, "max_tokens": BUSY_TOKENS, "ignore_eos": True}
+        self.live[self.handle.generate.remote(prompt_ids=self.prompt_ids, sampling_params=params, request_id=rid)] = rid
+
+    def _keep_busy(self) -> None:
+        import ray
+
+        while not self._stop.is_set():
+            done, _ = ray.wait(list(self.live), num_returns=1, timeout=0.2)
+            for ref in done:
+                if not self._stop.is_set():
+                    del self.live[ref]
+                    self._submit()
 
     def __enter__(self):
-        params = {"temperature": 1.0, "max_tokens": BUSY_TOKENS, "ignore_eos": True}
-        for i in range(self.count):
-            rid = f"conformance-busy-{time.monotonic_ns()}-{i}"
-            self.ids.append(rid)
-            self.refs.append(self.handle.generate.remote(prompt_ids=self.prompt_ids, sampling_params=params,
-                                                          request_id=rid))
+        for _ in range(self.count):
+            self._submit()
+        self._thread.start()
         return self
 
     def __exit__(self, *exc):
         import ray
 
-        ray.get([self.handle.abort_request.remote(rid, reset_prefix_cache=False) for rid in self.ids], timeout=120)
-        ray.get(self.refs, timeout=300)
+        self._stop.set()
+        self._thread.join(timeout=60)
+        ray.get([self.handle.abort_request.remote(rid, reset_prefix_cache=False) for rid in self.live.values()], timeout=120)
+        ray.get(list(self.live), timeout=300)
         return False
 
 
