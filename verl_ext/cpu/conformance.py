@@ -18,8 +18,8 @@ model and weights, other float summation order), and their largest difference is
 
 One cell, ``t0.7_busy_server``, loads the first server with requests the managers do not know
 of while verl_ext's manager runs, replacing each as it ends (veRL's runs without: the load
-changes when samples arrive, never which): samples there decode slower than on the second server, so ``specactor``'s
-Best-of-N copies win, and the trainer must still get veRL's samples.
+changes when samples arrive, never which): samples there decode slower than on the second
+server, so ``specactor``'s Best-of-N copies win, and the trainer must still get veRL's samples.
 
 A cell is ``identical``, ``refused`` (both managers raise: a setting the engines refuse, or one
 verl_ext refuses up front; the reason is recorded), or a ``mismatch`` (anything else). The
