@@ -177,15 +177,9 @@ def rows_for(real: dict, sim: dict) -> list[dict]:
     return rows
 
 
-def _overrides(run_dir: Path) -> dict[str, str]:
-    """The Hydra overrides of a verl_e2e strategy run's (first) trainer command."""
-    words = (run_dir / "command.txt").read_text().split()
-    return dict(w.lstrip("+").split("=", 1) for w in words if "=" in w and not w.startswith("-"))
-
-
 def verl_rows(args, out: Path) -> tuple[list[dict], dict]:
     """The veRL path's rows (see the module docstring) and what each strategy's were made of."""
-    from verl_ext.cpu.e2e import CPU_PROFILE
+    from verl_ext.cpu.e2e import CPU_PROFILE, servers_of
     from verl_ext.sim.runner import SimConfig, run_sim_ab
     from verl_ext.trace import Trace, read_trace, write_trace
 
@@ -203,7 +197,7 @@ def verl_rows(args, out: Path) -> tuple[list[dict], dict]:
         path = out / "verl_sim" / name / "steps.parquet"
         path.parent.mkdir(parents=True, exist_ok=True)
         write_trace(steps, path)
-        servers = int(_overrides(run_dir).get("trainer.n_gpus_per_node", 1))
+        servers = servers_of((run_dir / "command.txt").read_text().split())  # the trainer command's
         sim = {}
         for k in sorted(int(e) for e in steps.epochs())[1:]:
             cfg = SimConfig(strategies=[name], trace=str(path), preset=args.preset or CPU_PROFILE, instances=servers,

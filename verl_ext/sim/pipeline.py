@@ -393,8 +393,9 @@ def run_pipeline_arm(label: str, cfg, cost, trace, rows, history, batches, max_t
     from verl_ext.sim.dispatcher import SimDispatcher
 
     via = SimDispatcher() if cfg.dispatcher else None
+    keyed = trace_keyed(trace)
     sims = [SimInstance(f"sim-{i}", cost, source, drafter, record_timeline=False, dispatcher=via,
-                        keyed_sampling=trace_keyed(trace)) for i in range(cfg.instances)]
+                        keyed_sampling=keyed) for i in range(cfg.instances)]
     step_requests = [build_requests(trace, b, max_tokens) for b in batches]
     pipe = Pipeline(sims, mode, t_train, len(batches))
     per_step: list[dict] = []

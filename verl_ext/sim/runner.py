@@ -220,8 +220,9 @@ def run_arm(label, strategy, spec, trace, rows, history, cost, instances: int, r
     from verl_ext.sim.dispatcher import SimDispatcher
 
     via = SimDispatcher() if dispatcher else None
+    keyed = trace_keyed(trace)
     sims = [SimInstance(f"sim-{i}", cost, source, drafter, record_timeline, kv_pool=kv_pool, dispatcher=via,
-                        keyed_sampling=trace_keyed(trace)) for i in range(instances)]
+                        keyed_sampling=keyed) for i in range(instances)]
     for sim, before in zip(sims, warm_from or ()):
         sim.carry_state(before)
     rewards = {i: float(trace.reward[i]) for i in rows.tolist()}
