@@ -257,6 +257,28 @@ def test_e2e_trace_records_each_strategys_steps_in_a_directory_of_its_own(tmp_pa
         assert TraceSettings.parse({"dir": dirs["seer"].pop()}).enabled
 
 
+def test_e2e_gives_each_training_rank_its_share_of_a_step_as_one_micro_batch(tmp_path, capsys):
+    """veRL divides each rank's share of a step's samples into micro batches: with two ranks
+    (``trainer.n_gpus_per_node=2``) a micro batch of the whole step fails its assert, so each
+    rank's is its share; a user's own micro-batch override comes later and wins; a step that does
+    not split evenly over the ranks is refused before anything starts."""
+    from verl_ext.cpu import e2e
+
+    def micro(extra):
+        cmd = e2e.trainer_command("seer", tmp_path, "m", 2, 4, 4, 32, 0.7, extra)
+        values = [a.split("=", 1)[1] for a in cmd if a.startswith("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=")]
+        assert len({a.split("=", 1)[1] for a in cmd if "log_prob_micro_batch_size_per_gpu=" in a} | {values[0]}) == 1
+        return values
+
+    assert micro([]) == ["16"]
+    assert micro(["trainer.n_gpus_per_node=2"]) == ["8"]
+    assert micro(["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"]) == ["8", "2"]
+    with pytest.raises(SystemExit):
+        e2e.main(["--strategies", "seer", "--prompts", "3", "--n", "3", "--out", str(tmp_path), "--",
+                  "trainer.n_gpus_per_node=2"])
+    assert "3 prompts x 3 samples do not split evenly over 2 training ranks" in capsys.readouterr().err
+
+
 def test_e2e_side_by_side_divides_each_step_by_baselines():
     from verl_ext.cpu.e2e import side_by_side
 

@@ -220,15 +220,18 @@ def stage_overrides(index: int, count: int, last_step: int) -> list[str]:
 
 def trainer_command(strategy: str, data_dir: Path, model: str, steps: int, prompts: int, n: int,
                     max_tokens: int, temperature: float, extra: list[str] = ()) -> list[str]:
-    """The trainer's command line for one strategy (the CPU mode adds its preset to it)."""
+    """The trainer's command line for one strategy (the CPU mode adds its preset to it). Each
+    training rank (``trainer.n_gpus_per_node`` in ``extra``) takes its share of a step's samples
+    as one micro batch, which veRL needs to divide its share: the samples must split evenly."""
+    micro = max(1, prompts * n // servers_of(list(extra)))
     cmd = [
         sys.executable, "-m", "verl.trainer.main_ppo", f"rollout={strategy}", "trainer.device=cpu",
         "algorithm.adv_estimator=grpo",
         *run_overrides(strategy, data_dir, model, prompts, n, max_tokens, temperature),
         f"actor_rollout_ref.actor.ppo_mini_batch_size={prompts}",
-        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={prompts * n}",
-        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={prompts * n}",
-        f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={prompts * n}",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}",
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={micro}",
+        f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={micro}",
         "actor_rollout_ref.actor.use_kl_loss=true",
         "trainer.logger=[console,file]", f"trainer.project_name={PROJECT}", f"trainer.experiment_name={strategy}",
         f"trainer.total_training_steps={steps}", "trainer.test_freq=-1", "trainer.save_freq=-1",
@@ -402,6 +405,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         steps = parse_strategies(args.strategies, args.steps)
         budgets = parse_budgets(args.max_tokens)
         plan = {s: stages(budgets, k) for s, k in steps.items()}
+        if (args.prompts * args.n) % servers_of(args.overrides):
+            raise ValueError(f"{args.prompts} prompts x {args.n} samples do not split evenly over "
+                             f"{servers_of(args.overrides)} training ranks (trainer.n_gpus_per_node)")
     except ValueError as exc:
         p.error(str(exc))
     strategies = list(steps)
