@@ -300,12 +300,14 @@ def check_strategy(strategy: str, cells: dict, model: str, data_dir: Path, promp
     servers = LLMServerManager.create(config=config)
     started = round(time.monotonic() - t0, 1)
     actors, results = [], []
+    t0 = time.monotonic()
     try:
         verl_manager = AgentLoopManager.create(config=config, llm_client=servers.get_client())
         actors += list(verl_manager.agent_loop_workers)
         ours = VerlExtAgentLoopManager.create(config=config, llm_client=servers.get_client())
         actors += [*ours.agent_loop_workers, ours.verl_ext_dispatcher]
         engines = _engine_reports(ours)
+        managers = round(time.monotonic() - t0, 1)  # until verl_ext's dispatcher answers
         from verl.utils import hf_tokenizer
 
         tokenizer = hf_tokenizer(model)
@@ -346,7 +348,7 @@ def check_strategy(strategy: str, cells: dict, model: str, data_dir: Path, promp
                                                           for n in result["response_lengths"])
                 cell["sample"] = tokenizer.decode(_responses(reference)[0])[:160]
             cell["seconds"] = round(time.monotonic() - c0, 1)
-            cell["server_start_s"] = started
+            cell["server_start_s"], cell["managers_start_s"] = started, managers
             print(f"[conformance] {strategy}/{name}: {cell['outcome']}"
                   f"{'' if cell['outcome'] == 'identical' else ' ' + json.dumps(cell.get('reason') or cell.get('differing'))}",
                   flush=True)
