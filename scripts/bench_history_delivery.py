@@ -106,7 +106,7 @@ def _rss_gib(inst):
 
 
 async def main_async(args) -> dict:
-    from verl_ext.engine.vllm_local import VLLMInstanceFactory
+    from verl_ext.vllm.local import VLLMInstanceFactory
     from verl_ext.model import default_model_dir
     from verl_ext.spec import SpecOptions
 

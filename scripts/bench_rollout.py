@@ -6,7 +6,7 @@
 Runs `verl-ext ab` once per instance count and engine dtype (same prompts and seeds), prints
 output tokens/s in total and per instance, and writes `<out>/bench_rollout.json` (each run's
 summary.json is kept under `<out>/instances_<k>[_<dtype>]/`). `--dtypes auto` is what the engines
-use by default (`verl_ext.engine.vllm_local.cpu_default_dtype`); e.g. `--dtypes bfloat16,float32`
+use by default (`verl_ext.vllm.local.cpu_default_dtype`); e.g. `--dtypes bfloat16,float32`
 compares the two on one machine.
 """
 

@@ -19,7 +19,7 @@ async def _main(args):
     from transformers import AutoTokenizer
 
     from verl_ext.ab.runner import ABConfig, build_requests
-    from verl_ext.engine.vllm_local import VLLMInstanceFactory
+    from verl_ext.vllm.local import VLLMInstanceFactory
     from verl_ext.model import resolve_model
     from verl_ext.workload.arith import encode_prompts, make_problems, make_scorer
 

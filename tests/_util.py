@@ -61,7 +61,7 @@ def make_proposer(**opts):
     from types import SimpleNamespace
 
     from verl_ext.spec.options import SpecOptions
-    from verl_ext.spec.vllm_proposer import SuffixProposer
+    from verl_ext.vllm.proposer import SuffixProposer
 
     o = SpecOptions(**opts)
     cfg = SimpleNamespace(

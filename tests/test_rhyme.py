@@ -266,7 +266,7 @@ def test_set_histories_replaces_each_given_prompts_tree():
     assert not d.get("a") and d["b"] == new[3:7]
 
 
-def test_vllm_proposer_aimd_window_and_cutoff():
+def test_suffix_proposer_aimd_window_and_cutoff():
     """The engine-side proposer (driven like vLLM's runner) drafts from history within each
     request's AIMD window, learns acceptance from what the engine emitted, and stops drafting for
     a batch above the cut-off."""

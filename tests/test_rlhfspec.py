@@ -187,7 +187,7 @@ def test_selection_expects_the_prefill_that_steps_carry():
 def test_step_prefill_tokens_from_a_scheduler_output():
     from types import SimpleNamespace
 
-    from verl_ext.spec.vllm_proposer import step_prefill_tokens
+    from verl_ext.vllm.proposer import step_prefill_tokens
 
     sched = SimpleNamespace(num_scheduled_tokens={"new": 300, "dec": 1, "spec": 5, "chunk": 64},
                             scheduled_spec_decode_tokens={"spec": [1, 2, 3, 4]})

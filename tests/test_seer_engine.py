@@ -23,7 +23,7 @@ MAX_TOKENS = 48
 @pytest.fixture(scope="module")
 async def seer_engine(model_dir):
     """A drafting engine whose group trees come from the grouped draft server."""
-    from verl_ext.engine.vllm_local import VLLMInstanceFactory
+    from verl_ext.vllm.local import VLLMInstanceFactory
     from verl_ext.spec import SpecOptions
 
     spec = SpecOptions(scopes="request+group", k=SPEC_K, adaptive=True, knee_tokens=64, group_source="remote")

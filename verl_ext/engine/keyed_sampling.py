@@ -26,7 +26,7 @@ implementations that pick the same token for the same logits and key:
 ``position_seeds(seeds, positions)`` gives the keys, ``gumbel_argmax(logits, keys)`` the samples
 (``rule_for(device)`` names the implementation it takes), ``verify(...)`` the greedy
 verification. A request opts in with ``SamplingParams.extra_args["verl_ext"][KEY]`` (its seed);
-the vLLM hooks that apply it live in ``verl_ext.engine.vllm_keyed``. Rationale:
+the vLLM hooks that apply it live in ``verl_ext.vllm.keyed``. Rationale:
 docs/ARCHITECTURE.md, "Keyed sampling" (issue 36; one rule on every ISA: issue 47).
 """
 

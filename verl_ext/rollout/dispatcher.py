@@ -101,7 +101,7 @@ class StrategyDispatcher:
         there are none (they could not be read), requests that stop on EOS are generated in one
         piece (``whole_reason``).
         ``keyed_sampling``: the servers key the samples of keyed requests (vLLM with verl_ext's
-        plugin: ``verl_ext.engine.vllm_keyed``); strategies that chunk, migrate or copy requests
+        plugin: ``verl_ext.vllm.keyed``); strategies that chunk, migrate or copy requests
         then key theirs (``Strategy.keyed``)."""
         self.settings = settings
         self.strategy = make_strategy(settings.strategy, settings.options)

@@ -36,7 +36,6 @@ from verl.utils.ray_utils import auto_await
 from verl.workers.rollout.llm_server import FullyAsyncLLMServerClient, LLMServerClient
 
 from verl_ext.config.check import check_drafter_config, runs_verl_ext_drafter
-from verl_ext.engine.vllm_versions import keyed_sampling_supported
 from verl_ext.config.settings import VerlExtSettings
 from verl_ext.pipe.strategy import StrategyConfigError, get_strategy_class
 from verl_ext.rollout.dispatcher import StrategyDispatcher, prompt_group_id
@@ -44,6 +43,7 @@ from verl_ext.rollout.verl_compat import client_load_balancer, server_handles
 from verl_ext.rollout.finish import model_stop_ids
 from verl_ext.rollout.trajectory import TRAJECTORY_UID
 from verl_ext.rollout import trace_hook
+from verl_ext.vllm.versions import keyed_sampling_supported
 
 logger = logging.getLogger(__name__)
 

@@ -32,10 +32,10 @@ import uuid
 from typing import Any, Iterable, Optional
 
 from verl_ext.engine.instance import KEYED_SEED, Completion, GenRequest, Instance, Telemetry, chunk_seed
-from verl_ext.engine.machine import confirms_keyed_sampling
 from verl_ext.rollout.finish import finish_reason
 from verl_ext.rollout.verl_compat import server_engine
 from verl_ext.spec.options import REQUEST_DRAFT_KEYS
+from verl_ext.vllm.machine import confirms_keyed_sampling
 
 SAMPLING_KEY = "verl_sampling_params"
 #: ``GenRequest.extra`` key: the length of the prompt veRL sent (a continuation's prompt also holds
@@ -55,7 +55,7 @@ class ReplicaInstance(Instance):
         that keep each replica below the concurrency at which it would queue or preempt.
         ``drafting``: the server is vLLM with verl_ext's drafter (see the module docstring).
         ``keyed_sampling``: the server is a vLLM that verl_ext's plugin keys samples in
-        (``verl_ext.engine.vllm_keyed``).
+        (``verl_ext.vllm.keyed``).
         ``versions``: request id -> oldest weight version (``global_steps``) any of its outputs
         reported, shared by the dispatcher's instances (a request's chunks may span a weight sync).
         ``stop_ids``: the model's EOS ids (``verl_ext.rollout.finish``), which tell a response
@@ -112,7 +112,7 @@ class ReplicaInstance(Instance):
         return len(windows)
 
     async def drafter_call(self, op: str, *args) -> None:
-        """Call the servers' drafter (``verl_ext.spec.vllm_proposer`` RPC ops) on every worker."""
+        """Call the servers' drafter (``verl_ext.vllm.proposer`` RPC ops) on every worker."""
         if not self.drafting:
             raise RuntimeError(f"server {self.name} runs no verl_ext drafter")
         await self.handle.collective_rpc.remote("verl_ext_drafter", args=(op, *args))
@@ -282,7 +282,7 @@ def _drafter_rpc(server, op: str, args: tuple, timeout_s: float):
 
 def _engine_info_rpc(server, timeout_s: float):
     """Runs inside a veRL ``vLLMHttpServer`` actor, like ``_drafter_rpc``: every worker's
-    ``verl_ext_engine_info`` (``verl_ext.engine.machine.engine_info``)."""
+    ``verl_ext_engine_info`` (``verl_ext.vllm.machine.engine_info``)."""
     return _on_engine_loop(server_engine(server), lambda e: e.collective_rpc("verl_ext_engine_info"), timeout_s)
 
 

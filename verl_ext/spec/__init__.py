@@ -4,12 +4,13 @@
   group (Seer section 4.4) and history (RhymeRL HistoSpec, section 5.3)
   trees and proposes drafts for a whole engine batch in one call.
 - ``options``: ``SpecOptions``, the knobs, and the vLLM engine arguments that enable drafting.
-- ``vllm_proposer``: the vLLM ``custom_class`` proposer over the index.
-- ``vllm_plugin``: the ``vllm.general_plugins`` hook that gives the proposer the engine batch
-  (request ids, prompts, ``SamplingParams.extra_args``) and an RPC for loading history.
+- ``history_build``: history trees built off the drafting thread.
 
-The names below are imported on first use: vLLM loads ``vllm_plugin`` in every engine process on
-a machine where verl_ext is installed, and that must not load the native extension (issue 47).
+The vLLM drafter over the index and the plugin that gives it the engine batch live in
+``verl_ext.vllm`` (``proposer``, ``plugin``).
+
+The names below are imported on first use: importing this package (for ``options``, say) must
+not load the native extension where nothing drafts (issue 47).
 """
 
 import importlib

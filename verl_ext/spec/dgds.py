@@ -15,7 +15,7 @@ inference instance speculate from a local copy. Its workflow has four steps, map
    it currently runs (``serve``/``unserve``), and only what changed since its last copy
    (``GroupDraftServer.fetch`` returns ``DraftIndex.export_group`` deltas since the instance's
    versions; importing is idempotent on overlapping tokens).
-4. *Local speculation*: the engine's drafter (``verl_ext.spec.vllm_proposer``) imports the
+4. *Local speculation*: the engine's drafter (``verl_ext.vllm.proposer``) imports the
    deltas (``VLLMInstance.import_drafts``) and drafts from its local copy; with
    ``SpecOptions(group_source="remote")`` its own requests do not also write the local group
    trees (the server's copy already has their tokens).

@@ -232,7 +232,7 @@ class SpecOptions:
         return {
             "speculative_config": {
                 "method": "custom_class",
-                "model": "verl_ext.spec.vllm_proposer.SuffixProposer",
+                "model": "verl_ext.vllm.proposer.SuffixProposer",
                 "num_speculative_tokens": self.k,
             },
             "additional_config": {"verl_ext_spec": self.to_dict()},

@@ -66,7 +66,7 @@ class RecordConfig:
         if self.temperature < 0:
             raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
         check_difficulty(self.difficulty)
-        from verl_ext.engine.vllm_local import dtype_engine_args
+        from verl_ext.vllm.local import dtype_engine_args
 
         dtype_engine_args(self.dtype)  # an unknown dtype -> clear error
         from verl_ext.ab.arms import make_arm
@@ -166,7 +166,7 @@ async def arecord_trace(cfg: RecordConfig, engine_factory=None, progress: bool =
                       keyed_sampling=cfg.keyed_sampling)
     epoch_requests = [build_requests(problems, prompt_ids, ab_cfg, stop_ids, epoch=e) for e in range(cfg.epochs)]
     if engine_factory is None:
-        from verl_ext.engine.vllm_local import VLLMInstanceFactory, dtype_engine_args
+        from verl_ext.vllm.local import VLLMInstanceFactory, dtype_engine_args
 
         engine_factory = VLLMInstanceFactory(str(model_dir), seed=cfg.seed, max_model_len=max_model_len(prompt_ids, ab_cfg),
                                              extra_engine_args=dtype_engine_args(cfg.dtype) or None,

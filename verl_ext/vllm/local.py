@@ -34,7 +34,7 @@ from verl_ext.engine.instance import (
 )
 
 if TYPE_CHECKING:
-    from verl_ext.engine.engine_log import EngineLog
+    from verl_ext.vllm.engine_log import EngineLog
 
 logger = logging.getLogger(__name__)
 _ENV_LOCK = threading.Lock()
@@ -198,10 +198,10 @@ class VLLMInstance(Instance):
         (``engine_info``), so that a plugin that did not take in the engine's processes never
         lets a strategy copy or divide sampled requests as if it had."""
         if self.engine is not None or self.engine_info is not None:  # started: what the engine confirmed
-            from verl_ext.engine.machine import confirms_keyed_sampling
+            from verl_ext.vllm.machine import confirms_keyed_sampling
 
             return confirms_keyed_sampling(self.engine_info)
-        from verl_ext.engine.vllm_versions import keyed_sampling_supported
+        from verl_ext.vllm.versions import keyed_sampling_supported
 
         return keyed_sampling_supported()
 
@@ -230,7 +230,7 @@ class VLLMInstance(Instance):
         self._accepted_tokens = 0
         self._kv_capacity: Optional[int] = None
         self._max_running: Optional[int] = None
-        #: what the engine's worker confirmed it runs (``verl_ext.engine.machine.engine_info``),
+        #: what the engine's worker confirmed it runs (``verl_ext.vllm.machine.engine_info``),
         #: None before start or where the engine cannot answer (verl_ext's vLLM plugin off there)
         self.engine_info: Optional[dict] = None
 
@@ -361,7 +361,7 @@ class VLLMInstance(Instance):
             await self.engine.abort(ids)
 
     async def drafter_call(self, op: str, *args):
-        """Call the engine's suffix drafter (``verl_ext.spec.vllm_proposer``): ``add_history``, ``set_histories``,
+        """Call the engine's suffix drafter (``verl_ext.vllm.proposer``): ``add_history``, ``set_histories``,
         ``drop_history``, ``save``, ``load``, ``stats``, ``import_groups`` or ``group_counts``.
         Returns the first worker's answer."""
         if self.engine is None:
@@ -451,12 +451,12 @@ class VLLMInstanceFactory:
         engine_log: Optional[str] = None,
     ):
         """``spec``: a ``verl_ext.spec.SpecOptions`` to draft with the suffix drafter, or None.
-        ``engine_log``: a file for the engines' logs and output (``verl_ext.engine.engine_log``;
+        ``engine_log``: a file for the engines' logs and output (``verl_ext.vllm.engine_log``;
         emptied here), or None: the terminal, vLLM's default."""
         self.model = model
         self.log = None
         if engine_log is not None:
-            from verl_ext.engine.engine_log import EngineLog
+            from verl_ext.vllm.engine_log import EngineLog
 
             self.log = EngineLog(engine_log)
         self.engine_args = dict(
@@ -476,7 +476,7 @@ class VLLMInstanceFactory:
     @staticmethod
     def drafts_sampled() -> bool:
         """Whether these engines' drafter drafts unkeyed requests with temperature > 0."""
-        from verl_ext.engine.vllm_versions import drafts_sampled_requests
+        from verl_ext.vllm.versions import drafts_sampled_requests
 
         return drafts_sampled_requests()
 

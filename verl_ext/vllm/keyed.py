@@ -1,5 +1,5 @@
 """Position-keyed sampling inside vLLM (``verl_ext.engine.keyed_sampling``), installed by
-verl_ext's general plugin (``verl_ext.spec.vllm_plugin``) in every engine process.
+verl_ext's general plugin (``verl_ext.vllm.plugin``) in every engine process.
 
 An engine does no per-step work for it until a keyed request arrives (issue 47). The plugin
 installs two hooks that run once per request or sampler, not per step (``install``):
@@ -24,7 +24,7 @@ hooks, each a no-op for a step without a keyed request:
   vLLM's rejection sampler unchanged.
 
 Logprobs are computed by vLLM from the target logits as before. Checked against vLLM 0.24.0 and
-0.32.0 (``verl_ext.engine.vllm_versions.SUPPORTED_VLLM``): the four hook points have the same signatures there.
+0.32.0 (``verl_ext.vllm.versions.SUPPORTED_VLLM``): the four hook points have the same signatures there.
 """
 
 from __future__ import annotations
