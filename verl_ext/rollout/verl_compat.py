@@ -26,6 +26,8 @@ from packaging.version import Version
 
 #: veRL versions verl_ext supports: [lo, hi)
 SUPPORTED_VERL = (Version("0.9.0"), Version("0.10"))
+#: the same, as the hook tables write it (``verl-ext doctor``)
+VERL_RANGE = f"veRL >={SUPPORTED_VERL[0]},<{SUPPORTED_VERL[1]}"
 #: ``AgentLoopWorker`` (V0) methods ``rollout.workers_v0`` overrides
 WORKER_HOOKS_V0 = ("_run_agent_loop", "_agent_loop_postprocess")
 #: ``AgentLoopWorkerTQ`` (V1) methods ``rollout.workers_v1`` overrides

