@@ -56,8 +56,8 @@ def run_one(spec, cost, trace, rows, samples: int, per_slot: int):
     t = time.perf_counter()
     run_virtual(main())
     wall = time.perf_counter() - t
-    out = {"tok_s": mark["tokens"] / mark["t"], "tokens_per_step": inst.generated / max(1, inst.request_steps),
-           "sim_s": wall, "steps": inst.steps, "busy_s": inst.busy_s}
+    out = {"tok_s": mark["tokens"] / mark["t"], "tokens_per_step": inst.counters.generated_tokens / max(1, inst.counters.request_steps),
+           "sim_s": wall, "steps": inst.counters.steps, "busy_s": inst.busy_s}
     if inst.selector is not None:
         st = inst.selector.stats()
         out.update(st)

@@ -376,7 +376,7 @@ def test_migrations_lose_and_duplicate_nothing():
     assert m["migrations"] > 0 and m["decisions"] > 0
     assert m.get("migrations_failed", 0) == 0
     # every generated token was generated once: the instances emitted exactly the responses
-    assert sum(s.generated for s in sims) == sum(len(w) for w in want.values())
+    assert sum(s.counters.generated_tokens for s in sims) == sum(len(w) for w in want.values())
     assert not st._live and st._loop_task is None
 
 
@@ -464,7 +464,7 @@ def test_a_migration_racing_a_finishing_request_finishes_it_once():
     assert raced
     _same_tokens(arm, reqs, want)
     assert st.metrics()["migration_races"] == 1
-    assert sum(s.generated for s in sims) == sum(len(w) for w in want.values())
+    assert sum(s.counters.generated_tokens for s in sims) == sum(len(w) for w in want.values())
 
 
 def test_a_full_destination_leaves_the_sample_on_its_source():
@@ -491,7 +491,7 @@ def test_a_full_destination_leaves_the_sample_on_its_source():
     assert list(c.token_ids) == list(want[mine.request_id]) and c.finish_reason != FINISH_ABORT
     m = st.metrics()
     assert m["migrations_skipped"] == 1 and "migrations" not in m
-    assert src.generated == len(want[mine.request_id])  # it never restarted
+    assert src.counters.generated_tokens == len(want[mine.request_id])  # it never restarted
 
 
 def test_a_destination_that_fails_after_the_abort_resumes_the_sample_on_its_source():
@@ -529,7 +529,7 @@ def test_selection_on_simulated_engines_keeps_outputs_and_drafts():
     _same_tokens(arm, reqs, want)
     stats = sims[0].selector.stats()
     assert stats["select_steps"] > 0 and 0 < stats["select_selected_tokens"] <= stats["select_candidate_tokens"]
-    assert sum(s.accepted_tokens for s in sims) > 0
+    assert sum(s.counters.accepted_tokens for s in sims) > 0
     with pytest.raises(ValueError, match="exact"):
         make_drafter(spec, sims[0].source, mode="lockstep")
 

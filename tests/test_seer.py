@@ -596,4 +596,4 @@ def test_siblings_spread_over_equally_loaded_instances():
     for rec in arm.pool.records:
         placed.setdefault(rec.group_id, []).append(rec.instance)
     assert all(sorted(v) == ["sim-0", "sim-0", "sim-1", "sim-1"] for v in placed.values()), placed
-    assert insts[0].generated == insts[1].generated == int(tr.response_lengths().sum()) // 2
+    assert insts[0].counters.generated_tokens == insts[1].counters.generated_tokens == int(tr.response_lengths().sum()) // 2

@@ -161,7 +161,7 @@ def test_invariants_under_pressure(spec, mode):
     for i, c in enumerate(arm.completions):
         assert list(c.token_ids) == tr.response(i).tolist() and c.finish_reason == "stop"
     total = int(tr.response_lengths().sum())
-    assert sum(i.generated for i in insts) == total == arm.metrics["output_tokens"]
+    assert sum(i.counters.generated_tokens for i in insts) == total == arm.metrics["output_tokens"]
     assert all(i.kv_peak <= cost.kv_capacity_tokens for i in insts)
     assert sum(i.preemptions for i in insts) > 0
     assert all(not i.running and not i.waiting and i._kv == 0 for i in insts)
@@ -209,7 +209,7 @@ def test_per_request_windows_cap_drafts_like_the_engine(mode):
         out = _run("baseline", insts, reqs)
         for i, c in enumerate(out.completions):
             assert list(c.token_ids) == tr.response(i).tolist()
-        return out.metrics, sum(x.request_steps for x in insts)
+        return out.metrics, sum(x.counters.request_steps for x in insts)
 
     full, _ = arm(_requests(tr))
     off, steps = arm(_with_extra(_requests(tr), spec_window=0))

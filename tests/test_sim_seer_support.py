@@ -109,7 +109,7 @@ def _conserved(tr, arm, insts):
     assert len(arm.completions) == len(tr)
     for i, c in enumerate(arm.completions):
         assert list(c.token_ids) == tr.response(i).tolist() and c.finish_reason == "stop"
-    assert sum(i.generated for i in insts) == int(tr.response_lengths().sum())
+    assert sum(i.counters.generated_tokens for i in insts) == int(tr.response_lengths().sum())
     assert all(not i.running and not i.waiting and i._kv == 0 for i in insts)
 
 

@@ -237,7 +237,7 @@ def test_best_of_n_copies_finish_once_and_lose_nothing_on_simulated_engines():
         assert t.running == 0 and t.waiting == 0 and not s._by_id
     assert not st._live and st._loop_task is None
     # the copies' work is extra (generated beyond the responses), never missing
-    assert sum(s.generated for s in sims) >= sum(len(w) for w in want.values())
+    assert sum(s.counters.generated_tokens for s in sims) >= sum(len(w) for w in want.values())
 
 
 def test_best_of_n_reads_the_progress_of_engines_that_answer_it_only_on_request():
@@ -471,6 +471,7 @@ def test_simulated_engine_applies_new_windows_to_running_requests():
     n, late = run(20)
     _, early = run(0.5)
     assert n == len(reqs)  # "gone" is not running there
+    full, late, early = full.counters, late.counters, early.counters
     assert full.draft_tokens > late.draft_tokens > early.draft_tokens
     assert early.draft_tokens <= 8 * len(reqs)  # at most the step already planned drafted
     assert early.request_steps > late.request_steps > full.request_steps
@@ -506,7 +507,7 @@ def test_sampled_requests_never_get_copies():
     _same_tokens(arm, reqs, want)
     m = st.metrics()
     assert m.get("bon_copies", 0) == 0 and m["bon_refused_sampled"] > 0
-    assert sum(s.generated for s in sims) == sum(len(w) for w in want.values())
+    assert sum(s.counters.generated_tokens for s in sims) == sum(len(w) for w in want.values())
 
 
 def test_plain_decoding_when_no_method_pays_and_clear_config_errors():
@@ -580,7 +581,7 @@ def test_synthetic_drafter_accepts_at_the_methods_rate():
 
     for p in (0.0, 0.5, 0.8):
         arm, sims, _ = _synthetic_run({"m": SyntheticMethod(p, concentration=1e9)}, window=4)
-        drafted = sum(s.draft_tokens for s in sims)
+        drafted = sum(s.counters.draft_tokens for s in sims)
         if p == 0.0:
             assert arm.metrics["tokens_per_step"] == 1.0 and drafted > 0
         else:

@@ -149,6 +149,34 @@ class Completion:
 
 
 @dataclass
+class DraftCounters:
+    """An engine's cumulative decoding and drafting counters, named as ``Telemetry``'s fields
+    they fill (``Telemetry(..., **counters.fields())``): one object per instance adapter."""
+
+    generated_tokens: int = 0
+    steps: int = 0
+    request_steps: int = 0
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+    def add_decoded(self, tokens: int, steps: int, request_steps: int) -> None:
+        """``steps`` engine steps in which ``request_steps`` (request, step) pairs emitted ``tokens``."""
+        self.generated_tokens += tokens
+        self.steps += steps
+        self.request_steps += request_steps
+
+    def add_drafted(self, drafts: int, draft_tokens: int, accepted_tokens: int) -> None:
+        """``drafts`` verification steps with a draft, of ``draft_tokens``, ``accepted_tokens`` accepted."""
+        self.drafts += drafts
+        self.draft_tokens += draft_tokens
+        self.accepted_tokens += accepted_tokens
+
+    def fields(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass
 class Telemetry:
     """A load snapshot. Fields an engine cannot observe are ``None``."""
 

@@ -70,7 +70,15 @@ from typing import Optional
 
 import numpy as np
 
-from verl_ext.engine.instance import FINISH_ABORT, FINISH_LENGTH, Completion, GenRequest, Instance, Telemetry
+from verl_ext.engine.instance import (
+    FINISH_ABORT,
+    FINISH_LENGTH,
+    Completion,
+    DraftCounters,
+    GenRequest,
+    Instance,
+    Telemetry,
+)
 from verl_ext.sim import host_costs
 from verl_ext.sim.drafting import split_schedules
 from verl_ext.sim.source import Target, TokenView, TraceSource
@@ -133,12 +141,7 @@ class SimInstance(Instance):
         self._admit_next_step = False
         self._aborts = 0  # aborted requests not yet resolved
         # cumulative counters
-        self.generated = 0
-        self.steps = 0
-        self.request_steps = 0
-        self.drafts = 0
-        self.draft_tokens = 0
-        self.accepted_tokens = 0
+        self.counters = DraftCounters()
         # Seer's late phase (Fig. 12): tokens and request-steps of requests whose group had at
         # least LATE_FRACTION of its responses finished when the plan was made (group scope only)
         self.late_tokens = 0
@@ -253,12 +256,7 @@ class SimInstance(Instance):
             running=len(self.running),
             waiting=len(self.waiting),
             kv_cache_usage=self._kv / self.cost.kv_capacity_tokens,
-            generated_tokens=self.generated,
-            steps=self.steps,
-            request_steps=self.request_steps,
-            drafts=self.drafts,
-            draft_tokens=self.draft_tokens,
-            accepted_tokens=self.accepted_tokens,
+            **self.counters.fields(),
             kv_capacity_tokens=self.cost.kv_capacity_tokens,
             max_running=self.cost.max_num_seqs,
             timestamp=self._now(),
@@ -319,7 +317,8 @@ class SimInstance(Instance):
         self._admit()
         if self.timeline is not None:
             self.timeline.append((now, len(self.running), len(self.waiting), self._kv / self.cost.kv_capacity_tokens,
-                                  self.generated, self.draft_tokens, self.accepted_tokens))
+                                  self.counters.generated_tokens, self.counters.draft_tokens,
+                                  self.counters.accepted_tokens))
         if self.running:
             self._make_plan()
             self._schedule(loop, len(self._tcum) - 1)
@@ -360,14 +359,10 @@ class SimInstance(Instance):
         dtot = int(drafted.sum())
         self._kv += total
         self.kv_peak = max(self.kv_peak, self._kv)
-        self.generated += total
-        self.steps += steps
-        self.request_steps += B * steps
+        self.counters.add_decoded(total, steps, B * steps)
         self.busy_s += float(self._tcum[steps])
         if dtot:
-            self.drafts += per_step_drafts
-            self.draft_tokens += dtot
-            self.accepted_tokens += total - B * steps
+            self.counters.add_drafted(per_step_drafts, dtot, total - B * steps)
             self._count_scopes(emitted - steps, drafted)
             if self._cutoff is not None:  # the acceptance rate the engine's cut-off measures
                 self._cutoff.observe(dtot, total - B * steps)

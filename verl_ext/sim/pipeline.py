@@ -428,13 +428,13 @@ def run_pipeline_arm(label: str, cfg, cost, trace, rows, history, batches, max_t
             bar.close()
     records = [{"step": step, **asdict(r)} for step in sorted(pools) for r in pools[step].records]
     m = pipe.metrics()
-    generated = sum(s.generated for s in sims)
-    request_steps = sum(s.request_steps for s in sims)
-    drafted = sum(s.draft_tokens for s in sims)
+    generated = sum(s.counters.generated_tokens for s in sims)
+    request_steps = sum(s.counters.request_steps for s in sims)
+    drafted = sum(s.counters.draft_tokens for s in sims)
     m.update({
         "requests": sum(len(r) for r in step_requests),
         "tokens_per_step": generated / request_steps if request_steps else None,
-        "draft_acceptance": sum(s.accepted_tokens for s in sims) / drafted if drafted else None,
+        "draft_acceptance": sum(s.counters.accepted_tokens for s in sims) / drafted if drafted else None,
         "preemptions": sum(s.preemptions for s in sims),
         "strategy_steps": sorted(per_step, key=lambda d: d["step"]),
     })

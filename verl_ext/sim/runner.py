@@ -262,9 +262,9 @@ def run_arm(label, strategy, spec, trace, rows, history, cost, instances: int, r
         metrics.update(via.stats())
     metrics["history_tokens_received"] = sum(i.history_tokens_received for i in sims)
     metrics["history_stall_s"] = sum(i.history_stall_s for i in sims)
-    generated = sum(i.generated for i in sims)
+    generated = sum(i.counters.generated_tokens for i in sims)
     # the share of output tokens that came from accepted drafts (RhymeRL Fig. 17's speculation rate)
-    metrics["speculation_rate"] = sum(i.accepted_tokens for i in sims) / generated if generated else None
+    metrics["speculation_rate"] = sum(i.counters.accepted_tokens for i in sims) / generated if generated else None
     late = sum(i.late_request_steps for i in sims)  # Seer Fig. 12: once most siblings have finished
     metrics["late_tokens_per_step"] = sum(i.late_tokens for i in sims) / late if late else None
     metrics["kv_peak_fraction"] = max(i.kv_peak for i in sims) / cost.kv_capacity_tokens

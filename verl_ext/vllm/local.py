@@ -27,6 +27,7 @@ from verl_ext.engine.instance import (
     FINISH_STOP,
     KEYED_SEED,
     Completion,
+    DraftCounters,
     GenRequest,
     Instance,
     SamplingSpec,
@@ -170,15 +171,11 @@ def _stat_logger_factory(instance: "VLLMInstance"):
                 instance._kv_usage = scheduler_stats.kv_cache_usage
                 spec = getattr(scheduler_stats, "spec_decoding_stats", None)
                 if spec is not None:
-                    instance._drafts += spec.num_drafts
-                    instance._draft_tokens += spec.num_draft_tokens
-                    instance._accepted_tokens += spec.num_accepted_tokens
+                    instance.counters.add_drafted(spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens)
             if iteration_stats is not None:
-                instance._generated += iteration_stats.num_generation_tokens
                 # one entry per request that produced tokens in this engine step
                 stepped = len(iteration_stats.time_to_first_tokens_iter) + len(iteration_stats.inter_token_latencies_iter)
-                instance._request_steps += stepped
-                instance._steps += 1
+                instance.counters.add_decoded(iteration_stats.num_generation_tokens, 1, stepped)
 
         def log_engine_initialized(self):
             pass
@@ -222,12 +219,7 @@ class VLLMInstance(Instance):
         self._running: Optional[int] = None
         self._waiting: Optional[int] = None
         self._kv_usage: Optional[float] = None
-        self._generated = 0
-        self._request_steps = 0
-        self._steps = 0
-        self._drafts = 0
-        self._draft_tokens = 0
-        self._accepted_tokens = 0
+        self.counters = DraftCounters()
         self._kv_capacity: Optional[int] = None
         self._max_running: Optional[int] = None
         #: what the engine's worker confirmed it runs (``verl_ext.vllm.machine.engine_info``),
@@ -398,12 +390,7 @@ class VLLMInstance(Instance):
             running=running,
             waiting=None if self._waiting is None else (self._waiting if self._inflight else 0),
             kv_cache_usage=self._kv_usage,
-            generated_tokens=self._generated,
-            steps=self._steps,
-            request_steps=self._request_steps,
-            drafts=self._drafts,
-            draft_tokens=self._draft_tokens,
-            accepted_tokens=self._accepted_tokens,
+            **self.counters.fields(),
             kv_capacity_tokens=self._kv_capacity,
             max_running=self._max_running,
         )
