@@ -290,11 +290,13 @@ def test_main_ppo_ends_on_a_bad_setting_before_starting_anything(args, line, tmp
 def test_a_profile_option_drafts_the_same_through_hydra_as_in_verl_ext_ab(strategy, option):
     """Every strategy option that takes a profile: veRL's engines, started from the composed
     ``rollout=<strategy>`` config, draft with the options ``verl-ext ab`` starts its engines with
-    (``Strategy.engine_spec``). The engines resolve the profile themselves (``knee_profile``,
-    ``cutoff_profile``, ``select_profile``); ``seer``'s servers start with engine-local group trees
-    (``group_source``), which the strategy switches where a draft server streams to them."""
+    (``Strategy.engine_spec``), as the config check compares them (``engine_spec_differences``):
+    the engines resolve the knee's and cut-off's profiles themselves; ``seer``'s servers start
+    with engine-local group trees (``group_source``), which the strategy switches where a draft
+    server streams to them."""
     from verl.utils.config import omega_conf_to_dataclass
 
+    from verl_ext.config.check import engine_spec_differences
     from verl_ext.spec.options import SpecOptions
 
     cfg = compose_verl([f"rollout@actor_rollout_ref.rollout={strategy}", "actor_rollout_ref.rollout.name=vllm",
@@ -305,14 +307,7 @@ def test_a_profile_option_drafts_the_same_through_hydra_as_in_verl_ext_ab(strate
     engines = SpecOptions.from_dict({**vllm["additional_config"]["verl_ext_spec"], "k": k})  # what veRL's engines run
     ab = make_strategy(strategy, VerlExtSettings.from_custom(rollout.custom).options).engine_spec()  # verl-ext ab's
 
-    def effective(spec):
-        d = spec.to_dict()
-        d["scopes"] = spec.mask  # "group+request" is "request+group"
-        for key in ("knee_profile", "cutoff_profile", "group_source"):
-            d.pop(key, None)
-        return d
-
-    assert effective(engines) == effective(ab)
+    assert engine_spec_differences(ab, engines) == []
     if strategy == "specactor":  # its profile prices the draft ladder, strategy-side, from the same options
         # (the ladder also times the drafter on this machine, so two builds differ in those timings)
         hydra = make_strategy(strategy, VerlExtSettings.from_custom(rollout.custom).options)
@@ -323,7 +318,7 @@ def test_a_profile_option_drafts_the_same_through_hydra_as_in_verl_ext_ab(strate
     bare = compose_verl([f"rollout@actor_rollout_ref.rollout={strategy}", "actor_rollout_ref.rollout.name=vllm"])
     bare_vllm = omega_conf_to_dataclass(bare.actor_rollout_ref.rollout).engine_kwargs["vllm"]
     bare_spec = SpecOptions.from_dict({**bare_vllm["additional_config"]["verl_ext_spec"], "k": k})
-    assert effective(bare_spec) != effective(engines)
+    assert engine_spec_differences(engines, bare_spec) != []
 
 
 @pytest.mark.parametrize("overrides, warned", [

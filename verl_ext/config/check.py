@@ -54,10 +54,10 @@ def drafter_options(rollout) -> Optional[dict]:
     return spec
 
 
-#: drafter settings the engines may hold apart from the strategy's ``engine_spec``: the profiles
-#: are named where the engines resolve them, and ``seer`` switches the group trees' source at run
-#: time where a grouped draft server streams to the engines
-_ENGINE_LOCAL = ("knee_profile", "cutoff_profile", "select_profile", "group_source")
+#: drafter settings the engines may hold apart from the strategy's ``engine_spec``: the knee's and
+#: the cut-off's profiles are named where the engines resolve them, and ``seer`` switches the
+#: group trees' source at run time where a grouped draft server streams to the engines
+ENGINE_LOCAL = ("knee_profile", "cutoff_profile", "group_source")
 
 
 def engine_spec_differences(want, have) -> list[str]:
@@ -67,7 +67,7 @@ def engine_spec_differences(want, have) -> list[str]:
     a, b = want.to_dict(), have.to_dict()
     a["scopes"], b["scopes"] = want.mask, have.mask  # "group+request" is "request+group"
     return [f"{key}: engines {b.get(key)!r}, options {a.get(key)!r}" for key in sorted(set(a) | set(b))
-            if key not in _ENGINE_LOCAL and a.get(key) != b.get(key)]
+            if key not in ENGINE_LOCAL and a.get(key) != b.get(key)]
 
 
 def check_drafter_config(settings, rollout, strategy=None) -> None:
