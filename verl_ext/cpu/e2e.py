@@ -89,8 +89,8 @@ def out_of_reach(strategy: str, temperature: float, servers: int) -> dict[str, s
     """The strategy's mechanisms that cannot act in a run at ``temperature`` over ``servers``
     rollout servers (``trainer.n_gpus_per_node``) on this machine, each with the reason. The
     run's summary lists them as ``mechanisms_unchecked``; ``--check-mechanisms`` skips them."""
-    from verl_ext.vllm.versions import keyed_sampling_supported
     from verl_ext.pipe.strategy import get_strategy_class
+    from verl_ext.vllm.versions import keyed_sampling_supported
 
     cls = get_strategy_class(strategy)
     mechanisms = cls.mechanisms
