@@ -115,7 +115,7 @@ def present(hook: Hook) -> bool:
 
 
 # -- installing ------------------------------------------------------------------------------
-_state = {"plugin": False, "admission": False, "keyed_steps": False}
+_state = {"plugin": False, "keyed_steps": False}
 _samplers: "weakref.WeakSet" = weakref.WeakSet()  # the samplers built in this process
 _lock = threading.Lock()
 
@@ -153,7 +153,6 @@ def install() -> None:
     WorkerWrapperBase.verl_ext_engine_info = plugin.engine_info_rpc
     wrap(TopKTopPSampler, "__init__", keyed.remember_sampler)
     wrap(InputBatch, "add_request", keyed.admit_request)
-    _state["admission"] = True
     _state["plugin"] = True
 
 
@@ -194,15 +193,8 @@ def wrap_sampler(sampler) -> None:
     ``keyed.keyed_topk_topp`` (once)."""
     from verl_ext.vllm import keyed
 
-    chosen = sampler.forward
-    if getattr(chosen, "_verl_ext_hook", False):
-        return
-
-    def forward(logits, generators, k, p):
-        return keyed.keyed_topk_topp(sampler, chosen, logits, generators, k, p)
-
-    forward._verl_ext_hook = True
-    sampler.forward = forward
+    wrap(sampler, "forward", lambda chosen, logits, generators, k, p:
+         keyed.keyed_topk_topp(sampler, chosen, logits, generators, k, p))
 
 
 def note_sampler(sampler) -> None:
@@ -222,7 +214,7 @@ def keyed_ready(model_runner=None) -> bool:
     """Whether a keyed request admitted here will be sampled by key: the admission hooks are in
     and ``model_runner`` (if given) is a runner whose ``_sample`` the step hooks wrap (vLLM's V1
     runner or a subclass, e.g. the CPU runner; not Model Runner V2)."""
-    if not _state["admission"]:
+    if not _state["plugin"]:
         return False
     if model_runner is None:
         return True
