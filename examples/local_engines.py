@@ -11,7 +11,8 @@ import asyncio
 
 from transformers import AutoTokenizer
 
-from verl_ext.ab.runner import ABConfig, build_requests, run_strategy
+from verl_ext.ab.runner import ABConfig, build_requests
+from verl_ext.compare.run import run_strategy
 from verl_ext.vllm.local import VLLMInstanceFactory
 from verl_ext.model import resolve_model
 from verl_ext.pipe import available_strategies, make_strategy

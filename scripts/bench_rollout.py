@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from verl_ext.ab.outputs import format_table
+from verl_ext.compare.outputs import format_table
 from verl_ext.ab.runner import ABConfig, run_ab
 
 

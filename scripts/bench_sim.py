@@ -26,7 +26,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from verl_ext.ab.arms import make_arm  # noqa: E402
+from verl_ext.pipe.arms import make_arm  # noqa: E402
 from verl_ext.perf.cost import load_cost_model  # noqa: E402
 from verl_ext.sim.runner import build_requests, run_arm, select_epoch  # noqa: E402
 from verl_ext.trace.synth import SynthConfig, load_source, synthesize, with_level  # noqa: E402

@@ -114,7 +114,7 @@ def trace_for(args, work: dict, out: Path) -> str:
         if wrong:
             raise SystemExit(f"--trace {args.trace} is another workload than the ab run: {wrong} (trace, ab)")
         return args.trace
-    from verl_ext.trace.record import RecordConfig, record_trace
+    from verl_ext.ab.record import RecordConfig, record_trace
 
     path = str(out / "trace.parquet")
     say(args, f"trace: verl-ext trace record -> {path}")
@@ -179,7 +179,7 @@ def rows_for(real: dict, sim: dict) -> list[dict]:
 
 def verl_rows(args, out: Path) -> tuple[list[dict], dict]:
     """The veRL path's rows (see the module docstring) and what each strategy's were made of."""
-    from verl_ext.cpu.e2e import CPU_PROFILE, servers_of
+    from verl_ext.verl_runs.e2e import CPU_PROFILE, servers_of
     from verl_ext.sim.runner import SimConfig, run_sim_ab
     from verl_ext.trace import Trace, read_trace, write_trace
 

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 
-from verl_ext.ab.runner import run_strategy
+from verl_ext.compare.run import run_strategy
 from verl_ext.pipe import make_strategy
 from verl_ext.sim.clock import run_virtual
 from verl_ext.perf.cost import load_cost_model

@@ -1,9 +1,9 @@
 """verl_ext's manager against veRL's own on the same servers, over the sampling settings users
-run; JSON out (``verl_ext.cpu.conformance``). ``python scripts/conformance.py --quick --out DIR``."""
+run; JSON out (``verl_ext.verl_runs.conformance``). ``python scripts/conformance.py --quick --out DIR``."""
 
 import sys
 
-from verl_ext.cpu.conformance import main
+from verl_ext.verl_runs.conformance import main
 
 if __name__ == "__main__":
     sys.exit(main())

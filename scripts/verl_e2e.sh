@@ -11,7 +11,7 @@
 #     [-- extra Hydra overrides for every run]
 #
 # Needs the main job's environment (bash scripts/setup_env.sh); PYTHON overrides the interpreter.
-# Details: verl_ext/cpu/e2e.py.
+# Details: verl_ext/verl_runs/e2e.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-exec "${PYTHON:-.venv/bin/python}" -m verl_ext.cpu.e2e "$@"
+exec "${PYTHON:-.venv/bin/python}" -m verl_ext.verl_runs.e2e "$@"

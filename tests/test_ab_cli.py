@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from verl_ext.ab.metrics import REQUIRED_FIELDS
+from verl_ext.compare.metrics import REQUIRED_FIELDS
 from verl_ext.workload.arith import DEFAULT_DIFFICULTY, make_problems
 
 VERL_EXT = [sys.executable, "-m", "verl_ext.cli"]
@@ -117,7 +117,7 @@ async def test_ab_keyed_sampling_at_temperature_one(tmp_path, model_dir, fp32_en
     # simulated from it, the ratios side by side
     from _util import SharedEngineFactory
 
-    from verl_ext.trace.record import RecordConfig, arecord_trace
+    from verl_ext.ab.record import RecordConfig, arecord_trace
 
     trace = tmp_path / "trace.parquet"
     await arecord_trace(RecordConfig(prompts=2, samples=3, epochs=1, max_tokens=48, instances=1, temperature=1.0,
@@ -143,7 +143,7 @@ async def test_ab_keyed_sampling_at_temperature_one(tmp_path, model_dir, fp32_en
 
 
 def test_same_tokens_counts_the_responses_equal_to_the_first_arms():
-    from verl_ext.ab.outputs import StrategyRun, format_same_tokens, not_identical, same_tokens
+    from verl_ext.compare.outputs import StrategyRun, format_same_tokens, not_identical, same_tokens
 
     def run(name, tokens):
         return StrategyRun(name, {}, [], {}, [], token_ids=tokens)
@@ -223,7 +223,7 @@ def test_unwritable_out_dir(tmp_path):
 
 
 def test_repeats_rotate_the_arms_and_report_the_median_round():
-    from verl_ext.ab.outputs import StrategyRun, format_repeats
+    from verl_ext.compare.outputs import StrategyRun, format_repeats
     from verl_ext.ab.runner import _median_round, round_order
 
     arms = ["a", "b", "c"]

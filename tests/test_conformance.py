@@ -26,7 +26,7 @@ def _output(responses, logprobs, uids=("a", "a")):
 
 
 def test_the_comparison_names_every_field_that_differs():
-    from verl_ext.cpu.conformance import LOGPROB_TOL, compare
+    from verl_ext.verl_runs.conformance import LOGPROB_TOL, compare
 
     ref = _output([[5, 6], [7, 8]], [[-0.1, -0.2], [-0.3, -0.4]])
     assert compare(ref, _output([[5, 6], [7, 8]], [[-0.1, -0.2], [-0.3, -0.4 + LOGPROB_TOL / 2]]))["identical"]
@@ -37,8 +37,8 @@ def test_the_comparison_names_every_field_that_differs():
 
 
 def test_cells_key_sampled_requests_and_name_tokens_by_text():
-    from verl_ext.cpu.conformance import CELLS, QUICK_CELLS, QUICK_STRATEGIES, quick_cells, resolve
-    from verl_ext.cpu.conformance_loop import cell_sampling
+    from verl_ext.verl_runs.conformance import CELLS, QUICK_CELLS, QUICK_STRATEGIES, quick_cells, resolve
+    from verl_ext.verl_runs.conformance_loop import cell_sampling
 
     veRL = {"temperature": 0.7, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True}
     got = cell_sampling(veRL, json.dumps({"temperature": 1.0, "min_p": 0.1}), 7)
@@ -65,7 +65,7 @@ def test_the_quick_tier_has_no_mismatch(tmp_path):
     server busy with other traffic) against veRL's AgentLoopManager on the same two servers,
     greedy and keyed-sampled, with top-k/top-p, a budget that cuts responses, stop token ids and
     veRL's tool agent loop."""
-    from verl_ext.cpu.conformance import QUICK_STRATEGIES, quick_cells
+    from verl_ext.verl_runs.conformance import QUICK_STRATEGIES, quick_cells
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     r = subprocess.run([sys.executable, "scripts/conformance.py", "--quick", "--out", str(tmp_path)], cwd=REPO, env=env,

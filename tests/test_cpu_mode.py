@@ -192,7 +192,7 @@ def test_preset_composes_with_every_strategy_and_yields_to_the_command_line():
 
 
 def test_e2e_script_takes_a_step_count_per_strategy():
-    from verl_ext.cpu.e2e import parse_strategies
+    from verl_ext.verl_runs.e2e import parse_strategies
 
     assert parse_strategies("baseline,seer,rhyme:3", 2) == {"baseline": 2, "seer": 2, "rhyme": 3}
     assert list(parse_strategies(" rhyme:1 , baseline ", 4).items()) == [("rhyme", 1), ("baseline", 4)]
@@ -208,7 +208,7 @@ def test_e2e_writes_its_data_set_at_the_difficulty_asked_for(tmp_path, monkeypat
     the run stops once the data set is written)."""
     import pyarrow.parquet as pq
 
-    from verl_ext.cpu import e2e
+    from verl_ext.verl_runs import e2e
     from verl_ext.workload import verl_data
     from verl_ext.workload.arith import DEFAULT_DIFFICULTY, make_problems
 
@@ -231,7 +231,7 @@ def test_e2e_trace_records_each_strategys_steps_in_a_directory_of_its_own(tmp_pa
     """``--trace``: every trainer run of a strategy gets the trace hook's directory under
     ``OUT/<strategy>/traces``, in the form the rollout config's own check accepts; without it, none."""
     from verl_ext.config.settings import TraceSettings
-    from verl_ext.cpu import e2e
+    from verl_ext.verl_runs import e2e
     from verl_ext.workload import verl_data
 
     monkeypatch.setattr(verl_data, "write_dataset", lambda *a, **k: None)
@@ -262,7 +262,7 @@ def test_e2e_gives_each_training_rank_its_share_of_a_step_as_one_micro_batch(tmp
     (``trainer.n_gpus_per_node=2``) a micro batch of the whole step fails its assert, so each
     rank's is its share; a user's own micro-batch override comes later and wins; a step that does
     not split evenly over the ranks is refused before anything starts."""
-    from verl_ext.cpu import e2e
+    from verl_ext.verl_runs import e2e
 
     def micro(extra):
         cmd = e2e.trainer_command("seer", tmp_path, "m", 2, 4, 4, 32, 0.7, extra)
@@ -280,7 +280,7 @@ def test_e2e_gives_each_training_rank_its_share_of_a_step_as_one_micro_batch(tmp
 
 
 def test_e2e_side_by_side_divides_each_step_by_baselines():
-    from verl_ext.cpu.e2e import side_by_side
+    from verl_ext.verl_runs.e2e import side_by_side
 
     runs = {"baseline": {"timing_s_gen": [10.0, 8.0], "rollout_s": [9.0, 7.0], "steps_completed": 2},
             "seer": {"timing_s_gen": [5.0, 6.0, 4.0], "rollout_s": [4.5, None], "steps_completed": 3}}
@@ -292,7 +292,7 @@ def test_e2e_side_by_side_divides_each_step_by_baselines():
 
 
 def test_e2e_max_tokens_gives_one_budget_or_one_per_step():
-    from verl_ext.cpu.e2e import parse_budgets, stage_overrides, stages
+    from verl_ext.verl_runs.e2e import parse_budgets, stage_overrides, stages
 
     assert parse_budgets("48") == (48,)
     assert stages(parse_budgets("48"), 3) == [(48, 3)]
@@ -331,7 +331,7 @@ sys.exit(int(o.get("fail", 0)))
 
 
 def test_e2e_a_staged_budget_runs_one_trainer_per_budget_and_sums_their_counts(tmp_path):
-    from verl_ext.cpu.e2e import run_strategy, stage_overrides, stages
+    from verl_ext.verl_runs.e2e import run_strategy, stage_overrides, stages
 
     def commands(budgets, steps, fail_at=None):
         runs = stages(budgets, steps)

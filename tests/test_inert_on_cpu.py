@@ -88,7 +88,7 @@ def test_plain_verl_trains_on_cpu_with_the_extension_unimportable(tmp_path, mode
     """``python -m verl.trainer.main_ppo trainer.device=cpu ...`` without ``rollout=<strategy>``:
     veRL's own agent-loop manager, verl_ext's plugin in every process (the CPU mode, the config
     check, the preset's KV size) and no native code of verl_ext anywhere; one GRPO step."""
-    from verl_ext.cpu.e2e import trainer_command
+    from verl_ext.verl_runs.e2e import trainer_command
     from verl_ext.workload.verl_data import write_dataset
 
     log = tmp_path / "imports.log"

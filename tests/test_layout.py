@@ -1,13 +1,16 @@
-"""The package layout's rules, read from the source (every import, lazy ones included):
-production packages never import the simulator, verl_ext's packages import each other without
-cycles, and no module imports another package's private names."""
+"""The package layout's rules, read from the source (every import, lazy ones included): the
+runtime never imports a tool (the harnesses, the simulator, the command), verl_ext's packages import
+each other without cycles, and no module imports another package's private names; and importing
+what veRL loads does not load a tool."""
 
 import ast
 from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "verl_ext"
-PRODUCTION = ("pipe", "rollout", "spec", "vllm", "history", "engine", "config", "perf")
+RUNTIME = ("sharding", "model", "workload", "perf", "engine", "spec", "vllm", "pipe", "history", "config",
+           "trace", "rollout", "cpu", "plugin")
+TOOLS = ("compare", "ab", "measure", "sim", "verl_runs", "cli")
 
 
 def _imports():
@@ -48,13 +51,31 @@ def _graph():
 
 def test_the_import_scan_sees_the_known_edges():
     edges = _graph()
-    assert "perf" in edges["pipe"] and "engine" in edges["pipe"] and "ab" in edges["sim"]
+    assert "perf" in edges["pipe"] and "engine" in edges["pipe"] and "compare" in edges["sim"]
 
 
-def test_production_packages_never_import_the_simulator():
+def test_every_package_is_runtime_or_tool():
+    packages = {p.name for p in ROOT.iterdir() if p.is_dir() and any(p.glob("*.py"))}
+    packages |= {p.stem for p in ROOT.glob("*.py") if p.stem != "__init__"}
+    assert packages == set(RUNTIME) | set(TOOLS)
+
+
+def test_the_runtime_never_imports_a_tool():
     offending = [f"{f}:{line} imports {name}" for package, name, _, f, line in _imports()
-                 if package in PRODUCTION and (name == "verl_ext.sim" or name.startswith("verl_ext.sim."))]
+                 if package in RUNTIME and name.split(".")[1] in TOOLS]
     assert not offending, offending
+
+
+def test_what_verl_loads_loads_no_tool():
+    """The plugin entry point, the rollout manager and the vLLM plugin, imported as veRL and vLLM
+    import them, leave every tool package unloaded."""
+    import subprocess
+    import sys
+
+    code = ("import sys, verl_ext.plugin, verl_ext.rollout.manager, verl_ext.vllm.plugin, verl_ext.vllm.proposer\n"
+            f"print(sorted({{m.split('.')[1] for m in sys.modules if m.startswith('verl_ext.')}} & {set(TOOLS)!r}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
 def test_packages_import_each_other_without_cycles():

@@ -131,7 +131,7 @@ def test_group_drafts_are_not_attributed_where_replayed_schedules_mix_scopes(tmp
 
 
 def test_verl_e2e_check_fails_on_a_mechanism_that_never_acted_but_not_on_one_out_of_reach():
-    from verl_ext.cpu.e2e import inert_mechanisms, out_of_reach
+    from verl_ext.verl_runs.e2e import inert_mechanisms, out_of_reach
 
     acted = {"history_draft_tokens_accepted": 9, "histopipe_placements": 4, "migrations": 0}
     rhyme = {"mechanisms_unchecked": out_of_reach("rhyme", 0.0, 1)}
@@ -147,7 +147,7 @@ def test_verl_e2e_checks_what_the_run_can_reach(monkeypatch):
     specactor copies them, and rhyme's migrations are in; unkeyed (vLLM without the plugin's
     hooks): drafter mechanisms and copies are out of reach. One server: no sample moves and no
     Best-of-N copies; two: they act."""
-    from verl_ext.cpu.e2e import out_of_reach, servers_of
+    from verl_ext.verl_runs.e2e import out_of_reach, servers_of
 
     assert out_of_reach("rhyme", 1.0, 1) == {} and out_of_reach("seer", 1.0, 1) == {}
     assert out_of_reach("seer", 0.0, 1) == {}

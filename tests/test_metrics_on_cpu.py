@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from verl_ext.ab.metrics import REQUIRED_FIELDS, rollout_metrics
+from verl_ext.compare.metrics import REQUIRED_FIELDS, rollout_metrics
 from verl_ext.pipe.pool import RequestRecord
 
 

@@ -230,7 +230,7 @@ def test_inter_step_migration_keeps_short_groups_and_the_last_step_within_the_st
 
 
 def test_inter_step_migration_is_refused_where_nothing_carries_it(tmp_path, capsys):
-    from verl_ext.ab.arms import make_arm
+    from verl_ext.pipe.arms import make_arm
     from verl_ext.config.settings import VerlExtSettings
     from verl_ext.pipe.strategy import StrategyConfigError
 

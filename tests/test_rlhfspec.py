@@ -348,7 +348,7 @@ async def watch(instances, every_s=0.5):
 
 
 def _run(strategy, sims, reqs, on_finish=None):
-    from verl_ext.ab.runner import run_strategy
+    from verl_ext.compare.run import run_strategy
     from verl_ext.sim.clock import run_virtual
 
     async def main():
@@ -423,7 +423,7 @@ def test_each_rollout_paces_its_decisions_by_its_own_engine_steps():
     and the second step moved nothing."""
     import dataclasses
 
-    from verl_ext.ab.runner import run_strategy
+    from verl_ext.compare.run import run_strategy
     from verl_ext.sim.clock import run_virtual
 
     sims, reqs, want = _sim_setup(prompts=3, samples=4, instance_cls=[ReadWhileBusy, ReadWhileBusy])

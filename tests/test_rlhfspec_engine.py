@@ -7,7 +7,7 @@ import pytest
 
 vllm = pytest.importorskip("vllm")
 
-from verl_ext.ab.runner import run_strategy  # noqa: E402
+from verl_ext.compare.run import run_strategy  # noqa: E402
 from verl_ext.engine.instance import GenRequest, SamplingSpec  # noqa: E402
 from verl_ext.pipe import make_strategy  # noqa: E402
 from verl_ext.workload.arith import encode_prompts, make_problems  # noqa: E402

@@ -9,8 +9,8 @@ import pytest
 
 from test_sim import _cost, _requests, _trace
 
-from verl_ext.ab.arms import make_arm, split_arms
-from verl_ext.ab.runner import run_strategy
+from verl_ext.pipe.arms import make_arm, split_arms
+from verl_ext.compare.run import run_strategy
 from verl_ext.engine.instance import FINISH_LENGTH, PRIOR_TOKENS_KEY, GenRequest, SamplingSpec, chunk_seed
 from verl_ext.pipe import StrategyConfigError, make_strategy
 from verl_ext.pipe.buffer import RequestBuffer

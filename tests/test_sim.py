@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 
-from verl_ext.ab.runner import run_strategy
+from verl_ext.compare.run import run_strategy
 from verl_ext.engine.instance import GenRequest, SamplingSpec
 from verl_ext.pipe import make_strategy
 from verl_ext.pipe.oracle import TRUE_LEN

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from verl_ext.ab.metrics import REQUIRED_FIELDS, SCHEMA
+from verl_ext.compare.metrics import REQUIRED_FIELDS, SCHEMA
 from verl_ext.cli import main
 from verl_ext.trace.format import read_trace
 

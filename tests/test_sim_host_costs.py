@@ -75,7 +75,7 @@ def test_every_call_passes_the_dispatcher(monkeypatch):
 
 def _histospec(monkeypatch, rpc=0.0, build=0.0):
     import verl_ext.sim.host_costs as hc
-    from verl_ext.ab.arms import make_arm
+    from verl_ext.pipe.arms import make_arm
     from verl_ext.sim.runner import build_requests, run_arm, select_epoch
 
     monkeypatch.setattr(hc, "HISTORY_RPC_S_PER_TOKEN", rpc)

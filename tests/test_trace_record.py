@@ -6,7 +6,7 @@ from _util import SharedEngineFactory
 
 from verl_ext.trace import read_trace
 from verl_ext.cli import main as cli_main
-from verl_ext.trace.record import RecordConfig, arecord_trace
+from verl_ext.ab.record import RecordConfig, arecord_trace
 from verl_ext.workload.arith import make_problems
 
 

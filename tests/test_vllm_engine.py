@@ -7,7 +7,8 @@ import pytest
 
 vllm = pytest.importorskip("vllm")
 
-from verl_ext.ab.runner import ABConfig, build_requests, run_strategy  # noqa: E402
+from verl_ext.ab.runner import ABConfig, build_requests  # noqa: E402
+from verl_ext.compare.run import run_strategy  # noqa: E402
 from verl_ext.engine.instance import GenRequest, SamplingSpec  # noqa: E402
 from verl_ext.pipe import make_strategy  # noqa: E402
 from verl_ext.workload.arith import encode_prompts, make_problems, make_scorer  # noqa: E402

@@ -17,10 +17,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
 
-from verl_ext.ab.arms import SPEC_SUFFIX, make_arm, validate_strategies
-from verl_ext.ab.metrics import SCHEMA, rollout_metrics
-from verl_ext.ab.outputs import StrategyRun, check_out_dir, same_tokens, write_outputs
+from verl_ext.compare.metrics import SCHEMA
+from verl_ext.compare.outputs import StrategyRun, check_out_dir, same_tokens, write_outputs
+from verl_ext.compare.run import ArmResult, run_strategy
 from verl_ext.engine.instance import GenRequest, Instance, SamplingSpec
+from verl_ext.pipe.arms import SPEC_SUFFIX, make_arm, validate_strategies
 from verl_ext.pipe.lifecycle import UNSET, Lifecycle
 from verl_ext.pipe.pool import InstancePool
 from verl_ext.pipe.strategy import Strategy
@@ -28,7 +29,6 @@ from verl_ext.spec import SCOPE_HISTORY
 from verl_ext.workload.arith import Problem, encode_prompts, make_problems, make_scorer
 from verl_ext.workload.arith import DEFAULT_DIFFICULTY, check_difficulty
 
-TELEMETRY_PERIOD_S = 0.05
 
 
 @dataclass
@@ -111,17 +111,6 @@ def cpu_default_preset() -> str:
     return CPU_FLOAT32_PRESET if cpu_default_dtype() == "float32" else CPU_DEFAULT_PRESET
 
 
-@dataclass
-class ArmResult:
-    """One strategy's rollout over one set of instances."""
-
-    completions: list
-    rewards: list[float]
-    metrics: dict
-    pool: InstancePool
-    timeline: dict  # instance -> [(t, running)]
-
-
 def build_requests(
     problems: Sequence[Problem], prompt_ids: Sequence[list[int]], cfg: ABConfig, stop_token_ids: tuple[int, ...],
     epoch: int = 0,
@@ -149,70 +138,6 @@ def build_requests(
                 )
             )
     return requests
-
-
-async def _sample_telemetry(instances: Sequence[Instance], pool: InstancePool, timeline: dict, stop: asyncio.Event):
-    while True:
-        t = pool.now()
-        for inst in instances:
-            timeline[inst.name].append((t, inst.telemetry().running))
-        if stop.is_set():  # the last sample is taken after the rollout ended
-            return
-        try:
-            await asyncio.wait_for(stop.wait(), TELEMETRY_PERIOD_S)
-        except asyncio.TimeoutError:
-            pass
-
-
-async def run_strategy(
-    strategy: Strategy,
-    instances: Sequence[Instance],
-    requests: Sequence[GenRequest],
-    score: Callable[[GenRequest, list[int]], float],
-    seed: int = 0,
-    on_finish: Optional[Callable[[], None]] = None,
-    clock: Optional[Callable[[], float]] = None,
-    sample_telemetry: bool = True,
-    lifecycle: Optional[Lifecycle] = None,
-) -> ArmResult:
-    """Run ``requests`` through ``strategy`` on ``instances`` and measure it. ``clock``: the
-    pool's clock (the simulator passes its virtual one); ``sample_telemetry=False`` skips the
-    running-requests sampler (simulated instances log every change themselves); ``lifecycle``:
-    the driver's ``Lifecycle`` of ``strategy`` (its history and step; default: a bare one)."""
-    life = lifecycle if lifecycle is not None else Lifecycle(strategy)
-    pool = InstancePool(instances, seed=seed, **({"clock": clock} if clock is not None else {}))
-    if on_finish is not None:
-        pool.on_finish = lambda record: on_finish()
-    timeline = {inst.name: [] for inst in instances}
-    stop = asyncio.Event()
-    await strategy.prepare(pool)  # long-lived helpers start outside the timed rollout
-    before = [inst.telemetry() for inst in instances]
-    await life.mark(instances)
-    pool.reset_clock()
-    sampler = asyncio.ensure_future(_sample_telemetry(instances, pool, timeline, stop)) if sample_telemetry else None
-    try:
-        completions = await strategy.rollout(requests, pool)
-    finally:
-        stop.set()
-        if sampler is not None:
-            await sampler
-        await strategy.close()
-    rewards = [score(req, c.token_ids) for req, c in zip(requests, completions)]
-    metrics = rollout_metrics(pool.records, rewards, delivered_tokens=sum(len(c.token_ids) for c in completions))
-    after = [inst.telemetry() for inst in instances]
-    if metrics["tokens_per_step"] is None:
-        # engines that count steps per instance rather than per request (vLLM's stat logger)
-        tokens = sum(a.generated_tokens - b.generated_tokens for a, b in zip(after, before))
-        steps = sum(a.request_steps - b.request_steps for a, b in zip(after, before))
-        metrics["tokens_per_step"] = tokens / steps if steps > 0 else None
-    drafted = sum(a.draft_tokens - b.draft_tokens for a, b in zip(after, before))
-    accepted = sum(a.accepted_tokens - b.accepted_tokens for a, b in zip(after, before))
-    metrics["draft_tokens"] = drafted
-    metrics["accepted_tokens"] = accepted
-    metrics["draft_acceptance"] = accepted / drafted if drafted else None
-    metrics.update({f"strategy/{k}": v for k, v in strategy.metrics().items()})
-    metrics["mechanisms"] = await life.mechanisms(instances)
-    return ArmResult(completions, rewards, metrics, pool, timeline)
 
 
 def prepare(cfg: ABConfig):

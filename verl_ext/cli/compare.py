@@ -126,7 +126,7 @@ def run_ab(args) -> int:
     return _run_ab(args)
 
 def _names(arg: str | None, default: str) -> list[str]:
-    from verl_ext.ab.arms import split_arms
+    from verl_ext.pipe.arms import split_arms
 
     return split_arms(arg or default)
 
@@ -222,7 +222,7 @@ def _run_ab(args) -> int:
     rc = _report(summary, cfg.out, "completion_cdf.png, running_requests.png")
     _engine_log_note(cfg, sys.stdout)
     if args.require_identical:
-        from verl_ext.ab.outputs import not_identical
+        from verl_ext.compare.outputs import not_identical
 
         differ = not_identical(summary)
         if differ:
@@ -240,7 +240,7 @@ def _engine_log_note(cfg: ABConfig, stream) -> None:
 
 
 def _report(summary: dict, out: str, files: str) -> int:
-    from verl_ext.ab.outputs import format_repeats, format_same_tokens, format_table
+    from verl_ext.compare.outputs import format_repeats, format_same_tokens, format_table
 
     print()
     print(format_table(summary))

@@ -1,5 +1,5 @@
 """``verl-ext trace record``: record a rollout trace on local real engines (the default model
-and workload; :mod:`verl_ext.trace.record`)."""
+and workload; :mod:`verl_ext.ab.record`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from verl_ext.trace.record import RecordConfig, record_trace
+from verl_ext.ab.record import RecordConfig, record_trace
 
 
 def add_commands(subparsers) -> None:

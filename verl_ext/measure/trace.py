@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from verl_ext.ab.arms import parse_arm
+from verl_ext.pipe.arms import parse_arm
 from verl_ext.measure import json_out
 from verl_ext.measure.grid import describe_thresholds
 from verl_ext.perf.cost import load_cost_model

@@ -369,7 +369,7 @@ def run_pipeline_arm(label: str, cfg, cost, trace, rows, history, batches, max_t
                      t_train: float, progress: bool = False, keep_completions: bool = False) -> PipelineResult:
     """One ``--strategies`` entry over ``batches`` (trace rows per step) in ``mode``: a fresh
     strategy object per step (steps overlap), the instances and their drafter shared."""
-    from verl_ext.ab.arms import make_arm
+    from verl_ext.pipe.arms import make_arm
     from verl_ext.pipe.rhyme import LocalHistory
     from verl_ext.sim.clock import run_virtual
     from verl_ext.sim.drafting import make_drafter
@@ -474,9 +474,9 @@ def run_pipeline_ab(cfg, progress: bool = True, trace=None) -> dict:
     import time
     from pathlib import Path
 
-    from verl_ext.ab.metrics import SCHEMA
-    from verl_ext.ab.arms import make_arm
-    from verl_ext.ab.outputs import check_out_dir, write_staged
+    from verl_ext.compare.metrics import SCHEMA
+    from verl_ext.pipe.arms import make_arm
+    from verl_ext.compare.outputs import check_out_dir, write_staged
     from verl_ext.perf.cost import load_cost_model
     from verl_ext.sim.workload import load_workload, select_epoch
 
@@ -533,7 +533,7 @@ def run_pipeline_ab(cfg, progress: bool = True, trace=None) -> dict:
 
 # -- report ----------------------------------------------------------------------------------------
 def format_pipeline_table(summary: dict) -> str:
-    from verl_ext.ab.outputs import render_table
+    from verl_ext.compare.outputs import render_table
 
     return render_table(summary, [
         ("strategy", None, "{}"), ("total s", "pipeline_s", "{:.1f}"), ("s/step", "step_s", "{:.1f}"),

@@ -19,7 +19,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from verl_ext.ab.plots import plot_completion_cdf  # noqa: E402
+from verl_ext.compare.plots import plot_completion_cdf  # noqa: E402
 from verl_ext.pipe.pool import RequestRecord  # noqa: E402
 
 MAX_LINES = 64  # instances drawn per panel; more are summarised by their mean

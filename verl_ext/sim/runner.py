@@ -20,10 +20,10 @@ from typing import Optional
 
 import numpy as np
 
-from verl_ext.ab.metrics import SCHEMA
-from verl_ext.ab.arms import make_arm, validate_strategies
-from verl_ext.ab.outputs import check_out_dir, write_staged
-from verl_ext.ab.runner import run_strategy
+from verl_ext.compare.metrics import SCHEMA
+from verl_ext.pipe.arms import make_arm, validate_strategies
+from verl_ext.compare.outputs import check_out_dir, write_staged
+from verl_ext.compare.run import run_strategy
 from verl_ext.engine.instance import GenRequest
 from verl_ext.pipe.lifecycle import UNSET, Lifecycle
 from verl_ext.sim.defaults import DEFAULT_INSTANCES, DEFAULT_PRESET

@@ -1,7 +1,6 @@
-"""Rollout traces: the versioned Parquet format (``format``), ``verl-ext trace record``
-(``record``) and the synthetic workload (``synth``). Recording inside veRL training is
-:mod:`verl_ext.rollout.trace_hook`."""
-
+"""Rollout traces: the versioned Parquet format (``format``) and the synthetic workload
+(``synth``). Recording one on real engines is ``verl-ext trace record`` (:mod:`verl_ext.ab.record`);
+inside veRL training, :mod:`verl_ext.rollout.trace_hook`."""
 from verl_ext.trace.format import (
     FINISH_REASONS,
     TRACE_FORMAT,

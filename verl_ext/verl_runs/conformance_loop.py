@@ -1,4 +1,4 @@
-"""The conformance suite's agent loop (:mod:`verl_ext.cpu.conformance`): veRL's own
+"""The conformance suite's agent loop (:mod:`verl_ext.verl_runs.conformance`): veRL's own
 ``SingleTurnAgentLoop``, with a cell's sampling settings added to what veRL sends.
 
 Users set sampling parameters beyond veRL's five (temperature, top-p, top-k, repetition penalty,
@@ -11,7 +11,7 @@ same sample; ``verl_ext.engine.keyed_sampling``). Registered through veRL's
 
 ``TOOL_AGENT_NAME`` is veRL's own ``ToolAgentLoop`` under the same rule, for multi-turn cells: a
 small model emits no tool-call syntax, so its tool parser (``TOOL_FORMAT``) reads every assistant
-turn as one call of the suite's tool (``verl_ext.cpu.conformance_tools``) with that turn's text;
+turn as one call of the suite's tool (``verl_ext.verl_runs.conformance_tools``) with that turn's text;
 the tool answers, and the next assistant turn follows, up to ``multi_turn.max_assistant_turns``.
 """
 
@@ -29,8 +29,8 @@ from verl_ext.engine.instance import KEYED_SEED
 AGENT_NAME = "verl_ext_conformance"
 TOOL_AGENT_NAME = "verl_ext_conformance_tool"
 TOOL_FORMAT = "verl_ext_every_turn"
-AGENT_LOOP_YAML = (f"- name: {AGENT_NAME}\n  _target_: verl_ext.cpu.conformance_loop.ConformanceAgentLoop\n"
-                   f"- name: {TOOL_AGENT_NAME}\n  _target_: verl_ext.cpu.conformance_loop.ConformanceToolAgentLoop\n")
+AGENT_LOOP_YAML = (f"- name: {AGENT_NAME}\n  _target_: verl_ext.verl_runs.conformance_loop.ConformanceAgentLoop\n"
+                   f"- name: {TOOL_AGENT_NAME}\n  _target_: verl_ext.verl_runs.conformance_loop.ConformanceToolAgentLoop\n")
 
 
 def cell_sampling(sampling_params: dict[str, Any], cell_params: str, seed) -> dict[str, Any]:

@@ -9,7 +9,7 @@ sampler and ``data.seed``), and run it through ``generate_sequences`` twice: wit
 length. The servers are the same for both runs and are started once per strategy (their
 engine settings, verl_ext's drafter among them, differ between strategies).
 
-``python -m verl_ext.cpu.identity --strategies baseline,seer --out DIR`` writes
+``python -m verl_ext.verl_runs.identity --strategies baseline,seer --out DIR`` writes
 ``DIR/identity.json`` and exits 1 if any strategy differs. ``verl_e2e.sh --check-identity`` runs
 it (``IdentityCheck``) beside its training runs.
 """
@@ -44,7 +44,7 @@ def compose_config(strategy: str, model: str, data_dir: Path, prompts: int, n: i
                    out: Path, extra: list[str] = (), servers: int = 1):
     """veRL's trainer config for ``rollout=<strategy>`` in the CPU mode, greedy, V0 flavour (the
     managers return a ``DataProto``), ``servers`` standalone rollout replicas."""
-    from verl_ext.cpu.e2e import run_overrides
+    from verl_ext.verl_runs.e2e import run_overrides
 
     overrides = [
         f"rollout@actor_rollout_ref.rollout={strategy}", PRESET_ARG, "trainer.use_v1=false",
@@ -163,7 +163,7 @@ class IdentityCheck:
                  out: Path, extra: list[str] = ()):
         self.strategies, self.out = list(strategies), out
         out.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "verl_ext.cpu.identity", "--strategies", ",".join(strategies), "--model", model,
+        cmd = [sys.executable, "-m", "verl_ext.verl_runs.identity", "--strategies", ",".join(strategies), "--model", model,
                "--data", str(data_dir), "--prompts", str(prompts), "--n", str(n), "--max-tokens", str(max_tokens),
                "--out", str(out), *(f"--override={o}" for o in extra)]
         env = dict(os.environ, **CPU_ENV, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
@@ -174,7 +174,7 @@ class IdentityCheck:
     def results(self, timeout_s: float = 3600) -> dict[str, dict]:
         """Wait for the check; per strategy its result, or ``identical: None`` and the error where
         the check could not run."""
-        from verl_ext.cpu.e2e import stop_group
+        from verl_ext.verl_runs.e2e import stop_group
 
         try:
             self._proc.wait(timeout=timeout_s)
@@ -188,7 +188,7 @@ class IdentityCheck:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="verl_ext.cpu.identity", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="verl_ext.verl_runs.identity", description=__doc__.split("\n")[0])
     p.add_argument("--strategies", required=True)
     p.add_argument("--model", default=None)
     p.add_argument("--data", default=None, help="directory with train.parquet (default: written under --out)")

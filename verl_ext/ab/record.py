@@ -69,7 +69,7 @@ class RecordConfig:
         from verl_ext.vllm.local import dtype_engine_args
 
         dtype_engine_args(self.dtype)  # an unknown dtype -> clear error
-        from verl_ext.ab.arms import make_arm
+        from verl_ext.pipe.arms import make_arm
 
         make_arm(self.strategy, self.spec_k)  # unknown strategy or option -> clear error
         if self.out is not None:
@@ -213,8 +213,8 @@ async def arecord_trace(cfg: RecordConfig, engine_factory=None, progress: bool =
 
 
 async def _record(cfg: RecordConfig, engine_factory, epoch_requests, score, progress: bool):
-    from verl_ext.ab.arms import make_arm
-    from verl_ext.ab.runner import run_strategy
+    from verl_ext.pipe.arms import make_arm
+    from verl_ext.compare.run import run_strategy
 
     _, spec = make_arm(cfg.strategy, cfg.spec_k)
     created = await (engine_factory.create(cfg.instances, spec=spec) if spec else engine_factory.create(cfg.instances))

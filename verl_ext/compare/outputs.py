@@ -98,7 +98,7 @@ def write_staged(out: Path, summary: dict, runs, extra: Callable[[Path], None]) 
 
 
 def write_outputs(out: Path, summary: dict, runs: Sequence[StrategyRun]) -> None:
-    from verl_ext.ab.plots import plot_completion_cdf, plot_running
+    from verl_ext.compare.plots import plot_completion_cdf, plot_running
     from verl_ext.pipe.pool import RequestRecord
 
     def extra(staging: Path) -> None:

@@ -11,7 +11,7 @@ matplotlib.use("Agg")  # headless; must precede pyplot
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from verl_ext.ab.metrics import request_spans  # noqa: E402
+from verl_ext.compare.metrics import request_spans  # noqa: E402
 from verl_ext.pipe.pool import RequestRecord  # noqa: E402
 
 

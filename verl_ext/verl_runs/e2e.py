@@ -13,7 +13,7 @@ dispatcher sees it, finer than ``timing_s/gen``, which veRL's V1 trainer rounds 
 buffer's 2-s polling), ``verl_ext_metrics`` (every ``verl_ext/*`` metric of the last step),
 ``mechanisms`` (how many times each of the strategy's mechanisms acted over the run,
 :mod:`verl_ext.pipe.mechanisms`; names in docs/ARCHITECTURE.md) and ``identical_to_verl_manager``
-(:mod:`verl_ext.cpu.identity`; null unless ``--check-identity``). ``OUT/summary.json`` puts the
+(:mod:`verl_ext.verl_runs.identity`; null unless ``--check-identity``). ``OUT/summary.json`` puts the
 strategies side by side.
 
 ``--max-tokens`` takes one budget, or one per step (``32,512``: a run resumed with a longer
@@ -138,7 +138,7 @@ PER_STEP = {
 
 def run_overrides(strategy: str, data_dir: Path, model: str, prompts: int, n: int, max_tokens: int,
                   temperature: float) -> list[str]:
-    """What a training run and the identity check (:mod:`verl_ext.cpu.identity`) share: the data,
+    """What a training run and the identity check (:mod:`verl_ext.verl_runs.identity`) share: the data,
     the model, the samples and their sampling, the reward, and a strategy's cost model."""
     overrides = [
         f"data.train_files={data_dir / 'train.parquet'}", f"data.val_files={data_dir / 'val.parquet'}",
@@ -425,7 +425,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     identical: dict[str, Optional[bool]] = {s: None for s in strategies}
     check = None
     if args.check_identity:  # beside the training runs: their timings share the CPU with it
-        from verl_ext.cpu.identity import IdentityCheck
+        from verl_ext.verl_runs.identity import IdentityCheck
 
         check = IdentityCheck(strategies, model=model, data_dir=data_dir, prompts=args.prompts, n=args.n,
                               max_tokens=budgets[0], out=out / "identity", extra=args.overrides)
