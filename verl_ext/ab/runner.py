@@ -144,6 +144,8 @@ def prepare(cfg: ABConfig):
     """Validate everything that can fail before any engine starts; return (model_dir, out, arms),
     an arm being (label, strategy, SpecOptions or None)."""
     cfg.validate()
+    for label in cfg.strategies:  # a bad name, option or scope fails before vLLM is imported (seconds)
+        make_arm(label, cfg.spec_k, allow_history=cfg.epochs > 1)
     cost = _engine_cost(cfg)
     arms = []
     for label in cfg.strategies:
