@@ -28,7 +28,7 @@ def _payloads(hist: dict) -> dict:
     tokens too."""
     import pickle
 
-    from verl_ext.pipe.rhyme import set_histories_items
+    from verl_ext.pipe.rhyme.strategy import set_histories_items
     from verl_ext.spec.history_build import token_array
 
     tokens = sum(len(t) for toks, _ in hist.values() for t in toks)

@@ -215,7 +215,7 @@ def test_specactors_splice_keeps_the_prefix_and_its_log_probs():
     original's log-probs for the prefix (``SpecActorStrategy._splice``), whatever TokenOutput
     rides along in ``extra``."""
     from verl_ext.engine.instance import Completion, GenRequest, SamplingSpec
-    from verl_ext.pipe.specactor import _Live, _Run
+    from verl_ext.pipe.specactor.strategy import _Live, _Run
     from verl_ext.pipe.strategy import make_strategy
 
     strategy = make_strategy("specactor", {"profile": "cpu-smollm2-avx2"})

@@ -11,7 +11,7 @@ from verl_ext.compare.run import run_strategy  # noqa: E402
 from verl_ext.engine.instance import GenRequest, SamplingSpec  # noqa: E402
 from verl_ext.history.store import HistoryStore, Trajectory  # noqa: E402
 from verl_ext.pipe import make_strategy  # noqa: E402
-from verl_ext.pipe.rhyme import LocalHistory  # noqa: E402
+from verl_ext.history import LocalHistory  # noqa: E402
 from verl_ext.sim.pipeline import Pipeline, step_rollout  # noqa: E402
 from verl_ext.workload.arith import encode_prompts, make_problems  # noqa: E402
 

@@ -9,7 +9,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from verl_ext.pipe.histopipe import (
+from verl_ext.pipe.rhyme.histopipe import (
     migration_beta,
     migration_threshold,
     plan_allocation,
@@ -151,7 +151,7 @@ def test_simulated_cutoff_probes_like_the_engine(probe):
 def test_group_time_counts_histospec_and_its_cutoff():
     """tau(l, dp) with HistoSpec's measured rate: fewer, dearer steps; plain decoding for a batch
     above the cut-off."""
-    from verl_ext.pipe.histopipe import group_time
+    from verl_ext.pipe.rhyme.histopipe import group_time
     from test_sim import _cost
 
     cost = _cost()
@@ -241,7 +241,7 @@ def test_two_tier_respects_training_time_and_bad_input():
 def test_set_histories_replaces_each_given_prompts_tree():
     from _util import ProposerBatch, make_proposer
 
-    from verl_ext.pipe.rhyme import set_histories_items
+    from verl_ext.pipe.rhyme.strategy import set_histories_items
 
     p = make_proposer(scopes="history", k=4, min_match=2, min_prob=0.0)
     old, new = list(range(100, 140)), list(range(300, 340))
@@ -355,7 +355,7 @@ def test_rhyme_checks_an_outlier_as_soon_as_it_passes_the_length_condition():
     """The first chunk ends one token past beta x the ranking group's longest historical response,
     where section 6.3's length condition first holds: the outlier moves at its first check, not
     ``recheck_tokens`` (1,024 by default, more than it has left) later."""
-    from verl_ext.pipe.histopipe import migration_threshold
+    from verl_ext.pipe.rhyme.histopipe import migration_threshold
 
     tr = _two_epoch_trace()
     strategy, arm, _ = _sim_rhyme(tr, 1, {"ranking_groups": 4, "two_tier": False})
@@ -498,7 +498,7 @@ def test_rhyme_serves_each_block_its_prompts_histories():
     from verl_ext.history.store import HistoryStore, Trajectory
     from verl_ext.pipe import make_strategy
     from verl_ext.pipe.pool import InstancePool
-    from verl_ext.pipe.rhyme import LocalHistory
+    from verl_ext.history import LocalHistory
 
     class Drafting:  # the drafter-RPC side of VLLMInstance, over a real proposer
         drafting = True
@@ -584,7 +584,8 @@ def test_rhyme_places_a_prompt_that_arrives_after_the_plan_by_its_history():
     from verl_ext.history.store import HistoryStore, Trajectory
     from verl_ext.pipe import make_strategy
     from verl_ext.pipe.pool import InstancePool
-    from verl_ext.pipe.rhyme import PLAN_WINDOW_S, LocalHistory
+    from verl_ext.pipe.rhyme.strategy import PLAN_WINDOW_S
+    from verl_ext.history import LocalHistory
 
     class Drafting(ScriptedInstance):
         drafting = True

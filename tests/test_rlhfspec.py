@@ -12,7 +12,7 @@ import pytest
 
 from verl_ext.engine.instance import FINISH_ABORT
 from verl_ext.pipe import make_strategy
-from verl_ext.pipe.realloc import Move, pick_samples, plan_reallocation, turning_point
+from verl_ext.pipe.rlhfspec.realloc import Move, pick_samples, plan_reallocation, turning_point
 from verl_ext.pipe.strategy import StrategyConfigError
 from verl_ext.perf.cost import load_cost_model
 from verl_ext.spec import SpecOptions

@@ -13,8 +13,8 @@ from verl_ext.pipe.arms import make_arm, split_arms
 from verl_ext.compare.run import run_strategy
 from verl_ext.engine.instance import FINISH_LENGTH, PRIOR_TOKENS_KEY, GenRequest, SamplingSpec, chunk_seed
 from verl_ext.pipe import StrategyConfigError, make_strategy
-from verl_ext.pipe.buffer import RequestBuffer
-from verl_ext.pipe.seer import auto_chunk
+from verl_ext.pipe.seer.buffer import RequestBuffer
+from verl_ext.pipe.seer.strategy import auto_chunk
 from verl_ext.rollout.dispatcher import prompt_group_id
 from verl_ext.sim.clock import run_virtual
 from verl_ext.sim.drafting import ReplayDrafter
@@ -457,7 +457,7 @@ def test_seer_starts_no_draft_server_for_engines_without_a_drafter():
 
 
 def test_engines_take_every_core():
-    from verl_ext.pipe.seer import engines_take_every_core
+    from verl_ext.pipe.seer.strategy import engines_take_every_core
 
     cores = sorted(os.sched_getaffinity(0))
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from verl_ext.pipe import make_strategy
-from verl_ext.pipe.bon import assign_best_of_n
+from verl_ext.pipe.specactor.bon import assign_best_of_n
 from verl_ext.pipe.pool import InstancePool
 from verl_ext.pipe.strategy import StrategyConfigError
 from verl_ext.perf.cost import load_cost_model
@@ -265,7 +265,7 @@ def test_a_plain_steps_requests_get_copies_with_another_method_than_the_one_they
     2 counts the busy ones as that method's workers); given the same one, no request could get
     a copy, as none gets a second copy with a method it runs with."""
     from verl_ext.engine.instance import GenRequest, SamplingSpec
-    from verl_ext.pipe.specactor import _Live, _Run
+    from verl_ext.pipe.specactor.strategy import _Live, _Run
 
     st = make_strategy("specactor", {"profile": "cpu-smollm2-avx2", "min_tokens": 4})
     st.engine_spec()
@@ -390,7 +390,7 @@ def test_each_rollout_times_its_rounds_by_its_own_engine_steps():
 
 def test_a_winning_copy_returns_the_whole_response_with_its_prefix():
     from verl_ext.engine.instance import Completion, GenRequest, SamplingSpec
-    from verl_ext.pipe.specactor import _Live, _Run
+    from verl_ext.pipe.specactor.strategy import _Live, _Run
 
     st = make_strategy("specactor", {"profile": "h100-7b"})
     req = GenRequest("r", "g", [1, 2], SamplingSpec(temperature=0.0, max_tokens=8, logprobs=True))
@@ -709,7 +709,7 @@ def test_a_copy_that_finishes_first_wins_and_the_original_is_aborted(tmp_path):
 
 
 def test_acceptance_from_tokens_inverts_the_tokens_per_step():
-    from verl_ext.pipe.specactor import acceptance_from_tokens
+    from verl_ext.pipe.specactor.strategy import acceptance_from_tokens
 
     for w in (1, 3, 8):
         for p in (0.1, 0.5, 0.9):
@@ -807,7 +807,7 @@ def test_a_requests_rate_is_measured_at_its_current_window():
     """After Algorithm 2 shrinks a run's window from 4 to 1, its rate comes from the tokens per
     step since then: cumulative tokens per step, read at the new window, would say p = 1."""
     from verl_ext.engine.instance import GenRequest, SamplingSpec
-    from verl_ext.pipe.specactor import _Live, _Run, acceptance_from_tokens
+    from verl_ext.pipe.specactor.strategy import _Live, _Run, acceptance_from_tokens
 
     st = make_strategy("specactor", {"profile": "h100-7b", "acceptance": "suffix=0.7", "min_tokens": 16})
     inst = _Progress()

@@ -291,7 +291,7 @@ async def _run_one(label, strategy, spec, engine_factory, cfg, epochs, score, to
     history = UNSET
     if len(epochs) > 1:
         from verl_ext.history import HistoryStore
-        from verl_ext.pipe.rhyme import LocalHistory
+        from verl_ext.history import LocalHistory
 
         store = HistoryStore(keep=1, max_bytes=1 << 62)  # an A/B run's few prompts: no cap
         history = LocalHistory(store)
@@ -390,7 +390,8 @@ async def _timed_epoch(desc, life: Lifecycle, instances, requests, score, cfg, p
 async def _load_histories(instances, store, requests, step: int) -> None:
     """Give every drafting engine the earlier epochs' responses of this epoch's prompts (what the
     history workers serve inside veRL), before the timed rollout."""
-    from verl_ext.pipe.rhyme import LocalHistory, set_histories_items
+    from verl_ext.pipe.rhyme.strategy import set_histories_items
+    from verl_ext.history import LocalHistory
 
     items = set_histories_items(await LocalHistory(store).serve(sorted({r.group_id for r in requests}), step))
     if items:  # replaces each prompt's tree: an epoch's history holds every earlier epoch's responses

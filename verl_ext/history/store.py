@@ -343,3 +343,20 @@ class HistoryStore:
 
 
 __all__ = ["HistoryStore", "HistoryCorrupt", "Trajectory", "history_weight", "MAGIC", "VERSION"]
+
+
+class LocalHistory:
+    """The history provider interface over a ``HistoryStore`` in this process (the same async
+    methods as ``HistoryClient``)."""
+
+    def __init__(self, store):
+        self.store = store
+
+    async def lengths(self, uids, step=None) -> dict:
+        return self.store.lengths(uids, step)
+
+    async def growth_percentile(self, q: float = 75.0, step=None):
+        return self.store.growth_percentile(q, step)
+
+    async def serve(self, uids, step=None) -> dict:
+        return {u: v for u in uids if (v := self.store.serve(u, step))[0]}

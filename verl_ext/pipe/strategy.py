@@ -236,7 +236,7 @@ def _load_builtins() -> None:
     # Importing the modules registers them. Keep this list to strategies that work.
     import verl_ext.pipe.baseline  # noqa: F401
     import verl_ext.pipe.oracle  # noqa: F401
-    import verl_ext.pipe.rlhfspec  # noqa: F401
-    import verl_ext.pipe.rhyme  # noqa: F401
-    import verl_ext.pipe.seer  # noqa: F401
-    import verl_ext.pipe.specactor  # noqa: F401
+    import verl_ext.pipe.rlhfspec.strategy  # noqa: F401
+    import verl_ext.pipe.rhyme.strategy  # noqa: F401
+    import verl_ext.pipe.seer.strategy  # noqa: F401
+    import verl_ext.pipe.specactor.strategy  # noqa: F401

@@ -370,7 +370,7 @@ def run_pipeline_arm(label: str, cfg, cost, trace, rows, history, batches, max_t
     """One ``--strategies`` entry over ``batches`` (trace rows per step) in ``mode``: a fresh
     strategy object per step (steps overlap), the instances and their drafter shared."""
     from verl_ext.pipe.arms import make_arm
-    from verl_ext.pipe.rhyme import LocalHistory
+    from verl_ext.history import LocalHistory
     from verl_ext.sim.clock import run_virtual
     from verl_ext.sim.drafting import make_drafter
     from verl_ext.sim.instance import SimInstance

@@ -212,7 +212,7 @@ def run_arm(label, strategy, spec, trace, rows, history, cost, instances: int, r
     epoch = int(trace.epoch[rows[0]]) if len(rows) else 0
     history_store = UNSET
     if strategy.uses_history:  # history-driven strategies (rhyme): earlier epochs' rollouts
-        from verl_ext.pipe.rhyme import LocalHistory
+        from verl_ext.history import LocalHistory
 
         history_store = LocalHistory(trace_history(trace, epoch))
     life = Lifecycle(strategy, history=history_store)

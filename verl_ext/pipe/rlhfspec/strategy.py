@@ -13,7 +13,7 @@ lightweight sample reallocation.
   ``allocation=grouped`` is RLHFSpec's sequential allocation (section 4): a group's samples go
   together, so the group's suffix tree sits on one engine; groups of one prompt have correlated
   lengths, so it unbalances the instances more (measured in docs/BENCHMARKS.md).
-* **Reallocation (section 6, ``verl_ext.pipe.realloc``).** While samples run, a decision is made
+* **Reallocation (section 6, ``verl_ext.pipe.rlhfspec.realloc``).** While samples run, a decision is made
   at most every ``cooldown`` engine steps: instances above the threshold (the throughput turning
   point: ``threshold``, or from the cost model with the per-sample workload the engines measure)
   give samples to instances below it, by the paper's greedy pairing, choosing the samples with
@@ -43,7 +43,7 @@ from typing import Optional
 from verl_ext.engine.instance import FINISH_ABORT, FINISH_LENGTH, Completion, GenRequest, Instance
 from verl_ext.pipe.chunks import Chunked, is_whole
 from verl_ext.pipe.pool import BurstClock, InstancePool
-from verl_ext.pipe.realloc import TURN, pick_samples, plan_reallocation, turning_point
+from verl_ext.pipe.rlhfspec.realloc import TURN, pick_samples, plan_reallocation, turning_point
 from verl_ext.pipe.strategy import Strategy, StrategyConfigError, register_strategy
 
 logger = logging.getLogger(__name__)

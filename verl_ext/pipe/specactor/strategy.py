@@ -12,7 +12,7 @@
 * Reconfiguration (Algorithm 2, ``reconfigure``): every ``cooldown`` engine steps, requests whose
   inferred acceptance is below the average get the best window for their own rate
   (``Instance.set_spec_windows``).
-* Best-of-N (section 4.2, Algorithm 3, ``verl_ext.pipe.bon``): freed instances run copies of the
+* Best-of-N (section 4.2, Algorithm 3, ``verl_ext.pipe.specactor.bon``): freed instances run copies of the
   lowest-acceptance requests with other methods; the first copy to finish wins, the others are
   aborted. Lossless only where copies emit the same tokens: greedy requests, and sampled requests
   keyed by position (``Strategy.keyed``: on engines with ``keyed_sampling``); other sampled
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from verl_ext.engine.instance import FINISH_ABORT, Completion, GenRequest, Instance
-from verl_ext.pipe.bon import assign_best_of_n
+from verl_ext.pipe.specactor.bon import assign_best_of_n
 from verl_ext.pipe.chunks import is_whole
 from verl_ext.pipe.pool import BurstClock, InstancePool
 from verl_ext.pipe.strategy import Strategy, StrategyConfigError, register_strategy

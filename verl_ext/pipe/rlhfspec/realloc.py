@@ -18,7 +18,7 @@ with at most ``threshold``, and each instance takes part in at most one migratio
   ``sequence length x (1 + accepted tokens per step)``.
 
 How a sample moves (abort, resume from its generated tokens) is the strategy's job
-(``verl_ext.pipe.rlhfspec``).
+(``verl_ext.pipe.rlhfspec.strategy``).
 """
 
 from __future__ import annotations

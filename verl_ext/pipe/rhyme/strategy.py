@@ -6,7 +6,7 @@ simulator; without history it dispatches like ``baseline`` until history exists)
   reward-weighted history tree, with the AIMD window and the profiled batch cut-off
   (``verl_ext.spec.policy``); engines that take drafter RPCs get the histories of the prompts
   their ranking group serves, every step.
-* HistoPipe (section 6, ``verl_ext.pipe.histopipe``): ranking groups by historical length, the
+* HistoPipe (section 6, ``verl_ext.pipe.rhyme.histopipe``): ranking groups by historical length, the
   two-tier instance split of Figure 12, alternation between steps, least-loaded dispatch within
   a block; it sits out steps whose historical ranks predict poorly (``min_rank_corr``).
 * Intra-step migration (6.3): outliers past ``beta x`` their group's longest history continue on
@@ -32,7 +32,7 @@ import numpy as np
 from verl_ext.engine.instance import Completion, GenRequest, Instance
 from verl_ext.pipe.chunks import Chunked
 from verl_ext.pipe.defer import NO_CARRIER, deferred_completion, is_deferred
-from verl_ext.pipe.histopipe import (
+from verl_ext.pipe.rhyme.histopipe import (
     MIGRATE_ALPHA,
     group_time,
     migration_beta,
@@ -131,23 +131,6 @@ class RhymeOptions:
         if self.inter_step and not (self.histopipe is not False and self.migration):
             raise ValueError("inter_step defers HistoPipe's migration outliers: it needs histopipe=true or auto "
                              "and migration=true")
-
-
-class LocalHistory:
-    """The history provider interface over a ``HistoryStore`` in this process (the same async
-    methods as ``HistoryClient``)."""
-
-    def __init__(self, store):
-        self.store = store
-
-    async def lengths(self, uids, step=None) -> dict:
-        return self.store.lengths(uids, step)
-
-    async def growth_percentile(self, q: float = 75.0, step=None):
-        return self.store.growth_percentile(q, step)
-
-    async def serve(self, uids, step=None) -> dict:
-        return {u: v for u in uids if (v := self.store.serve(u, step))[0]}
 
 
 def _int32_bytes(tokens) -> bytes:

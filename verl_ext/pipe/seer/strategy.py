@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from verl_ext.engine.instance import FINISH_ABORT, Completion, GenRequest, Instance
-from verl_ext.pipe.buffer import BufferedRequest, RequestBuffer
+from verl_ext.pipe.seer.buffer import BufferedRequest, RequestBuffer
 from verl_ext.pipe.oracle import true_len
 from verl_ext.pipe.pool import InstancePool
 from verl_ext.pipe.strategy import Strategy, StrategyConfigError, register_strategy
