@@ -30,6 +30,7 @@ import statistics
 import time
 
 import numpy as np
+from verl_ext.engine.drafter_ops import AwaitHistories, SetHistories, Stats
 
 VOCAB = 49152
 
@@ -62,17 +63,17 @@ async def deliver(inst, items, way: str, decoders: int, decode_tokens: int) -> d
 
     reqs = [GenRequest(f"{way}-d{i}", f"{way}-g{i}", [1, 2, 3 + i], SamplingSpec(max_tokens=decode_tokens, temperature=0.0))
             for i in range(decoders)]
-    st0 = await inst.drafter_call("stats")
+    st0 = await inst.drafter_call(Stats())
     runs = [asyncio.ensure_future(inst.generate(r, on_tokens=sink(i))) for i, r in enumerate(reqs)]
     await asyncio.sleep(3.0)  # decoding at its pace before the delivery
     t0 = time.perf_counter()
-    await inst.drafter_call("set_histories", items)
+    await inst.drafter_call(SetHistories(items))
     rpc = time.perf_counter() - t0
     if way == "sync":
-        await inst.drafter_call("await_histories")
+        await inst.drafter_call(AwaitHistories())
         rpc = time.perf_counter() - t0
     # the trees are in once the drafter says no build is pending
-    while (await inst.drafter_call("stats"))["history_builds_pending"]:
+    while (await inst.drafter_call(Stats()))["history_builds_pending"]:
         await asyncio.sleep(0.05)
     ready = time.perf_counter() - t0
     t1 = time.perf_counter()
@@ -86,7 +87,7 @@ async def deliver(inst, items, way: str, decoders: int, decode_tokens: int) -> d
                 during.append(y - x)
     if not arrivals[0] or arrivals[0][-1] < t1:
         raise RuntimeError("the decoding requests ended before the delivery did: raise --decode-tokens")
-    st = await inst.drafter_call("stats")
+    st = await inst.drafter_call(Stats())
     return {"way": way, "rpc_s": rpc, "trees_ready_s": ready,
             "decode_gap_median_before_s": statistics.median(before) if before else None,
             "decode_gap_max_during_s": max(during) if during else None,
@@ -122,8 +123,8 @@ async def main_async(args) -> dict:
     try:
         for way in args.ways.split(","):
             rows.append(await deliver(inst, items, way, args.decoders, args.decode_tokens))
-            await inst.drafter_call("set_histories", [], [k for k, _, _ in items])  # drop them all
-            await inst.drafter_call("await_histories")
+            await inst.drafter_call(SetHistories([], [k for k, _, _ in items]))  # drop them all
+            await inst.drafter_call(AwaitHistories())
     finally:
         await inst.shutdown()
     return {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),

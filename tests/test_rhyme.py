@@ -507,12 +507,12 @@ def test_rhyme_serves_each_block_its_prompts_histories():
             self.name, self.fail, self.calls, self.sent = name, fail, 0, []
             self.proposer = make_proposer(scopes="history", k=8)
 
-        async def drafter_call(self, op, *args):
+        async def drafter_call(self, op):
             self.calls += 1
-            self.sent.append(args)
+            self.sent.append(op)
             if self.fail:
                 raise RuntimeError("engine gone")
-            return self.proposer.rpc(op, *args)
+            return self.proposer.handle(op)
 
     store = HistoryStore()
     for g in range(4):
@@ -558,10 +558,10 @@ def test_rhyme_serves_each_block_its_prompts_histories():
     for g in (0, 2, 3):  # (e2, ranking group 1's, fails)
         e = insts[3 - g]
         assert held(e) == 1, g  # its new prompt only; the old one was dropped
-        (key, responses, _), = e.sent[-1][0]
+        (key, responses, _), = e.sent[-1].items
         responses = sorted(np.frombuffer(r, dtype=np.int32).tolist() for r in responses)  # int32 bytes
         assert key == f"p{g}" and responses == [list(range(100, 105 + g)), list(range(100, 106 + g))]
-        assert e.sent[-1][1] == [f"p{3 - g}"]
+        assert list(e.sent[-1].drop) == [f"p{3 - g}"]
     m = strategy.metrics()
     assert m["served_histories"] == 6 and m["history_failures"] == 3  # e2: once per attempt
     # HistoSpec without HistoPipe: every drafting engine gets every prompt of the step
@@ -594,8 +594,8 @@ def test_rhyme_places_a_prompt_that_arrives_after_the_plan_by_its_history():
             super().__init__(name, delay=0.05)
             self.proposer = make_proposer(scopes="history", k=8)
 
-        async def drafter_call(self, op, *args):
-            return self.proposer.rpc(op, *args)
+        async def drafter_call(self, op):
+            return self.proposer.handle(op)
 
     store = HistoryStore()
     for g in range(4):  # prompt p<g> answered in ~10 (g + 1) tokens

@@ -11,6 +11,7 @@ from verl_ext.compare.run import run_strategy  # noqa: E402
 from verl_ext.engine.instance import GenRequest, SamplingSpec  # noqa: E402
 from verl_ext.pipe import make_strategy  # noqa: E402
 from verl_ext.workload.arith import encode_prompts, make_problems  # noqa: E402
+from verl_ext.engine.drafter_ops import Stats  # noqa: E402
 
 pytestmark = pytest.mark.engine
 MAX_TOKENS = 48
@@ -50,7 +51,7 @@ async def test_identity_with_selected_drafts_and_migrations(fp32_engine, select_
     score = lambda r, t: 0.0  # noqa: E731
     want = await run_strategy(make_strategy("baseline"), [fp32_engine], reqs, score, sample_telemetry=False)
     before = select_engine.telemetry()
-    stats0 = await select_engine.drafter_call("stats")
+    stats0 = await select_engine.drafter_call(Stats())
     # three groups of four: 8 + 4 samples on the two engines; threshold 6 moves two at once
     st = make_strategy("rlhfspec", {"allocation": "grouped", "threshold": 6, "cooldown": 1, "profile": "h100-7b"})
     got = await run_strategy(st, [select_engine, fp32_engine], reqs, score, sample_telemetry=False)
@@ -62,6 +63,6 @@ async def test_identity_with_selected_drafts_and_migrations(fp32_engine, select_
     assert mech["samples_moved"] == m["migrations"] and mech["selection_steps"] > 0
     after = select_engine.telemetry()
     assert after.accepted_tokens > before.accepted_tokens
-    stats = await select_engine.drafter_call("stats")
+    stats = await select_engine.drafter_call(Stats())
     assert stats["select_steps"] > stats0.get("select_steps", 0)
     assert 0 < stats["select_selected_tokens"] <= stats["select_candidate_tokens"]

@@ -11,6 +11,7 @@ from test_sim import _cost, _requests, _trace
 
 from verl_ext.pipe.arms import make_arm, split_arms
 from verl_ext.compare.run import run_strategy
+from verl_ext.engine.drafter_ops import GroupWrite
 from verl_ext.engine.instance import FINISH_LENGTH, PRIOR_TOKENS_KEY, GenRequest, SamplingSpec, chunk_seed
 from verl_ext.pipe import StrategyConfigError, make_strategy
 from verl_ext.pipe.seer.buffer import RequestBuffer
@@ -486,8 +487,8 @@ def test_with_the_draft_server_up_only_streaming_engines_stop_writing_their_grou
     for name, streams in (("sim-0", True), ("sim-1", False)):
         inst = SimInstance(name, _cost(), TraceSource(tr))
 
-        async def drafter_call(op, *args, _name=name):
-            calls.setdefault(_name, []).append((op, *args))
+        async def drafter_call(op, _name=name):
+            calls.setdefault(_name, []).append(op)
             return True
 
         async def import_drafts(blobs):
@@ -518,7 +519,7 @@ def test_with_the_draft_server_up_only_streaming_engines_stop_writing_their_grou
         return strat._state(pool).dgds
 
     assert isinstance(run_virtual(main()), Up)
-    assert calls == {"sim-0": [("group_write", False)]}
+    assert calls == {"sim-0": [GroupWrite(False)]}
     assert strat.metrics()["engine_local_trees"] == 1
 
 
@@ -531,8 +532,8 @@ def test_dgds_auto_uses_engine_local_trees_where_engines_hold_every_core(dgds, m
     inst.cpu_cores = ",".join(map(str, sorted(os.sched_getaffinity(0))))  # a pinned CPU engine, all cores
     calls = []
 
-    async def drafter_call(op, *args):
-        calls.append((op, *args))
+    async def drafter_call(op):
+        calls.append(op)
 
     async def import_drafts(blobs):
         return [0] * len(blobs)
@@ -558,7 +559,7 @@ def test_dgds_auto_uses_engine_local_trees_where_engines_hold_every_core(dgds, m
     assert run_virtual(main()) is None
     m = strat.metrics()
     if dgds == "auto":
-        assert calls == [("group_write", True)] and not started and m["dgds_auto_off"] == 1
+        assert calls == [GroupWrite(True)] and not started and m["dgds_auto_off"] == 1
         assert m["dgds_start_failures"] == 0
     else:  # explicit true: the server is tried (and here fails: request-scope drafts, counted)
         assert not calls and len(started) == 1 and m["dgds_auto_off"] == 0 and m["dgds_start_failures"] == 1

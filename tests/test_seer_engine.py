@@ -15,6 +15,7 @@ from verl_ext.compare.run import run_strategy  # noqa: E402
 from verl_ext.engine.instance import GenRequest, SamplingSpec  # noqa: E402
 from verl_ext.pipe import make_strategy  # noqa: E402
 from verl_ext.workload.arith import encode_prompts, make_problems  # noqa: E402
+from verl_ext.engine.drafter_ops import GroupCounts, GroupWrite  # noqa: E402
 
 pytestmark = pytest.mark.engine
 MAX_TOKENS = 48
@@ -83,7 +84,7 @@ async def test_greedy_identity_with_chunks_migrations_and_grouped_drafts(fp32_en
     assert mech["group_draft_tokens_accepted"] > 0
     # with the server up, the engine started with local group trees stopped writing them; the
     # strategy gave it its setting back when it closed (the op answers the previous one)
-    assert await spec_engine.drafter_call("group_write", True) is True
+    assert await spec_engine.drafter_call(GroupWrite(True)) is True
 
 
 async def test_temperature_one_chunks_keep_each_token_on_its_prefix(fp32_engine, workload):
@@ -145,15 +146,15 @@ async def test_dgds_auto_on_engines_holding_every_core_drafts_from_engine_local_
     problems = make_problems(3, seed=12)  # groups the engine has not seen (no imported trees)
     reqs = _requests((tok, problems, encode_prompts(tok, problems)))
     groups = sorted({r.group_id for r in reqs})
-    assert all(total == 0 for _, total in (await seer_engine.drafter_call("group_counts", groups)).values())
+    assert all(total == 0 for _, total in (await seer_engine.drafter_call(GroupCounts(groups))).values())
     want = await _rollout(make_strategy("baseline"), [fp32_engine], reqs)
     before = seer_engine.telemetry()
     seer = _seer(dgds="auto", affinity_slack=0.125)
     try:
         got = await _rollout(seer, [seer_engine], reqs)
-        counts = await seer_engine.drafter_call("group_counts", groups)
+        counts = await seer_engine.drafter_call(GroupCounts(groups))
     finally:
-        restored = await seer_engine.drafter_call("group_write", False)  # the module's engine: remote trees
+        restored = await seer_engine.drafter_call(GroupWrite(False))  # the module's engine: remote trees
     assert restored is False  # seer gave the engine its setting back when it closed
     assert [list(c.token_ids) for c in got.completions] == [list(c.token_ids) for c in want.completions]
     m = seer.metrics()
@@ -189,7 +190,7 @@ async def test_a_later_step_with_the_same_groups_and_request_ids_syncs_without_r
         refused.append(m["dgds_import_failures"])
         dropped.append(m["engine_groups_dropped"])
         held.append([total for e in (seer_engine, spec_engine)
-                     for _, total in (await e.drafter_call("group_counts", groups)).values()])
+                     for _, total in (await e.drafter_call(GroupCounts(groups))).values()])
     assert refused == [0, 0]  # group deltas the engines refused, per step
     assert dropped == [2 * len(groups), 4 * len(groups)]  # both engines, every group, each step
     assert held == [[0] * 2 * len(groups)] * 2  # nothing of a finished step stays in the engines

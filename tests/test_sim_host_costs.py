@@ -11,6 +11,7 @@ from test_sim import _cost, _trace
 
 from verl_ext.sim.clock import run_virtual
 from verl_ext.sim.dispatcher import SimDispatcher
+from verl_ext.engine.drafter_ops import GroupWrite
 
 
 def test_dispatcher_is_one_fifo_server():
@@ -112,5 +113,5 @@ def test_simulated_engines_model_history_delivery_only():
 
     inst = SimInstance("sim-0", _cost(), TraceSource(_trace(groups=2, samples=2)))
     assert not inst.drafting  # no drafter: strategies deliver no history here
-    with pytest.raises(NotImplementedError, match="group_write"):
-        run_virtual(inst.drafter_call("group_write", True))
+    with pytest.raises(NotImplementedError, match="GroupWrite"):
+        run_virtual(inst.drafter_call(GroupWrite(True)))

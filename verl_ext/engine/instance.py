@@ -40,7 +40,10 @@ import abc
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Optional, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Optional, Protocol, Sequence, runtime_checkable
+
+if TYPE_CHECKING:
+    from verl_ext.engine.drafter_ops import DrafterOp
 
 #: ``generate``'s streaming callback: called with each batch of newly generated token ids
 TokenCallback = Callable[[Sequence[int]], None]
@@ -265,9 +268,10 @@ class DraftingInstance(Protocol):
     #: whether the engine runs the drafter (False: every method below is a no-op or refuses)
     drafting: bool
 
-    async def drafter_call(self, op: str, *args) -> Any:
-        """One drafter RPC op on every worker; the first worker's answer where the engine's RPC
-        returns one (None on veRL's servers, whose ``collective_rpc`` returns nothing)."""
+    async def drafter_call(self, op: DrafterOp) -> Any:
+        """One drafter operation (``verl_ext.engine.drafter_ops``) on every worker; the first
+        worker's answer as ``op.result`` gives it where the engine's RPC returns one (None on
+        veRL's servers, whose ``collective_rpc`` returns nothing)."""
 
     async def set_spec_windows(self, windows: dict, modes: Optional[dict] = None) -> int:
         """New draft windows of running requests (``{request id: window}``); how many were set."""

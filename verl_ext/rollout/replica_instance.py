@@ -31,6 +31,7 @@ import time
 import uuid
 from typing import Any, Iterable, Optional
 
+from verl_ext.engine.drafter_ops import DrafterOp, ImportGroups, Progress, RequestProgress, SetWindows, Stats
 from verl_ext.engine.instance import KEYED_SEED, Completion, GenRequest, Instance, Telemetry, chunk_seed
 from verl_ext.rollout.finish import finish_reason
 from verl_ext.rollout.verl_compat import server_engine
@@ -76,7 +77,7 @@ class ReplicaInstance(Instance):
         self._load_at: Optional[float] = None  # when it was read (time.monotonic)
         self._load_failures = 0
         # request id -> (tokens so far, engine steps, the tokens or None): refresh_progress
-        self._progress: dict[str, tuple[int, int, Optional[list]]] = {}
+        self._progress: dict[str, RequestProgress] = {}
         self._progress_failures = 0
 
     def _sampling(self, request: GenRequest) -> dict:
@@ -108,14 +109,15 @@ class ReplicaInstance(Instance):
         ``collective_rpc`` returns nothing: the count is of the windows sent."""
         if not self.drafting or not windows:
             return 0
-        await self.drafter_call("set_windows", {str(k): int(v) for k, v in windows.items()})
+        await self.drafter_call(SetWindows({str(k): int(v) for k, v in windows.items()}))
         return len(windows)
 
-    async def drafter_call(self, op: str, *args) -> None:
-        """Call the servers' drafter (``verl_ext.vllm.proposer`` RPC ops) on every worker."""
+    async def drafter_call(self, op: DrafterOp) -> None:
+        """Run one drafter operation (``verl_ext.engine.drafter_ops``) on every worker of the
+        server; its ``collective_rpc`` returns nothing."""
         if not self.drafting:
             raise RuntimeError(f"server {self.name} runs no verl_ext drafter")
-        await self.handle.collective_rpc.remote("verl_ext_drafter", args=(op, *args))
+        await self.handle.collective_rpc.remote("verl_ext_drafter", args=op.wire())
 
     async def engine_report(self, timeout_s: float = 30.0) -> Optional[dict]:
         """What the server's engine runs (its first worker's ``verl_ext_engine_info``: vLLM version,
@@ -138,7 +140,7 @@ class ReplicaInstance(Instance):
         if not self.drafting:
             return None
         try:
-            answers = await self.handle.__ray_call__.remote(_drafter_rpc, "stats", (), timeout_s)
+            answers = await self.handle.__ray_call__.remote(_drafter_rpc, Stats(), timeout_s)
         except Exception:
             return None
         return answers[0] if answers else None
@@ -154,29 +156,29 @@ class ReplicaInstance(Instance):
             return False
         asked = {rid: self._engine_ids.get(rid) for rid in ids}  # a reading is of the run it asked about
         try:
-            answers = await self.handle.__ray_call__.remote(_drafter_rpc, "progress", (ids, tokens), timeout_s)
+            answers = await self.handle.__ray_call__.remote(_drafter_rpc, Progress(ids, tokens), timeout_s)
         except Exception as exc:
             self._progress_failures += 1
             if self._progress_failures == 1:
                 logger.warning("verl_ext: no progress reading from %s (%s: %s); strategies that rank running "
                                "requests by it see none this round", self.name, type(exc).__name__, exc)
             raise
-        got: dict[str, tuple[int, int, Optional[list]]] = {}
+        got: dict[str, RequestProgress] = {}
         for answer in answers or ():  # every worker runs every request (tensor parallel): the longest reading
-            for rid, reading in (answer or {}).items():
-                if rid in asked and (rid not in got or int(reading[0]) > got[rid][0]):
-                    got[rid] = (int(reading[0]), int(reading[1]), list(reading[2]) if len(reading) > 2 else None)
+            for rid, reading in answer.items():
+                if rid in asked and (rid not in got or reading.tokens > got[rid].tokens):
+                    got[rid] = reading
         got = {rid: v for rid, v in got.items() if self._engine_ids.get(rid) == asked[rid]}
         self._progress.update(got)
         return bool(got)
 
     def progress(self, request_id: str) -> Optional[tuple[int, int]]:
         got = self._progress.get(request_id)
-        return None if got is None else (got[0], got[1])
+        return None if got is None else (got.tokens, got.steps)
 
     def partial(self, request_id: str) -> Optional[list]:
         got = self._progress.get(request_id)
-        return None if got is None or got[2] is None else list(got[2])
+        return None if got is None or got.token_ids is None else list(got.token_ids)
 
     async def import_drafts(self, blobs: list, timeout_s: float = 30.0) -> list[int]:
         """Import grouped draft server deltas (``verl_ext.spec.dgds``) into the server's drafter,
@@ -187,7 +189,7 @@ class ReplicaInstance(Instance):
         pushing to this server)."""
         if not self.drafting:
             raise RuntimeError(f"server {self.name} runs no verl_ext drafter")
-        answers = await self.handle.__ray_call__.remote(_drafter_rpc, "import_groups", (list(blobs),), timeout_s)
+        answers = await self.handle.__ray_call__.remote(_drafter_rpc, ImportGroups(list(blobs)), timeout_s)
         # every worker holds its own drafter: a blob counts as imported only where all took it
         return [min(col) for col in zip(*answers)] if answers else [-1] * len(blobs)
 
@@ -273,11 +275,12 @@ class ReplicaInstance(Instance):
         )
 
 
-def _drafter_rpc(server, op: str, args: tuple, timeout_s: float):
+def _drafter_rpc(server, op: DrafterOp, timeout_s: float):
     """Runs inside a veRL ``vLLMHttpServer`` actor, on one of Ray's threads (``__ray_call__``): the
-    drafter RPC through the server's vLLM engine client on the actor's event loop (where its
-    output handler runs), returning every worker's answer."""
-    return _on_engine_loop(server_engine(server), lambda e: e.collective_rpc("verl_ext_drafter", args=(op, *args)), timeout_s)
+    drafter operation through the server's vLLM engine client on the actor's event loop (where
+    its output handler runs); every worker's answer, as ``op.result`` gives it."""
+    answers = _on_engine_loop(server_engine(server), lambda e: e.collective_rpc("verl_ext_drafter", args=op.wire()), timeout_s)
+    return [op.result(a) for a in answers] if answers else answers
 
 
 def _engine_info_rpc(server, timeout_s: float):

@@ -70,6 +70,7 @@ from typing import Optional
 
 import numpy as np
 
+from verl_ext.engine.drafter_ops import AwaitHistories, DrafterOp, SetHistories
 from verl_ext.engine.instance import (
     FINISH_ABORT,
     FINISH_LENGTH,
@@ -384,17 +385,17 @@ class SimInstance(Instance):
                 self.scope_tokens[name][0] += d
                 self.scope_tokens[name][1] += a
 
-    async def drafter_call(self, op: str, *args):
+    async def drafter_call(self, op: DrafterOp):
         """The engine drafter's history delivery, charged (see the module docstring):
-        ``set_histories`` (answers the responses queued, as the engine does) and
-        ``await_histories``. The replayed trees themselves are the shared drafter's; other ops
-        have no model here and raise."""
-        if op == "await_histories":
+        ``SetHistories`` (answers the responses queued, as the engine does) and
+        ``AwaitHistories``. The replayed trees themselves are the shared drafter's; other
+        operations have no model here and raise."""
+        if isinstance(op, AwaitHistories):
             return 0
-        if op != "set_histories":
-            raise NotImplementedError(f"the simulated drafter models history delivery only, not '{op}'")
+        if not isinstance(op, SetHistories):
+            raise NotImplementedError(f"the simulated drafter models history delivery only, not {type(op).__name__}")
         tokens = sum(len(r) // 4 if isinstance(r, (bytes, bytearray, memoryview)) else len(r)
-                     for _, responses, _ in args[0] for r in responses)
+                     for _, responses, _ in op.items for r in responses)
         now = asyncio.get_running_loop().time()
         self.history_tokens_received += tokens
         stall = tokens * host_costs.HISTORY_RPC_S_PER_TOKEN
@@ -403,7 +404,7 @@ class SimInstance(Instance):
         self._history_ready_at = max(now + stall, self._history_ready_at) + tokens * host_costs.HISTORY_BUILD_S_PER_TOKEN
         if self.running:
             self._touch()
-        return sum(len(responses) for _, responses, _ in args[0])
+        return sum(len(responses) for _, responses, _ in op.items)
 
     def _history_from(self) -> int:
         """Tokens a request admitted now emits before this engine's history trees are in (its

@@ -21,6 +21,7 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator, Optional, Sequence
 
+from verl_ext.engine.drafter_ops import DrafterOp, ImportGroups, SetWindows, Stats
 from verl_ext.engine.instance import (
     FINISH_ABORT,
     FINISH_LENGTH,
@@ -352,26 +353,25 @@ class VLLMInstance(Instance):
         if ids and self.engine is not None:
             await self.engine.abort(ids)
 
-    async def drafter_call(self, op: str, *args):
-        """Call the engine's suffix drafter (``verl_ext.vllm.proposer``): ``add_history``, ``set_histories``,
-        ``drop_history``, ``save``, ``load``, ``stats``, ``import_groups`` or ``group_counts``.
-        Returns the first worker's answer."""
+    async def drafter_call(self, op: DrafterOp):
+        """Run one operation of the engine's suffix drafter (``verl_ext.engine.drafter_ops``) on
+        every worker; the first worker's answer, as ``op.result`` gives it."""
         if self.engine is None:
             raise RuntimeError(f"instance {self.name} is not started")
-        results = await self.engine.collective_rpc("verl_ext_drafter", args=(op, *args))
-        return results[0]
+        results = await self.engine.collective_rpc("verl_ext_drafter", args=op.wire())
+        return op.result(results[0])
 
     async def drafter_stats(self) -> Optional[dict]:
         if not self.drafting or self.engine is None:
             return None
-        return await self.drafter_call("stats")
+        return await self.drafter_call(Stats())
 
     async def set_spec_windows(self, windows: dict, modes: Optional[dict] = None) -> int:
         """New draft windows of running requests (the drafter's ``set_windows`` op). vLLM speculates
         coupled only: ``modes`` (SpecActor's per-request coupled/decoupled) do not apply here."""
         if not self.drafting:
             return 0
-        return int(await self.drafter_call("set_windows", {str(k): int(v) for k, v in windows.items()}))
+        return int(await self.drafter_call(SetWindows({str(k): int(v) for k, v in windows.items()})))
 
     async def import_drafts(self, blobs: list) -> list[int]:
         """Import group-tree deltas from the grouped draft server (``verl_ext.spec.dgds``) into
@@ -380,7 +380,7 @@ class VLLMInstance(Instance):
         engine evicted; the client then resends that group in full)."""
         if self.engine is None:
             raise RuntimeError(f"instance {self.name} is not started")
-        results = await self.engine.collective_rpc("verl_ext_drafter", args=("import_groups", list(blobs)))
+        results = await self.engine.collective_rpc("verl_ext_drafter", args=ImportGroups(list(blobs)).wire())
         # every worker holds its own drafter: a blob counts as imported only where all took it
         return [min(col) for col in zip(*results)] if results else []
 

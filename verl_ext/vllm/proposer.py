@@ -48,11 +48,14 @@ is verified greedily against its position-keyed samples, which is exact.
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Optional
 
 import numpy as np
 
+from verl_ext.engine.drafter_ops import (AddHistory, AwaitHistories, DrafterOp, DropGroups, DropHistory, GroupCounts,
+                                        GroupWrite, ImportGroups, Progress, SetHistories, SetWindows, Stats, from_wire)
 from verl_ext.engine.keyed_sampling import request_seed
 from verl_ext.perf.steplog import StepLog
 from verl_ext.spec import SCOPE_GROUP, SCOPE_HISTORY, DraftIndex
@@ -71,10 +74,6 @@ def step_prefill_tokens(sched) -> int:
     spec = getattr(sched, "scheduled_spec_decode_tokens", None) or {}
     n = getattr(sched, "num_scheduled_tokens", None) or {}
     return sum(max(0, t - 1 - len(spec.get(r, ()))) for r, t in n.items())
-
-
-RPC_OPS = ("add_history", "set_histories", "await_histories", "drop_history", "save", "load", "stats",
-           "import_groups", "group_counts", "group_write", "set_windows", "drop_groups", "progress")
 
 
 class SuffixProposer:
@@ -343,76 +342,91 @@ class SuffixProposer:
                 out[str(rid)] = got + [list(tokens[:n])] if with_tokens else got
         return out
 
-    # -- collective_rpc("verl_ext_drafter", args=(op, ...)) ------------------------------------
-    def rpc(self, op: str, *args):
-        if op in ("add_history", "drop_history", "save", "load"):  # after the builds queued before them
-            self.history_builds.wait(self.index)
-        if op == "add_history":  # (prompt_key, [responses: int32 bytes or token lists], [weights])
-            key, responses, weights = args
-            if len(responses) != len(weights):
-                raise ValueError("add_history needs one weight per response")
-            for tokens, w in zip(responses, weights):
-                self.index.add_history(str(key), token_array(tokens), float(w))
-            return len(responses)
-        if op == "set_histories":  # ([(prompt_key, [responses], [weights]), ...][, [keys to drop]]): one call per step
-            # returns the responses queued at once; each given key's tree is replaced once its new
-            # one is built (history_build), keys to drop go in payload order
-            items, drop = args[0], (args[1] if len(args) > 1 else ())
-            return self.history_builds.submit(items, drop)
-        if op == "await_histories":  # ([timeout_s]) -> trees installed: the queued builds are done
-            return self.history_builds.wait(self.index, float(args[0]) if args else 600.0)
-        if op == "drop_history":
-            return self.index.drop_history(str(args[0]))
-        if op == "save":
-            return self.index.save()
-        if op == "load":
-            return self.index.load(args[0])
-        if op == "import_groups":  # ([group delta blobs]) -> tokens applied per blob, -1 = refused
-            out = import_deltas(self.index, args[0])
-            self.import_calls += 1
-            self.imported_tokens += sum(n for n in out if n > 0)
-            self.import_refused += sum(n < 0 for n in out)
-            return out
-        if op == "group_counts":  # (group or [groups]) -> (closed, total) or {group: (closed, total)}
-            if isinstance(args[0], str):
-                return tuple(self.index.group_counts(args[0]))
-            return {str(g): tuple(self.index.group_counts(str(g))) for g in args[0]}
-        if op == "set_windows":  # ({request id: window}): new draft windows of running requests
-            windows = args[0]
-            if not isinstance(windows, dict):
-                raise ValueError(f"set_windows needs {{request id: window}}, got {type(windows).__name__}")
-            n = 0
-            for rid, w in windows.items():
-                for eid in self._engine_ids.get(str(rid), ()):
-                    self._window[eid] = max(0, int(w))
-                    n += 1
-            return n
-        if op == "progress":  # ([request ids][, with tokens]) -> {request id: [tokens so far, engine steps[, tokens]]}
-            return self._progress(args[0], bool(args[1]) if len(args) > 1 else False)
-        if op == "drop_groups":  # ([groups]) -> trees dropped: groups whose rollout is over
-            return sum(bool(self.index.drop_group(str(g))) for g in args[0])
-        if op == "group_write":  # (bool): whether requests started from now on write their group trees
-            if not isinstance(args[0], bool):
-                raise ValueError(f"group_write needs true or false, got {args[0]!r}")
-            before, self.group_write = self.group_write, args[0]
-            return before  # the previous setting, for callers that restore it
-        if op == "stats":
-            self.history_builds.install(self.index)
-            return {
-                **self.index.stats(),
-                **self.history_builds.stats(),
-                "steps": self.steps,
-                "proposed_tokens": self.proposed_tokens,
-                "propose_s": self.propose_s,
-                "capped_tokens": self.capped_tokens,
-                **(self.cutoff.stats() if self.cutoff is not None else {}),
-                "import_calls": self.import_calls,
-                "imported_tokens": self.imported_tokens,
-                "import_refused": self.import_refused,
-                # per scope: [drafted, accepted] tokens of the drafts it proposed
-                "scope_tokens": {k: list(v) for k, v in self.scope_tokens.items()},
-                "options": self.options.to_dict(),
-                "greedy_only": self.greedy_only,
-                **(self.selector.stats() if self.selector is not None else {}),
-            }
-        raise ValueError(f"unknown drafter op '{op}'; valid: {', '.join(RPC_OPS)}")
+    # -- collective_rpc("verl_ext_drafter", args=op.wire()): verl_ext.engine.drafter_ops ------
+    def rpc(self, name: str, *args):
+        """The ``verl_ext_drafter`` worker RPC (``verl_ext.vllm.plugin.drafter_rpc``): runs the
+        operation ``DrafterOp.wire`` sent and returns its plain answer."""
+        return self.handle(from_wire(name, args))
+
+    @functools.singledispatchmethod
+    def handle(self, op: DrafterOp):
+        raise ValueError(f"the drafter has no handler for {type(op).__name__}")
+
+    @handle.register
+    def _add_history(self, op: AddHistory) -> int:
+        if len(op.responses) != len(op.weights):
+            raise ValueError("add_history needs one weight per response")
+        self.history_builds.wait(self.index)  # after the builds queued before it
+        for tokens, w in zip(op.responses, op.weights):
+            self.index.add_history(str(op.key), token_array(tokens), float(w))
+        return len(op.responses)
+
+    @handle.register
+    def _drop_history(self, op: DropHistory) -> bool:
+        self.history_builds.wait(self.index)
+        return self.index.drop_history(str(op.key))
+
+    @handle.register
+    def _set_histories(self, op: SetHistories) -> int:
+        # each given key's tree is replaced once its new one is built (history_build); keys to
+        # drop go in payload order
+        return self.history_builds.submit(op.items, op.drop)
+
+    @handle.register
+    def _await_histories(self, op: AwaitHistories) -> int:
+        return self.history_builds.wait(self.index, float(op.timeout_s))
+
+    @handle.register
+    def _import_groups(self, op: ImportGroups) -> list:
+        out = import_deltas(self.index, op.blobs)
+        self.import_calls += 1
+        self.imported_tokens += sum(n for n in out if n > 0)
+        self.import_refused += sum(n < 0 for n in out)
+        return out
+
+    @handle.register
+    def _group_counts(self, op: GroupCounts) -> dict:
+        return {str(g): tuple(self.index.group_counts(str(g))) for g in op.groups}
+
+    @handle.register
+    def _group_write(self, op: GroupWrite) -> bool:
+        before, self.group_write = self.group_write, op.enabled
+        return before
+
+    @handle.register
+    def _drop_groups(self, op: DropGroups) -> int:
+        return sum(bool(self.index.drop_group(str(g))) for g in op.groups)
+
+    @handle.register
+    def _set_windows(self, op: SetWindows) -> int:
+        n = 0
+        for rid, w in op.windows.items():
+            for eid in self._engine_ids.get(str(rid), ()):
+                self._window[eid] = max(0, int(w))
+                n += 1
+        return n
+
+    @handle.register
+    def _progress_op(self, op: Progress) -> dict:
+        return self._progress(op.request_ids, bool(op.tokens))
+
+    @handle.register
+    def _stats(self, op: Stats) -> dict:
+        self.history_builds.install(self.index)
+        return {
+            **self.index.stats(),
+            **self.history_builds.stats(),
+            "steps": self.steps,
+            "proposed_tokens": self.proposed_tokens,
+            "propose_s": self.propose_s,
+            "capped_tokens": self.capped_tokens,
+            **(self.cutoff.stats() if self.cutoff is not None else {}),
+            "import_calls": self.import_calls,
+            "imported_tokens": self.imported_tokens,
+            "import_refused": self.import_refused,
+            # per scope: [drafted, accepted] tokens of the drafts it proposed
+            "scope_tokens": {k: list(v) for k, v in self.scope_tokens.items()},
+            "options": self.options.to_dict(),
+            "greedy_only": self.greedy_only,
+            **(self.selector.stats() if self.selector is not None else {}),
+        }

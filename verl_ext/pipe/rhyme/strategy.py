@@ -29,6 +29,7 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
+from verl_ext.engine.drafter_ops import SetHistories
 from verl_ext.engine.instance import Completion, GenRequest, Instance
 from verl_ext.pipe.chunks import Chunked
 from verl_ext.pipe.defer import NO_CARRIER, deferred_completion, is_deferred
@@ -460,7 +461,7 @@ class RhymeStrategy(Strategy):
 
     async def _send_histories(self, inst, new, stale) -> None:
         try:
-            await inst.drafter_call("set_histories", new, stale)
+            await inst.drafter_call(SetHistories(new, stale))
         except Exception as exc:  # drafting is an optimisation
             self._m["history_failures"] += 1
             logger.warning("rhyme: could not load history into %s (%s: %s)", inst.name, type(exc).__name__, exc)

@@ -27,6 +27,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Optional, Union
 
+from verl_ext.engine.drafter_ops import DropGroups, GroupWrite
 from verl_ext.engine.instance import FINISH_ABORT, Completion, GenRequest, Instance
 from verl_ext.pipe.seer.buffer import BufferedRequest, RequestBuffer
 from verl_ext.pipe.oracle import true_len
@@ -365,7 +366,7 @@ class _Rollout:
             self.engine_drops.append(asyncio.ensure_future(self._drop_on(targets, groups)))
 
     async def _drop_on(self, targets, groups: list[str]) -> None:
-        results = await asyncio.gather(*(i.drafter_call("drop_groups", groups) for i in targets), return_exceptions=True)
+        results = await asyncio.gather(*(i.drafter_call(DropGroups(groups)) for i in targets), return_exceptions=True)
         for inst, res in zip(targets, results):
             if isinstance(res, BaseException):  # the trees stay (drafts only); never the rollout's problem
                 self.strategy._engine_drop_failures += 1
@@ -441,7 +442,7 @@ class _Rollout:
         the previous setting where the RPC returns answers; veRL's servers (no answer) start with
         engine-local trees (seer.yaml)."""
         try:
-            before = await inst.drafter_call("group_write", value)
+            before = await inst.drafter_call(GroupWrite(value))
         except Exception as exc:
             logger.warning("seer: engine %s did not %s (%s: %s)", inst.name, what, type(exc).__name__, exc)
             self.strategy._dgds_start_failures += 1
@@ -455,7 +456,7 @@ class _Rollout:
         writes, self.group_writes = self.group_writes, []
         for inst, before in writes:
             try:
-                await inst.drafter_call("group_write", before)
+                await inst.drafter_call(GroupWrite(before))
             except Exception as exc:  # the engine may be gone already
                 logger.warning("seer: could not restore group_write=%s on engine %s (%s: %s)", before, inst.name,
                                type(exc).__name__, exc)
