@@ -145,8 +145,11 @@ def prepare(cfg: ABConfig):
     """Validate everything that can fail before any engine starts; return (model_dir, out, arms),
     an arm being (label, strategy, SpecOptions or None)."""
     cfg.validate()
-    for label in cfg.strategies:  # a bad name, option or scope fails before vLLM is imported (seconds)
+    # a bad name, option, scope or output directory fails before vLLM is imported (seconds)
+    for label in cfg.strategies:
         make_arm(label, cfg.spec_k, allow_history=cfg.epochs > 1)
+    out = Path(cfg.out)
+    check_out_dir(out)
     cost = _engine_cost(cfg)
     arms = []
     for label in cfg.strategies:
@@ -154,8 +157,6 @@ def prepare(cfg: ABConfig):
         if spec is not None and spec.mask & SCOPE_HISTORY and cfg.epochs < 2:
             raise ValueError(f"arm '{label}': the history scope needs an earlier epoch; run `verl-ext ab --epochs 2`")
         arms.append((label, strategy, spec))
-    out = Path(cfg.out)
-    check_out_dir(out)
     from verl_ext.model import resolve_model
 
     return resolve_model(cfg.model), out, arms
