@@ -335,6 +335,9 @@ class SimInstance(Instance):
             emitted = np.full(B, steps, dtype=np.int64)
             drafted = np.zeros(B, dtype=np.int64)
             per_step_drafts = 0
+        elif E.shape[1] == 1:  # a plan of one step (per-step drafting)
+            emitted, drafted = E[:, 0], D[:, 0]
+            per_step_drafts = int(np.count_nonzero(drafted))
         else:
             emitted = E[:, :steps].sum(axis=1)
             drafted = D[:, :steps].sum(axis=1)
