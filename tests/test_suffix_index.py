@@ -151,6 +151,40 @@ def test_request_scope_and_batch_propose_agree():
     assert idx.batch_propose_lists(["r1", "zz"], 4, rows, lens) == [[], []]  # unknown ids: empty drafts
 
 
+def test_sync_rows_and_match_lengths_equal_the_per_request_rules():
+    """The simulator's exact replay in batch calls: ``sync_rows`` appends what each request's
+    row holds beyond its context, in order, as appending request by request does (the group tree
+    and its ticks see the same calls); ``match_lengths`` is the accepted prefix of each draft."""
+    from verl_ext.spec._suffix import match_lengths
+
+    rng = np.random.default_rng(3)
+    keys = [f"r{i}" for i in range(5)]
+    rows = [rng.integers(0, 4, size=300).astype(np.int32) for _ in keys]
+    a, b = DraftIndex(16, 0, 8), DraftIndex(16, 0, 8)
+    for i, key in enumerate(keys):
+        for idx in (a, b):
+            idx.start_request(key, rows[i][:20], group="g" if i % 2 else "")
+    pos = np.full(len(keys), 20, dtype=np.int64)
+    for _ in range(30):
+        pos = np.minimum(pos + rng.integers(0, 9, size=len(keys)), 300)
+        a.sync_rows(keys, rows, pos)
+        for key, row, p in zip(keys, rows, pos.tolist()):
+            have = b.context_length(key)
+            if have < p:
+                b.append(key, row[have:p])
+        assert a.save(7) == b.save(7)
+        toks, n, _, _ = a.batch_propose(keys, 8)
+        limits = np.minimum(n, 300 - pos - 1)
+        acc = match_lengths(toks, limits, rows, pos)
+        for j, (row, p, m) in enumerate(zip(rows, pos.tolist(), limits.tolist())):
+            same = toks[j, :m] == row[p: p + m]
+            assert acc[j] == (m if same.all() else int(np.argmin(same)))
+    with pytest.raises(ValueError):
+        match_lengths(toks, np.full(len(keys), 9), rows, pos)  # past the drafts' width
+    with pytest.raises(KeyError):
+        a.sync_rows(["nope"], rows[:1], pos[:1])
+
+
 def test_delta_export_import_equals_rebuild():
     rng = random.Random(11)
     src, dst = DraftIndex(10, 0, 8), DraftIndex(10, 0, 8)

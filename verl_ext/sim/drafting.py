@@ -54,6 +54,7 @@ from verl_ext.engine.instance import GenRequest
 from verl_ext.history.store import history_weight
 from verl_ext.sim.source import Target, TraceSource
 from verl_ext.spec import SCOPE_GROUP, SCOPE_HISTORY, DraftIndex
+from verl_ext.spec._suffix import match_lengths
 from verl_ext.spec.options import SpecOptions, request_drafting
 from verl_ext.spec.select import cumulative_scores
 
@@ -320,25 +321,22 @@ class ReplayDrafter:
     def _step_selected(self, keys, positions, caps, selector, kv_tokens):
         s = self.spec
         pos = np.asarray(positions, dtype=np.int64)
-        for key, p in zip(keys, pos.tolist()):
-            self._sync(key, p)
+        iks = [self._ik[k] for k in keys]
+        rows = [self._rows[k] for k in keys]
+        self.index.sync_rows(iks, rows, pos)
+        left = self._left(keys, pos)
         ks = np.full(len(keys), s.k, dtype=np.int64) if caps is None else np.minimum(np.asarray(caps, dtype=np.int64), s.k)
         if not ks.any():  # a step the cut-off keeps plain: the engine's drafter selects nothing either
             self.last_scopes = np.zeros(len(keys), dtype=np.int64)
-            return np.minimum(1, self._left(keys, pos)), np.zeros(len(keys), dtype=np.int64)
-        toks, n, probs, scope = self.index.batch_propose([self._ik[k] for k in keys], ks, scopes=self.mask,
-                                                         min_match=s.min_match, max_match=s.max_match, min_prob=s.min_prob)
+            return np.minimum(1, left), np.zeros(len(keys), dtype=np.int64)
+        toks, n, probs, scope = self.index.batch_propose(iks, ks, scopes=self.mask, min_match=s.min_match,
+                                                         max_match=s.max_match, min_prob=s.min_prob)
         self.last_scopes = scope.astype(np.int64)
         scores = cumulative_scores(probs, n)
         lengths, _ = selector.select_lengths(scores, n, kv_tokens)
         lengths = lengths.astype(np.int64)
-        left = self._left(keys, pos)
-        acc = np.zeros(len(keys), dtype=np.int64)
-        for j in np.flatnonzero(lengths).tolist():
-            row, p = self._rows[keys[j]], int(pos[j])
-            m = int(min(lengths[j], left[j] - 1))
-            same = toks[j, :m] == row[p: p + m]
-            acc[j] = m if same.all() else int(np.argmin(same))
+        # the target accepts the longest selected prefix equal to the trace's next tokens (never its last token)
+        acc = match_lengths(toks, np.minimum(lengths, left - 1), rows, pos)
         selector.observe(scores, lengths, acc)
         return np.minimum(acc + 1, left), lengths
 

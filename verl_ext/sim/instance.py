@@ -89,13 +89,14 @@ from verl_ext.spec.policy import DraftBatch, DraftPolicy
 
 
 class _Req:
-    __slots__ = ("request", "target", "future", "pos", "left", "kv", "steps", "emit", "draft", "sj", "aborted", "ctx0",
-                 "window")
+    __slots__ = ("request", "target", "future", "key", "pos", "left", "kv", "steps", "emit", "draft", "sj", "aborted",
+                 "ctx0", "window")
 
-    def __init__(self, request: GenRequest, target: Target, future: asyncio.Future):
+    def __init__(self, request: GenRequest, target: Target, future: asyncio.Future, key: str):
         self.request = request
         self.target = target
         self.future = future
+        self.key = key  # the drafter's key: instance and request id
         self.pos = 0  # tokens emitted so far
         self.left = len(target.tokens)  # tokens still to emit
         self.kv = 0  # KV tokens held (0 while waiting)
@@ -223,12 +224,12 @@ class SimInstance(Instance):
         if request.request_id in self._by_id:
             raise ValueError(f"{self.name}: request id {request.request_id} is already running")
         loop = asyncio.get_running_loop()
-        r = _Req(request, target, loop.create_future())
+        r = _Req(request, target, loop.create_future(), f"{self.name}\x00{request.request_id}")
         if len(target.tokens) == 0:  # nothing left of the trace response
             return Completion(request.request_id, TokenView(target.tokens), target.finish_reason, num_steps=0)
         self._by_id[request.request_id] = r
         if self.drafter is not None and self.drafter.per_step:  # the id ran here before (and left)
-            self.drafter.drop(self._key(r))
+            self.drafter.drop(r.key)
         self.waiting.append(r)
         self._touch()
         try:
@@ -279,7 +280,7 @@ class SimInstance(Instance):
         if r in self.waiting:
             self.waiting.remove(r)
             if self.drafter is not None and self.drafter.per_step:  # a preempted request's drafter state
-                self.drafter.drop(self._key(r))
+                self.drafter.drop(r.key)
             self._resolve(r, FINISH_ABORT)
         else:
             self._touch()  # leaves the batch at the next step boundary
@@ -335,6 +336,9 @@ class SimInstance(Instance):
             emitted = np.full(B, steps, dtype=np.int64)
             drafted = np.zeros(B, dtype=np.int64)
             per_step_drafts = 0
+        elif E.shape[1] == 1:  # a plan of one step (per-step drafting)
+            emitted, drafted = E[:, 0], D[:, 0]
+            per_step_drafts = int(np.count_nonzero(drafted))
         else:
             emitted = E[:, :steps].sum(axis=1)
             drafted = D[:, :steps].sum(axis=1)
@@ -455,7 +459,7 @@ class SimInstance(Instance):
         r.kv = 0
         if self.drafter is not None:
             if self.drafter.per_step:
-                self.drafter.finish(self._key(r), r.ctx0 + r.pos)
+                self.drafter.finish(r.key, r.ctx0 + r.pos)
             if r.left == 0:
                 self.drafter.response_done(r.request, r.target, r.pos)
 
@@ -472,7 +476,7 @@ class SimInstance(Instance):
             if r is not None and self.drafter is not None:
                 r.window = max(0, int(w))
                 if modes and str(rid) in modes and set_mode is not None:
-                    key = self._key(r)
+                    key = r.key
                     was = self.drafter.is_decoupled(key)
                     set_mode(key, modes[str(rid)] == "decoupled")
                     moved |= was != self.drafter.is_decoupled(key)
@@ -515,9 +519,6 @@ class SimInstance(Instance):
             r.future.set_result(Completion(r.request.request_id, tokens, reason, num_steps=r.steps))
 
     # -- scheduling ---------------------------------------------------------------------------
-    def _key(self, r: _Req) -> str:
-        return f"{self.name}\x00{r.request.request_id}"
-
     def _admit(self) -> None:
         cost = self.cost
         cap = cost.kv_capacity_tokens
@@ -565,10 +566,10 @@ class SimInstance(Instance):
             if self._pcache:
                 self._evict()
             if self.drafter is not None and r.emit is None and not self.drafter.per_step:
-                r.emit, r.draft = self.drafter.schedule(self._key(r), r.request, r.target, self._history_from())
+                r.emit, r.draft = self.drafter.schedule(r.key, r.request, r.target, self._history_from())
                 r.sj = 0
-            elif self.drafter is not None and self.drafter.per_step and not self.drafter.started(self._key(r)):
-                self.drafter.start(self._key(r), r.request, r.target)
+            elif self.drafter is not None and self.drafter.per_step and not self.drafter.started(r.key):
+                self.drafter.start(r.key, r.request, r.target)
         self.kv_peak = max(self.kv_peak, self._kv)
         self._prefill = prefill
         self.prefill_tokens += prefill
@@ -580,9 +581,8 @@ class SimInstance(Instance):
         cap = cost.kv_capacity_tokens
         B = len(self.running)
         P0 = self._prefill
-        left = np.fromiter((r.left for r in self.running), dtype=np.int64, count=B)
         if self.drafter is None:
-            n_fin = int(left.min())
+            n_fin = min(r.left for r in self.running)
             n_cap = max(1, (cap - self._kv) // B)  # steps until the cache is full
             n = min(n_fin, n_cap)
             s = np.arange(n, dtype=np.float64)
@@ -599,33 +599,35 @@ class SimInstance(Instance):
             self._plan_caps = caps
             split = None
             if self.drafter.per_step:
-                keys = [self._key(r) for r in self.running]
+                keys = [r.key for r in self.running]
                 pos = np.fromiter((r.ctx0 + r.pos for r in self.running), dtype=np.int64, count=B)
                 e, d = self.drafter.step(keys, pos, caps, self.selector, float(self._kv))
                 self._plan_scopes = getattr(self.drafter, "last_scopes", None)
                 if self.selector is not None:  # after the decision, as on an engine: P0 was not known to it
                     self.selector.note_prefill(P0)
-                E, D = e[:, None], d[:, None]
-            elif caps is None:
-                n_fin = min(len(r.emit) - r.sj for r in self.running)
-                E = np.stack([r.emit[r.sj: r.sj + n_fin] for r in self.running]).astype(np.int64)
-                D = np.stack([r.draft[r.sj: r.sj + n_fin] for r in self.running]).astype(np.int64)
-            else:  # replayed schedules with each step's draft cut to the cap (split into more steps)
-                W = min(len(r.emit) - r.sj for r in self.running)
-                E = np.stack([r.emit[r.sj: r.sj + W] for r in self.running])
-                D = np.stack([r.draft[r.sj: r.sj + W] for r in self.running])
-                E, D, step, piece, pieces = split_schedules(E, D, caps)
-                split = (W, caps, step, piece, pieces)
-            k = self.drafter.spec.k
-            head = B * (1 + k) if caps is None else B + int(caps.sum())
-            kv_before = self._kv + np.concatenate([[0], np.cumsum(E.sum(axis=0))[:-1]])
-            ok = kv_before + head <= cap
-            n = int(np.argmin(ok)) if not ok.all() else E.shape[1]
-            n = max(1, n)
-            if self._cut_plan is not None:  # a probe step, or off only until the next probe
-                n = min(n, abs(self._cut_plan))
-            E, D = E[:, :n], D[:, :n]
-            tau = cost.step_time(B, kv_before[:n], 0, D.sum(axis=0))
+                E, D = e[:, None], d[:, None]  # a plan of one step
+                tau = [cost.step_time(B, self._kv, 0, int(d.sum()))]
+            else:
+                if caps is None:
+                    n_fin = min(len(r.emit) - r.sj for r in self.running)
+                    E = np.stack([r.emit[r.sj: r.sj + n_fin] for r in self.running]).astype(np.int64)
+                    D = np.stack([r.draft[r.sj: r.sj + n_fin] for r in self.running]).astype(np.int64)
+                else:  # replayed schedules with each step's draft cut to the cap (split into more steps)
+                    W = min(len(r.emit) - r.sj for r in self.running)
+                    E = np.stack([r.emit[r.sj: r.sj + W] for r in self.running])
+                    D = np.stack([r.draft[r.sj: r.sj + W] for r in self.running])
+                    E, D, step, piece, pieces = split_schedules(E, D, caps)
+                    split = (W, caps, step, piece, pieces)
+                k = self.drafter.spec.k
+                head = B * (1 + k) if caps is None else B + int(caps.sum())
+                kv_before = self._kv + np.concatenate([[0], np.cumsum(E.sum(axis=0))[:-1]])
+                ok = kv_before + head <= cap
+                n = int(np.argmin(ok)) if not ok.all() else E.shape[1]
+                n = max(1, n)
+                if self._cut_plan is not None:  # a probe step, or off only until the next probe
+                    n = min(n, abs(self._cut_plan))
+                E, D = E[:, :n], D[:, :n]
+                tau = cost.step_time(B, kv_before[:n], 0, D.sum(axis=0))
         tau = np.asarray(tau, dtype=np.float64).copy()
         if P0:
             tau[0] = cost.step_time(B, self._kv, P0, 0 if D is None else D[:, 0].sum())
@@ -633,7 +635,7 @@ class SimInstance(Instance):
         self._stall_s = 0.0
         drafting = getattr(self.drafter, "with_drafting", None)
         if drafting is not None and self.drafter.per_step and D is not None:  # draft models' time (synthetic)
-            tau[0] = drafting(float(tau[0]), [self._key(r) for r in self.running], D[:, 0], float(self._kv))
+            tau[0] = drafting(float(tau[0]), [r.key for r in self.running], D[:, 0], float(self._kv))
         if self._admit_next_step:  # end the plan after one step so the next step admits
             tau = tau[:1]
             if E is not None:

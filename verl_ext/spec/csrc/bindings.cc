@@ -256,6 +256,26 @@ PYBIND11_MODULE(_suffix, m) {
              Tokens t = tokens_of(toks, "tokens");
              s.append(req, t.ptr, t.n);
            })
+      .def("sync_rows",
+           [](DraftIndex& s, const std::vector<std::string>& keys, py::sequence rows, py::handle ends) {
+             auto en = dense<int64_t>(ends, 1, "ends");
+             const size_t b = keys.size();
+             if (static_cast<size_t>(py::len(rows)) != b || static_cast<size_t>(en.shape(0)) != b)
+               throw py::value_error("sync_rows: keys, rows and ends differ in length");
+             for (size_t i = 0; i < b; ++i) {
+               const size_t have = s.context_length(keys[i]);
+               const int64_t end = en.data()[i];
+               if (end <= static_cast<int64_t>(have)) continue;
+               auto row = py::array_t<int32_t, py::array::c_style | py::array::forcecast>::ensure(rows[i]);
+               if (!row || row.ndim() != 1 || end > row.shape(0))
+                 throw py::value_error("sync_rows: row " + std::to_string(i) + " must be a 1-D token array of at least ends[i] tokens");
+               Tokens t = tokens_of(row[py::slice(static_cast<py::ssize_t>(have), end, 1)], "tokens");
+               s.append(keys[i], t.ptr, t.n);
+             }
+           },
+           py::arg("keys"), py::arg("rows"), py::arg("ends"),
+           "For each request in order, append rows[i][context_length:ends[i]] (nothing where its "
+           "context already reaches ends[i]): the engine batch's tokens so far, before its proposals.")
       .def("finish", &DraftIndex::finish)
       .def("context_length", &DraftIndex::context_length)
       .def("group_append",
@@ -557,6 +577,36 @@ PYBIND11_MODULE(_suffix, m) {
       },
       py::arg("probs"), py::arg("lens"),
       "Cumulative draft scores: running float32 products of each row's first lens[i] probabilities, 0 after.");
+  m.def(
+      "match_lengths",
+      [](py::handle drafts, py::handle limits, py::sequence rows, py::handle positions) {
+        auto dr = dense<int32_t>(drafts, 2, "drafts");
+        auto li = dense<int64_t>(limits, 1, "limits");
+        auto po = dense<int64_t>(positions, 1, "positions");
+        const int64_t b = dr.shape(0), width = dr.shape(1);
+        if (li.shape(0) != b || po.shape(0) != b || static_cast<int64_t>(py::len(rows)) != b)
+          throw py::value_error("match_lengths: one limit, row and position per row of drafts");
+        py::array_t<int64_t> out(b);
+        int64_t* o = out.mutable_data();
+        for (int64_t i = 0; i < b; ++i) {
+          const int64_t m = li.data()[i], p = po.data()[i];
+          o[i] = 0;
+          if (m <= 0) continue;
+          auto row = py::array_t<int32_t, py::array::c_style | py::array::forcecast>::ensure(rows[i]);
+          if (!row || row.ndim() != 1 || m > width || p < 0 || p + m > row.shape(0))
+            throw py::value_error("match_lengths: row " + std::to_string(i) + " needs limits[i] <= drafts.shape[1] "
+                                  "and positions[i] + limits[i] <= len(rows[i])");
+          const int32_t* d = dr.data() + i * width;
+          const int32_t* r = row.data() + p;
+          int64_t a = 0;
+          while (a < m && d[a] == r[a]) ++a;
+          o[i] = a;
+        }
+        return out;
+      },
+      py::arg("drafts"), py::arg("limits"), py::arg("rows"), py::arg("positions"),
+      "Exact-match verification (the simulator): per row i, how many of drafts[i, :limits[i]] "
+      "equal rows[i][positions[i]:] before the first difference.");
   m.def(
       "select_tree",
       [](py::handle parents, py::handle scores, py::handle f, py::handle t, double base, int patience) {

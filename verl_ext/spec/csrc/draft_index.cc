@@ -404,11 +404,15 @@ Proposal DraftIndex::propose(const std::string& req, const int32_t* ctx, size_t 
   std::vector<int32_t> joined;
   if (ctx == nullptr) {  // prompt + response from the request tree
     if (!r.ctx.tree) return best;
+    // Only the context's last max(max_match, max_depth) tokens are matched (SuffixTree::propose
+    // and propose_recent match suffixes of at most min(max_match, max_depth - 1) tokens).
     const auto& a = r.ctx.tree->sequence(0).tokens;
     const auto& b = r.ctx.tree->sequence(1).tokens;
-    joined.reserve(a.size() + b.size());
-    joined.insert(joined.end(), a.begin(), a.end());
-    joined.insert(joined.end(), b.begin(), b.end());
+    const size_t keep = static_cast<size_t>(std::max(p.max_match, depth_));
+    const size_t from_b = std::min(b.size(), keep), from_a = std::min(a.size(), keep - from_b);
+    joined.reserve(from_a + from_b);
+    joined.insert(joined.end(), a.end() - from_a, a.end());
+    joined.insert(joined.end(), b.end() - from_b, b.end());
     ctx = joined.data();
     n = joined.size();
   }
