@@ -53,8 +53,7 @@ import numpy as np
 from verl_ext.engine.instance import GenRequest
 from verl_ext.history.store import history_weight
 from verl_ext.sim.source import Target, TraceSource
-from verl_ext.spec import SCOPE_GROUP, SCOPE_HISTORY, DraftIndex
-from verl_ext.spec._suffix import match_lengths
+from verl_ext.spec import SCOPE_GROUP, SCOPE_HISTORY, DraftIndex, match_lengths
 from verl_ext.spec.options import SpecOptions, request_drafting
 from verl_ext.spec.select import cumulative_scores
 
