@@ -329,3 +329,16 @@ def test_an_engine_failure_points_to_the_engine_log_and_its_errors(tmp_path, mod
         f"engine logs: {log} (2 lines: 1 warnings, 1 errors, 0 tracebacks)",
         "  (EngineCore pid=1) ERROR 11-27 00:00:01 [core.py:2] EngineCore failed to start: out of memory",
         "verl-ext: engine failure: RuntimeError: Engine core initialization failed. See root cause above."]
+
+
+def test_arms_are_checked_before_the_engines_cost_model_is_known():
+    """``verl-ext ab`` checks every arm before it imports vLLM for the engines' cost model: the
+    check must pass a strategy whose engine options need that model (``rlhfspec``'s selection)."""
+    from verl_ext.pipe.arms import check_arm, make_arm
+
+    strategy, spec = check_arm("rlhfspec")
+    assert strategy.name == "rlhfspec" and spec is None
+    with pytest.raises(Exception, match="selection needs the engines' step times"):
+        make_arm("rlhfspec", cost=None)
+    with pytest.raises(Exception, match="unknown rollout strategy 'nope'"):
+        check_arm("nope")

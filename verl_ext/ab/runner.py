@@ -22,7 +22,7 @@ from verl_ext.compare.outputs import StrategyRun, check_out_dir, same_tokens, wr
 from verl_ext.compare.run import ArmResult, run_strategy
 from verl_ext.engine.drafter_ops import AwaitHistories, SetHistories
 from verl_ext.engine.instance import GenRequest, Instance, SamplingSpec
-from verl_ext.pipe.arms import SPEC_SUFFIX, make_arm, validate_strategies
+from verl_ext.pipe.arms import SPEC_SUFFIX, check_arm, make_arm, validate_strategies
 from verl_ext.pipe.lifecycle import UNSET, Lifecycle
 from verl_ext.pipe.pool import InstancePool
 from verl_ext.pipe.strategy import Strategy
@@ -147,7 +147,7 @@ def prepare(cfg: ABConfig):
     cfg.validate()
     # a bad name, option, scope or output directory fails before vLLM is imported (seconds)
     for label in cfg.strategies:
-        make_arm(label, cfg.spec_k, allow_history=cfg.epochs > 1)
+        check_arm(label, cfg.spec_k, allow_history=cfg.epochs > 1)
     out = Path(cfg.out)
     check_out_dir(out)
     cost = _engine_cost(cfg)

@@ -101,10 +101,18 @@ def make_arm(label: str, spec_k: int = 8, allow_history: bool = False, cost=None
     strategy's own ``engine_spec`` (e.g. ``seer``'s grouped drafting) decides. ``carrier``: None
     when the caller carries deferred samples to the next step (off-policy pipelines), else what
     the caller is, for the error refusing a strategy that defers (``verl_ext.pipe.defer``)."""
+    strategy, spec = check_arm(label, spec_k, allow_history, carrier)
+    if spec is None:
+        spec = strategy.engine_spec(cost)
+    return strategy, spec
+
+
+def check_arm(label: str, spec_k: int = 8, allow_history: bool = False,
+              carrier: Optional[str] = SINGLE_ROLLOUT):
+    """``make_arm`` without the engines: (strategy, the ``+spec`` arm's SpecOptions or None). A
+    bad name, option or scope raises here, before anything loads an engine's cost model."""
     base, options, tail = parse_options_label(label)
     name, spec = parse_arm(base + tail, spec_k, allow_history)
     strategy = make_strategy(name, options)  # unknown name or option -> clear error
     require_carrier(strategy, carrier is None, carrier)
-    if spec is None:
-        spec = strategy.engine_spec(cost)
     return strategy, spec
