@@ -291,6 +291,22 @@ def test_e2e_side_by_side_divides_each_step_by_baselines():
     assert side_by_side({"seer": runs["seer"]})["seer"]["gen_ratio_to_baseline"] == [None, None, None]
 
 
+def test_e2e_compares_each_steps_samples_with_baselines_in_any_order(tmp_path):
+    """``--sample-seed``: whether a run drew baseline's samples, step by step, whatever order
+    veRL's dump lists them in."""
+    from verl_ext.verl_runs.e2e import samples_digest, side_by_side
+
+    rows = [{"input": "1+1", "output": "2", "score": 1.0, "step": 1}, {"input": "1+1", "output": "3", "score": 0.0, "step": 1}]
+    for name, order in (("a", rows), ("b", rows[::-1]), ("c", [rows[0], dict(rows[1], output="4")])):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in order))
+    a, b, c = (samples_digest(tmp_path / f"{n}.jsonl") for n in "abc")
+    assert a == b != c and samples_digest(tmp_path / "missing.jsonl") is None
+    table = side_by_side({"baseline": {"samples_digest": [a, a]}, "seer": {"samples_digest": [b, c, a]},
+                          "rhyme": {"samples_digest": [None, a]}})
+    assert table["seer"]["same_samples_as_baseline"] == [True, False]
+    assert table["rhyme"]["same_samples_as_baseline"] == [None, True]
+
+
 def test_e2e_max_tokens_gives_one_budget_or_one_per_step():
     from verl_ext.verl_runs.e2e import parse_budgets, stage_overrides, stages
 

@@ -295,3 +295,53 @@ def test_a_request_that_comes_keyed_keeps_its_key_through_every_strategy():
 
     assert sent("baseline", ready) == 4242 and sent("seer", ready) == 4242 and sent("rhyme", ready) == 4242
     assert sent("seer", None) == 4242  # the caller's own extra_args, untouched
+
+
+def test_a_sample_seed_gives_every_strategy_the_same_keys_in_any_arrival_order(caplog):
+    """``custom.verl_ext.sample_seed``: each sampled request is keyed by the seed, the step, the
+    prompt and its ordinal among that prompt's samples in the step, so that two runs (any
+    strategies, requests arriving in any order) send the same keys: the same samples. Greedy
+    requests get none, each step gets new ones, and where the servers cannot key the requests
+    sample unkeyed, said once and counted."""
+    from verl_ext.rollout.dispatcher import StrategyDispatcher
+
+    ready = {"keyed_sampling": {"ready": True, "active": False, "rule": "vllm-fused-op"}}
+    a, b = [1, 2, 3], [4, 5]
+
+    def keys(strategy, order, info=ready, temperature=0.7, seed=5):
+        server = VerlServer(lambda p, s: [7], info)
+        d = StrategyDispatcher(VerlExtSettings(strategy=strategy, sample_seed=seed), {"s0": server},
+                               max_tokens_default=8, keyed_sampling=True)
+
+        async def run():
+            out = {}
+            for step in (1, 2):
+                await d.begin_step(step)
+                for i, (uid, prompt) in enumerate(order):
+                    await d.generate(f"{step}-{i}", prompt, {"max_tokens": 8, "temperature": temperature},
+                                     verl_ext_uid=f"{uid}-{step}")
+                out[step] = [((p.get("extra_args") or {}).get("verl_ext") or {}).get("keyed_seed")
+                             for p in server.generate.params[-len(order):]]
+            return out, await d.metrics()
+
+        return asyncio.run(run())
+
+    # two groups of prompt a (one prompt twice in the batch) and one of b, two samples each
+    order = [("u1", a), ("u2", a), ("u3", b), ("u1", a), ("u3", b), ("u2", a)]
+    got, m = keys("baseline", order)
+    prompts = [p for _, p in order]
+
+    def by_prompt(step_keys, prompts):
+        return {tuple(p): sorted(k for k, q in zip(step_keys, prompts) if q == p) for p in (a, b)}
+
+    assert all(isinstance(k, int) for k in got[1] + got[2]) and len(set(got[1] + got[2])) == 12
+    assert m["verl_ext/sample_seed/unkeyed_requests"] == 0
+    for strategy in ("baseline", "seer", "rhyme"):
+        other, _ = keys(strategy, order[::-1])
+        for step in (1, 2):
+            assert by_prompt(other[step], prompts[::-1]) == by_prompt(got[step], prompts), (strategy, step)
+    assert by_prompt(keys("baseline", order, seed=6)[0][1], prompts) != by_prompt(got[1], prompts)
+    assert keys("baseline", order, temperature=0.0)[0][1] == [None] * 6  # greedy: nothing to key
+    unseeded, m = keys("seer", order, info=None)  # a server without verl_ext's plugin
+    assert unseeded[1] == [None] * 6 and m["verl_ext/sample_seed/unkeyed_requests"] == 12
+    assert "sample_seed is set but the rollout servers do not key" in caplog.text

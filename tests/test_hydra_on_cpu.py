@@ -41,6 +41,11 @@ def test_long_form_composes_and_converts(strategy):
 def test_knobs_override_without_plus():
     cfg = compose_verl(["rollout@actor_rollout_ref.rollout=baseline", "actor_rollout_ref.rollout.custom.verl_ext.seed=7"])
     assert VerlExtSettings.from_custom(cfg.actor_rollout_ref.rollout.custom).seed == 7
+    for strategy in ("baseline", "seer", "rhyme", "rlhfspec", "specactor"):  # each YAML has it, off
+        cfg = compose_verl([f"rollout@actor_rollout_ref.rollout={strategy}"])
+        assert VerlExtSettings.from_custom(cfg.actor_rollout_ref.rollout.custom).sample_seed is None
+    cfg = compose_verl(["rollout@actor_rollout_ref.rollout=seer", "actor_rollout_ref.rollout.custom.verl_ext.sample_seed=3"])
+    assert VerlExtSettings.from_custom(cfg.actor_rollout_ref.rollout.custom).sample_seed == 3
 
 
 def test_default_config_untouched():
@@ -57,6 +62,7 @@ def test_default_config_untouched():
         ({"verl_ext": {"strategy": "baseline", "chunk": 1}}, "unknown key"),
         ({"verl_ext": {"strategy": "baseline", "options": {"x": 1}}}, "unknown option"),
         ({"verl_ext": {"strategy": "baseline", "seed": "one"}}, "seed must be an integer"),
+        ({"verl_ext": {"strategy": "baseline", "sample_seed": 1.5}}, "sample_seed must be an integer or null"),
         ({"verl_ext": "baseline"}, "must be a mapping"),
         ({"verl_ext": {"strategy": "rhyme", "history": {"workers": 2}}}, "history: unknown key"),
         ({"verl_ext": {"strategy": "rhyme", "history": {"shards": 0}}}, "shards must be an integer >= 1"),

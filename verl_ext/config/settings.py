@@ -14,7 +14,7 @@ from verl_ext.config import option_names  # noqa: F401  (re-exported)
 from verl_ext.pipe.defer import require_carrier
 from verl_ext.pipe.strategy import StrategyConfigError, get_strategy_class
 
-_KEYS = ("strategy", "options", "seed", "trace", "history")
+_KEYS = ("strategy", "options", "seed", "sample_seed", "trace", "history")
 _TRACE_KEYS = ("dir", "every")
 
 
@@ -119,9 +119,17 @@ class HistorySettings:
 
 @dataclass(frozen=True)
 class VerlExtSettings:
+    """``custom.verl_ext``. ``seed``: the strategy's random tie-breaks. ``sample_seed``: None (the
+    default) samples as veRL does; an integer keys every sampled request (position-keyed sampling,
+    ``verl_ext.vllm.keyed``) with a seed derived from it, the training step, the prompt and the
+    sample's ordinal among that prompt's samples in the step (``StrategyDispatcher``), so that two
+    runs from the same checkpoint draw the same samples whatever the strategy: an A/B run inside
+    veRL then compares the same work. Every sample is still an exact draw from the policy."""
+
     strategy: str = "baseline"
     options: dict = field(default_factory=dict)
     seed: int = 0
+    sample_seed: Optional[int] = None
     trace: TraceSettings = field(default_factory=TraceSettings)
     history: HistorySettings = field(default_factory=HistorySettings)
 
@@ -158,9 +166,13 @@ class VerlExtSettings:
                         "train on every sample of the batch they sent, at a fixed batch size; veRL's async trainers, "
                         "trainer.v1.trainer_mode=colocate_async|separate_async, take finished samples as they come "
                         "and carry deferred ones)")
+        sample_seed = raw.get("sample_seed")
+        if sample_seed is not None and (not isinstance(sample_seed, int) or isinstance(sample_seed, bool)):
+            raise StrategyConfigError(f"custom.verl_ext.sample_seed must be an integer or null, got {sample_seed!r}")
         trace = TraceSettings.parse(raw.get("trace"))
         history = HistorySettings.parse(raw.get("history"))
-        return cls(strategy=strategy, options=options, seed=seed, trace=trace, history=history)
+        return cls(strategy=strategy, options=options, seed=seed, sample_seed=sample_seed, trace=trace,
+                   history=history)
 
 
 def _to_dict(node: Any) -> Any:

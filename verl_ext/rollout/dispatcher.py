@@ -65,15 +65,24 @@ def prompt_group_id(prompt_ids) -> str:
     return "p" + h.hexdigest()
 
 
+def sample_key(sample_seed: int, step: Optional[int], prompt_key: str, ordinal: int) -> int:
+    """The keyed-sampling seed of ``custom.verl_ext.sample_seed``: the ``ordinal``-th sample of the
+    prompt ``prompt_key`` in training step ``step``."""
+    h = hashlib.blake2b(f"{sample_seed}:{step}:{prompt_key}:{ordinal}".encode(), digest_size=8)
+    return int.from_bytes(h.digest(), "little") >> 2  # 62 bits, as ``Strategy.keyed`` draws them
+
+
 class _Ident(NamedTuple):
     """Who a request is: its group, its prompt key (``prompt_group_id`` of the first ``key_len``
-    prompt tokens), its sample index in the group and the prompt length veRL first sent."""
+    prompt tokens), its sample index in the group, the prompt length veRL first sent, and its
+    ``sample_key`` where ``custom.verl_ext.sample_seed`` is set."""
 
     group_id: str
     prompt_key: str
     sample_index: int
     prompt_len: int
     key_len: int
+    key: Optional[int] = None
 
 
 class StrategyDispatcher:
@@ -129,6 +138,9 @@ class StrategyDispatcher:
         self._spec = server_metrics.SpecCounters() if drafting else None
         self._drafting = drafting
         self._group_sizes: OrderedDict[str, int] = OrderedDict()  # group id -> samples seen
+        # (step, prompt key) -> samples of that prompt seen in that step (``sample_key``'s ordinal)
+        self._draws: OrderedDict[tuple, int] = OrderedDict()
+        self._unseeded = 0  # sampled requests that ``sample_seed`` could not key (no keyed servers)
         # request id -> who it was, for requests that ended aborted: veRL's async trainers resume
         # them under the same id (FullyAsyncLLMServerClient)
         self._aborted: OrderedDict[str, _Ident] = OrderedDict()
@@ -362,6 +374,15 @@ class StrategyDispatcher:
         # a request that comes keyed (an agent loop's own ``extra_args["verl_ext"]["keyed_seed"]``)
         # keeps its key through every strategy, where the servers confirmed keyed sampling
         key = ((params.get("extra_args") or {}).get("verl_ext") or {}).get(KEYED_SEED)
+        if key is None and ident.key is not None and float(params.get("temperature", 1.0)) > 0:
+            if self.pool.keyed_sampling:
+                key = ident.key
+            else:  # said once, counted always: these samples will differ from run to run
+                if not self._unseeded:
+                    logger.warning("verl_ext: custom.verl_ext.sample_seed is set but the rollout servers do not key "
+                                   "samples (see verl_ext/keyed_sampling/unconfirmed_servers); requests sample "
+                                   "unkeyed, so runs do not draw the same samples")
+                self._unseeded += 1
         keyed = key is not None and self.pool.keyed_sampling
         seed = int(key) if keyed else (None if params.get("seed") is None else int(params["seed"]))
         request = GenRequest(
@@ -455,7 +476,17 @@ class StrategyDispatcher:
         self._group_sizes.move_to_end(group_id)
         if len(self._group_sizes) > GROUP_CACHE_SIZE:
             self._group_sizes.popitem(last=False)
-        return _Ident(group_id, prompt_key, sample_index, len(prompt_ids), len(prompt_ids))
+        key = None
+        seed = self.settings.sample_seed
+        if seed is not None:  # the prompt's samples in this step, in any arrival order, get the same keys
+            draw = (self._step, prompt_key)
+            ordinal = self._draws.get(draw, 0)
+            self._draws[draw] = ordinal + 1
+            self._draws.move_to_end(draw)
+            if len(self._draws) > GROUP_CACHE_SIZE:
+                self._draws.popitem(last=False)
+            key = sample_key(seed, self._step, prompt_key, ordinal)
+        return _Ident(group_id, prompt_key, sample_index, len(prompt_ids), len(prompt_ids), key)
 
     async def metrics(self, reset: bool = True) -> dict[str, float]:
         """Dispatcher counters since the last call, prefixed for veRL's tracking; with verl_ext's
@@ -488,6 +519,8 @@ class StrategyDispatcher:
             out[f"verl_ext/inflight/{name}"] = float(count)
         if self._keyed_asked:
             out["verl_ext/keyed_sampling/unconfirmed_servers"] = float(self._keyed_unconfirmed)
+        if self.settings.sample_seed is not None:  # over the run so far
+            out["verl_ext/sample_seed/unkeyed_requests"] = float(self._unseeded)
         for reason, count in self._whole.items():  # over the run so far
             out[f"verl_ext/whole/{reason.replace(' ', '_')}"] = float(count)
         loads = [i.telemetry() for i in self.pool.instances.values()]

