@@ -20,6 +20,16 @@ def test_each_engine_gets_its_own_gpus_where_there_are_enough():
     assert gpu_layout(2, ["5", "GPU-ab12"]) == [GpuSlot("5"), GpuSlot("GPU-ab12")]
 
 
+def test_an_engine_arg_overrides_the_factorys_own_defaults():
+    """``verl-ext ab --engine-arg max_num_seqs=8`` (or ``max_model_len``, ``seed``): the user's
+    value wins over the factory's default instead of failing with a duplicate keyword."""
+    from verl_ext.vllm.local import VLLMInstanceFactory
+
+    f = VLLMInstanceFactory("m", max_num_seqs=64, extra_engine_args={"max_num_seqs": 8, "seed": 3, "dtype": "float32"})
+    assert (f.engine_args["max_num_seqs"], f.engine_args["seed"], f.engine_args["dtype"]) == (8, 3, "float32")
+    assert VLLMInstanceFactory("m", max_num_seqs=64).engine_args["max_num_seqs"] == 64
+
+
 def test_engines_sharing_gpus_split_the_gpu_memory():
     # vLLM's default 0.9 per engine cannot start a second engine on the same GPU
     assert gpu_layout(2, ["0"]) == [GpuSlot("0", 0.45), GpuSlot("0", 0.45)]

@@ -446,15 +446,15 @@ class VLLMInstanceFactory:
             from verl_ext.vllm.engine_log import EngineLog
 
             self.log = EngineLog(engine_log)
-        self.engine_args = dict(
-            model=model,
-            tokenizer=model,
-            seed=seed,
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-            disable_log_stats=True,  # our stat logger still runs (custom loggers enable stats)
-            **(extra_engine_args or {}),
-        )
+        self.engine_args = {
+            "model": model,
+            "tokenizer": model,
+            "seed": seed,
+            "max_model_len": max_model_len,
+            "max_num_seqs": max_num_seqs,
+            "disable_log_stats": True,  # our stat logger still runs (custom loggers enable stats)
+            **(extra_engine_args or {}),  # ``--engine-arg`` wins over the defaults above
+        }
         self.spec = spec
         if spec is not None:
             self.engine_args.update(spec.engine_args())
