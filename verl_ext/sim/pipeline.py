@@ -477,11 +477,10 @@ def run_pipeline_ab(cfg, progress: bool = True, trace=None) -> dict:
     from verl_ext.compare.metrics import SCHEMA
     from verl_ext.pipe.arms import make_arm
     from verl_ext.compare.outputs import check_out_dir, write_staged
-    from verl_ext.perf.cost import load_cost_model
     from verl_ext.sim.workload import load_workload, select_epoch
 
     cfg.validate()
-    cost = load_cost_model(cfg.preset)
+    cost = cfg.cost_model()
     arms = [arm_mode(label, cfg.pipeline) for label in cfg.strategies]
     for label, mode in arms:  # bad labels fail before any work
         make_arm(label, cfg.spec_k, allow_history=True, cost=cost, carrier=_carrier(mode))

@@ -82,11 +82,21 @@ class SimConfig:
     #: acceptance) the timed epoch's instances take over: what engines that serve every epoch of
     #: a run carry (``verl-ext ab --epochs 2``). Off: the timed epoch starts from cold engines.
     warm_epochs: bool = False
+    #: vLLM engine arguments of the engines simulated, of those the cost model states
+    #: (``CostModel.with_engine_args``: ``max_num_seqs``, ``max_num_batched_tokens``, ``block_size``)
+    engine_args: dict = field(default_factory=dict)
+
+    def cost_model(self):
+        """The preset, with ``engine_args`` applied."""
+        from verl_ext.perf.cost import load_cost_model
+
+        return load_cost_model(self.preset).with_engine_args(self.engine_args)
 
     def validate(self) -> None:
         validate_strategies(self.strategies)
         if self.instances < 1:
             raise ValueError(f"--instances must be >= 1, got {self.instances}")
+        self.cost_model()  # a bad preset or engine argument fails here, before any work
         from verl_ext.sim.drafting import MODES
 
         if self.replay not in MODES:
@@ -118,14 +128,12 @@ class SimArm:
 
 def run_sim_ab(cfg: SimConfig, progress: bool = True, trace=None) -> dict:
     """Run every strategy in ``cfg`` on simulated instances; write outputs into ``cfg.out``."""
-    from verl_ext.perf.cost import load_cost_model
-
     cfg.validate()
     if cfg.pipeline is not None:
         from verl_ext.sim.pipeline import run_pipeline_ab
 
         return run_pipeline_ab(cfg, progress=progress, trace=trace)
-    cost = load_cost_model(cfg.preset)
+    cost = cfg.cost_model()
     arms = []
     for label in cfg.strategies:
         base, pooled = split_kv_pool(label)
