@@ -272,6 +272,7 @@ def ab_path(args, out: Path) -> dict:
         "workload": work,
         "tokens": {"real": real_tokens, "trace": sim_tokens, "same": real_tokens == sim_tokens, "same_lengths": same},
         "preset": sim["config"]["preset"],
+        "engine_args": sim["config"]["engine_args"],  # the real engines' limits the simulated ones kept
         "rows": rows_for(real, sim),
         "outputs": {"ab": args.ab or str(out / "ab"), "trace": trace, "sim": str(out / "sim")},
         "machine": real.get("machine"),

@@ -131,6 +131,8 @@ async def test_ab_keyed_sampling_at_temperature_one(tmp_path, model_dir, fp32_en
     assert result["tokens"]["same_lengths"] == [6, 6] and result["tokens"]["same"]
     rows = {r["strategy"]: r for r in result["rows"]}
     assert set(rows) == set(s) and all(r["path"] == "ab" for r in rows.values())
+    engine = json.loads((out / "summary.json").read_text())["config"]["engine"]  # the simulated engines keep the real ones' limits
+    assert result["engine_args"] == {"max_num_seqs": engine["max_num_seqs"], "max_num_batched_tokens": engine["max_num_batched_tokens"]}
     for arm in ("baseline+spec:request+group", "seer[chunk_size=16,dgds=false]"):
         assert rows[arm]["real_ratio"] == round(s[arm]["wall_s"] / s["baseline"]["wall_s"], 4) and rows[arm]["sim_ratio"] > 0
         assert rows[arm]["error"] == pytest.approx(rows[arm]["sim_ratio"] / rows[arm]["real_ratio"] - 1, abs=2e-4)
