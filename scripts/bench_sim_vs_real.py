@@ -15,8 +15,9 @@ same rollout, side by side:
    workload must match.
 3. **sim**: the trace's last epoch, the earlier one as history, on as many simulated instances as
    real engines, with this machine's shipped cost model (``cpu-smollm2``, or ``--preset``) held
-   to the real engines' limits (``max_num_seqs``, token budget, KV block size) and no veRL dispatcher (``verl-ext ab`` has none). The earlier epoch is rolled out first, untimed,
-   and the timed epoch's instances keep what its drafters learned (``--warm-epochs``), as ``ab``'s
+   to the real engines' limits (``max_num_seqs``, token budget, KV block size) and no veRL
+   dispatcher (``verl-ext ab`` has none). The earlier epoch is rolled out first, untimed, and the
+   timed epoch's instances keep what its drafters learned (``--warm-epochs``), as ``ab``'s
    engines serve both epochs; ``sim_ratio`` the same quotient.
 
 **The veRL path** (``--verl DIR``: a finished ``bash scripts/verl_e2e.sh --trace`` run, with

@@ -11,9 +11,9 @@
 contexts; ``prefill_tokens``: prompt (or recomputed) tokens processed; ``draft_tokens``: draft
 tokens verified. ``kv_capacity_tokens``, ``max_num_seqs`` and ``max_batched_tokens`` state the
 engine's limits, ``kv_block_tokens`` its KV block (prefix-cache hits are whole blocks); the
-simulator enforces them, and ``with_engine_args`` sets them from vLLM engine arguments. ``draft_thresholds`` derives Seer's adaptive
-drafting range from the fields. What each term means on GPUs and CPUs:
-docs/SIMULATOR.md.
+simulator enforces them, and ``with_engine_args`` sets them from vLLM engine arguments.
+``draft_thresholds`` derives Seer's adaptive drafting range from the fields. What each term
+means on GPUs and CPUs: docs/SIMULATOR.md.
 
 Presets: ``presets/<name>.json`` (fields, ``sources``, ``assumptions``, and optional ``fit`` /
 ``derivation`` provenance sections that ``from_dict`` ignores); :func:`load_cost_model` takes a
