@@ -5,7 +5,6 @@ simulator's report goes beside it."""
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Optional
@@ -140,6 +139,7 @@ def _given(args, *names) -> dict:
 
 def _run_sim(args) -> int:
     from verl_ext.sim.runner import SimConfig, run_sim_ab
+    from verl_ext.vllm.local import split_engine_args
 
     for flag in ("model", "temperature", "epochs", "difficulty"):
         if getattr(args, flag) is not None:
@@ -170,7 +170,7 @@ def _run_sim(args) -> int:
         epoch=args.epoch,
         max_tokens=_one_budget(args.max_tokens),
         out=args.out or "runs/ab_sim",
-        engine_args=_sim_engine_args(args.engine_arg or ()),
+        engine_args=split_engine_args(args.engine_arg or ()),  # CostModel.with_engine_args refuses what it cannot model
         **_given(args, "instances", "preset", "steps", "t_train", "kv_pool_gbps", "dispatcher", "warm_epochs"),
     )
     summary = run_sim_ab(cfg, progress=not args.no_progress)
@@ -182,22 +182,6 @@ def _run_sim(args) -> int:
         print(f"\nwrote {Path(cfg.out) / 'summary.json'} and, beside it, report.md and steps.png")
         return 0
     return _report(summary, cfg.out, "report.md (with its PNGs)")
-
-
-def _sim_engine_args(items) -> dict:
-    """``--engine-arg KEY=VALUE`` for simulated engines: the limits the cost model states
-    (``CostModel.with_engine_args``, which refuses the others); VALUE read as JSON."""
-    out = {}
-    for item in items:
-        key, sep, text = item.partition("=")
-        key = key.strip().replace("-", "_")
-        if not sep or not key:
-            raise ValueError(f"--engine-arg wants KEY=VALUE, got '{item}'")
-        try:
-            out[key] = json.loads(text)
-        except ValueError:
-            out[key] = text
-    return out
 
 
 def _one_budget(text: Optional[str]):

@@ -536,6 +536,7 @@ class SimInstance(Instance):
         prefill = 0
         load = 0
         self._admit_next_step = False
+        block = cost.kv_block_tokens  # prefix-cache hits are whole KV blocks
         while self.waiting and len(self.running) < cost.max_num_seqs:
             r = self.waiting[0]
             ctx = r.ctx0 + r.pos
@@ -543,9 +544,9 @@ class SimInstance(Instance):
                 break
             key = (r.request.group_id, r.request.sample_index)
             cached = self._pcache.get(key, 0)
-            hit = min(cached, ctx - 1) // cost.kv_block_tokens * cost.kv_block_tokens if cached else 0
+            hit = min(cached, ctx - 1) // block * block if cached else 0
             pooled = self.kv_pool.held(key) if self.kv_pool is not None else 0
-            from_pool = max(0, min(pooled, ctx - 1) // cost.kv_block_tokens * cost.kv_block_tokens - hit)
+            from_pool = max(0, min(pooled, ctx - 1) // block * block - hit)
             if prefill and prefill + ctx - hit - from_pool > cost.max_batched_tokens:
                 self._admit_next_step = True  # the step's prefill budget is spent; the next step admits more
                 break

@@ -96,7 +96,6 @@ class SimConfig:
         validate_strategies(self.strategies)
         if self.instances < 1:
             raise ValueError(f"--instances must be >= 1, got {self.instances}")
-        self.cost_model()  # a bad preset or engine argument fails here, before any work
         from verl_ext.sim.drafting import MODES
 
         if self.replay not in MODES:

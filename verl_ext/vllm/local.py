@@ -128,31 +128,39 @@ def visible_gpus() -> list[str]:
 MANAGED_ENGINE_ARGS = ("model", "speculative_config")
 
 
-def parse_engine_args(items: Sequence[str]) -> dict:
-    """``KEY=VALUE`` strings (``--engine-arg``) to ``vllm.AsyncEngineArgs`` keyword arguments.
-    A value is read as JSON where it parses (``true``, ``0.4``, ``{"a": 1}``), else kept as a
-    string; a key must be a field of ``AsyncEngineArgs`` (dashes read as underscores)."""
-    import dataclasses
+def split_engine_args(items: Sequence[str]) -> dict:
+    """``KEY=VALUE`` strings (``--engine-arg``) to a dict, unchecked: dashes in a key read as
+    underscores, a value read as JSON where it parses (``true``, ``0.4``, ``{"a": 1}``), else
+    kept as a string."""
     import json
 
-    from vllm import AsyncEngineArgs
-
-    known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
     out: dict = {}
     for item in items:
         key, sep, text = item.partition("=")
         key = key.strip().replace("-", "_")
         if not sep or not key:
             raise ValueError(f"--engine-arg wants KEY=VALUE, got '{item}'")
+        try:
+            out[key] = json.loads(text)
+        except ValueError:
+            out[key] = text
+    return out
+
+
+def parse_engine_args(items: Sequence[str]) -> dict:
+    """``KEY=VALUE`` strings (``--engine-arg``) to ``vllm.AsyncEngineArgs`` keyword arguments
+    (``split_engine_args``); a key must be a field of ``AsyncEngineArgs``."""
+    import dataclasses
+
+    from vllm import AsyncEngineArgs
+
+    known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+    out = split_engine_args(items)
+    for key in out:
         if key in MANAGED_ENGINE_ARGS:
             raise ValueError(f"--engine-arg {key}: set by verl_ext itself ({'--model' if key == 'model' else 'drafting arms'})")
         if key not in known:
             raise ValueError(f"--engine-arg: '{key}' is not a vLLM engine argument (a field of vllm.AsyncEngineArgs)")
-        try:
-            value = json.loads(text)
-        except ValueError:
-            value = text
-        out[key] = value
     return out
 
 
