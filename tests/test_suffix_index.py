@@ -151,6 +151,74 @@ def test_request_scope_and_batch_propose_agree():
     assert idx.batch_propose_lists(["r1", "zz"], 4, rows, lens) == [[], []]  # unknown ids: empty drafts
 
 
+@pytest.mark.parametrize("vocab,seed", [(3, 0), (6, 1), (40, 2)])
+def test_remembered_failed_walks_give_the_proposals_of_a_full_search(vocab, seed):
+    """A request's proposals skip the context walks that failed at its earlier proposals
+    (``WalkMemo``) while their trees grow (siblings writing the group tree, a history tree
+    installed half-way). Every proposal equals the one an index built from the same calls
+    gives at its first proposal, which searches every match length."""
+    rng = random.Random(seed)
+    log = []  # every call that changes the index, replayed into a fresh one for each check
+
+    def do(idx, op):
+        log.append(op)
+        op(idx)
+
+    def fresh():
+        idx = DraftIndex(12, 0, 8)
+        for op in log:
+            op(idx)
+        return idx
+
+    keys = [f"r{i}" for i in range(4)]
+    rows = {}  # full contexts
+    warm = DraftIndex(12, 0, 8)
+    for i, key in enumerate(keys):
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(5, 30))]
+        do(warm, lambda x, key=key, prompt=prompt: x.start_request(key, prompt, group="g", history="h"))
+        rows[key] = list(prompt)
+    for step in range(60):
+        if step == 25:
+            hist = [[rng.randrange(vocab) for _ in range(40)] for _ in range(3)]
+            do(warm, lambda x, hist=hist: [x.add_history("h", h, 1.0 + j) for j, h in enumerate(hist)])
+        if step % 10 == 9:  # a sibling finishes (its last windows go in at once) and another starts
+            gone, new = keys[step % len(keys)], f"r{len(rows)}"
+            prompt = [rng.randrange(vocab) for _ in range(rng.randint(5, 30))]
+            do(warm, lambda x, gone=gone: x.finish(gone))
+            do(warm, lambda x, key=new, prompt=prompt: x.start_request(key, prompt, group="g", history="h"))
+            keys[step % len(keys)], rows[new] = new, list(prompt)
+        for key in keys:
+            toks = [rng.randrange(vocab) for _ in range(rng.randint(1, 3))]
+            rows[key] += toks
+            do(warm, lambda x, key=key, toks=toks: x.append(key, toks))
+        key = keys[step % len(keys)]
+        k = rng.randint(1, 8)
+        kw = dict(min_match=rng.choice([1, 2]), max_match=rng.choice([6, 11]), min_prob=rng.choice([0.0, 0.3]))
+        if step % 2:  # the full context passed in (the vLLM drafter), else the index's own tail
+            kw["context"] = rows[key]
+        for scopes in (SCOPE_REQUEST, SCOPE_GROUP | SCOPE_HISTORY, 7):
+            for other in keys:  # warm every request's memo, including ones not checked this step
+                warm.propose(other, k, scopes=scopes, **{**kw, **({"context": rows[other]} if step % 2 else {})})
+            cold = fresh()
+            assert cold.stats()["walks_skipped"] == 0
+            (t1, p1, s1, m1), sc1 = warm.propose(key, k, scopes=scopes, **kw)
+            (t2, p2, s2, m2), sc2 = cold.propose(key, k, scopes=scopes, **kw)
+            assert (list(t1), list(p1), s1, m1, sc1) == (list(t2), list(p2), s2, m2, sc2)
+    assert warm.stats()["walks_skipped"] > 100  # the memo was used, not only kept
+
+
+def test_a_failed_walk_is_tried_again_once_a_sibling_inserts_its_path():
+    idx = DraftIndex(4, 0, 8)
+    idx.start_request("a", [1, 2, 3], group="g")
+    idx.start_request("b", [0], group="g")
+    idx.append("a", [5, 6, 7])
+    assert len(idx.propose("a", 2, scopes=SCOPE_GROUP, min_prob=0.0)[0][0]) == 0  # every walk fails
+    idx.append("b", [6, 7, 8])
+    assert idx.finish("b")  # closing inserts b's last windows: [6 7 8] is a root path now
+    (toks, probs, _, match_len), scope = idx.propose("a", 2, scopes=SCOPE_GROUP, min_prob=0.0)
+    assert list(toks) == [8] and match_len == 2 and scope == SCOPE_GROUP
+
+
 def test_sync_rows_and_match_lengths_equal_the_per_request_rules():
     """The simulator's exact replay in batch calls: ``sync_rows`` appends what each request's
     row holds beyond its context, in order, as appending request by request does (the group tree

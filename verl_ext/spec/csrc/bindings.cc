@@ -480,6 +480,7 @@ PYBIND11_MODULE(_suffix, m) {
              d["tokens"] = x.tokens;
              d["bytes"] = x.bytes;
              d["evictions"] = x.evictions;
+             d["walks_skipped"] = x.walks_skipped;
              d["max_bytes"] = s.max_bytes();
              return d;
            })

@@ -402,6 +402,7 @@ Proposal DraftIndex::propose(const std::string& req, const int32_t* ctx, size_t 
   RequestEntry& r = it->second;
   scopes &= r.scopes;
   std::vector<int32_t> joined;
+  uint64_t base = 0;  // absolute context position of ctx[0]
   if (ctx == nullptr) {  // prompt + response from the request tree
     if (!r.ctx.tree) return best;
     // Only the context's last max(max_match, max_depth) tokens are matched (SuffixTree::propose
@@ -415,11 +416,19 @@ Proposal DraftIndex::propose(const std::string& req, const int32_t* ctx, size_t 
     joined.insert(joined.end(), b.end() - from_b, b.end());
     ctx = joined.data();
     n = joined.size();
+    base = r.ctx_len - n;
   }
   auto consider = [&](TreeEntry* e, int scope) {
     if (!e || !e->tree) return;
     e->tick = ++tick_;
-    Draft d = e->tree->propose(ctx, n, k, p.min_match, p.max_match, p.min_prob);
+    WalkMemo& memo = r.memo[scope == kScopeRequest ? 0 : scope == kScopeGroup ? 1 : 2];
+    if (memo.uid != e->uid) {
+      memo.uid = e->uid;
+      memo.fails.clear();
+    }
+    const uint64_t skipped = memo.skipped;
+    Draft d = e->tree->propose(ctx, n, k, p.min_match, p.max_match, p.min_prob, &memo, base);
+    walks_skipped_ += memo.skipped - skipped;
     // The newest tokens of growing sequences are not in the tree yet; a longer match there
     // (e.g. a sibling a few tokens ahead, or a short loop) is the better evidence.
     Draft r = e->tree->propose_recent(ctx, n, k, std::max(p.min_match, d.match_len + 1), p.max_match);
@@ -629,6 +638,7 @@ IndexStats DraftIndex::stats() const {
   for (const auto& [k, e] : histories_) add(e);
   s.bytes = static_cast<size_t>(bytes_);
   s.evictions = evictions_;
+  s.walks_skipped = walks_skipped_;
   return s;
 }
 

@@ -57,6 +57,7 @@ struct RequestEntry {
   uint32_t ctx_len = 0;    // prompt + generated tokens seen so far
   int scopes = kScopeAll;  // scopes this request may draft from
   bool group_write = true; // false: reads its group tree but never writes to it
+  WalkMemo memo[3];        // failed context walks per scope (request, group, history)
 };
 
 struct Proposal {
@@ -67,6 +68,7 @@ struct Proposal {
 struct IndexStats {
   size_t requests = 0, groups = 0, histories = 0, nodes = 0, tokens = 0, bytes = 0;
   uint64_t evictions = 0;
+  uint64_t walks_skipped = 0;  // context walks a WalkMemo showed would fail again
 };
 
 // A history tree of `responses` (token arrays with their weights), built without any index:
@@ -174,7 +176,7 @@ class DraftIndex {
   std::unordered_map<std::string, std::string> named_writers_;  // group \x1f seq -> request
   std::unordered_map<std::string, TreeEntry> groups_, histories_;
   int64_t bytes_ = 0;
-  uint64_t tick_ = 0, uid_ = 0, evictions_ = 0;
+  uint64_t tick_ = 0, uid_ = 0, evictions_ = 0, walks_skipped_ = 0;
 };
 
 }  // namespace verl_ext

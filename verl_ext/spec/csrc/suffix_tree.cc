@@ -177,6 +177,7 @@ uint32_t SuffixTree::split(uint32_t n, uint32_t at) {
 
 void SuffixTree::insert_window(uint32_t seq, uint32_t start, uint32_t length, float w) {
   const int32_t* x = seqs_[seq].tokens.data() + start;
+  if (stamps_) ++stamps_[bucket(x[0])];
   uint32_t node = 0;
   nodes_[0].prio += w;
   uint32_t i = 0;
@@ -255,22 +256,38 @@ void SuffixTree::close(uint32_t seq) {
 }
 
 bool SuffixTree::walk(const int32_t* s, size_t n, Cursor& cur) const {
+  return match(s, n, cur) == n;
+}
+
+size_t SuffixTree::match(const int32_t* s, size_t n, Cursor& cur) const {
   uint32_t node = 0, off = 0;
   for (size_t i = 0; i < n; ++i) {
     if (off == len(node)) {
       const uint32_t c = find_child(node, s[i]);
-      if (c == kNil) return false;
+      if (c == kNil) return i;
       node = c;
       off = 1;
     } else {
-      if (label(node)[off] != s[i]) return false;
+      if (label(node)[off] != s[i]) return i;
       ++off;
     }
   }
   cur.node = node;
   cur.off = off;
-  return true;
+  return n;
 }
+
+namespace {
+uint64_t hash_tokens(const int32_t* s, size_t n) {
+  uint64_t h = 0x9e3779b97f4a7c15ull ^ n;
+  for (size_t i = 0; i < n; ++i) {
+    h ^= static_cast<uint32_t>(s[i]);
+    h *= 0x100000001b3ull;
+    h ^= h >> 29;
+  }
+  return h;
+}
+}  // namespace
 
 bool SuffixTree::draft_from(Cursor cur, int depth, int k, float min_prob, float& cum,
                             Draft& out) const {
@@ -300,16 +317,48 @@ bool SuffixTree::draft_from(Cursor cur, int depth, int k, float min_prob, float&
 }
 
 Draft SuffixTree::propose(const int32_t* ctx, size_t n, int k, int min_len, int max_len,
-                          float min_prob) const {
+                          float min_prob, WalkMemo* memo, uint64_t base) const {
   Draft d;
   if (k <= 0 || n == 0) return d;
   const int lo = std::max(min_len, 1);
   const int hi = std::min<int>({max_len, static_cast<int>(std::min<size_t>(n, 1 << 20)), depth_ - 1});
+  const uint64_t end = base + n;
+  if (memo) {  // keep the failures this proposal's window can still use
+    if (!stamps_) stamps_.reset(new uint32_t[size_t{1} << kStampBits]());
+    auto& f = memo->fails;
+    f.erase(std::remove_if(f.begin(), f.end(), [&](const WalkMemo::Fail& x) {
+              return x.start + static_cast<uint64_t>(hi) < end || x.start >= end;
+            }), f.end());
+  }
+  // A walk recorded as failed fails again: same tokens, no window with that first-token
+  // bucket inserted since (the stamp), and the failing prefix inside this context.
+  auto failed = [&](uint64_t start, const int32_t* s, int l) {
+    for (auto it = memo->fails.begin(); it != memo->fails.end(); ++it) {
+      if (it->start != start) continue;
+      if (it->len <= static_cast<uint32_t>(l) && it->stamp == stamp(s[0]) &&
+          it->hash == hash_tokens(s, it->len))
+        return true;
+      memo->fails.erase(it);
+      return false;
+    }
+    return false;
+  };
   float cum = 1.0f;
   bool at_depth = false;
   for (int l = hi; l >= lo; --l) {
     Cursor cur;
-    if (!walk(ctx + n - l, static_cast<size_t>(l), cur)) continue;
+    const int32_t* s = ctx + n - l;
+    if (memo && failed(end - l, s, l)) {
+      ++memo->skipped;
+      continue;
+    }
+    const size_t m = match(s, static_cast<size_t>(l), cur);
+    if (m < static_cast<size_t>(l)) {
+      if (memo)
+        memo->fails.push_back(WalkMemo::Fail{end - l, hash_tokens(s, m + 1),
+                                             static_cast<uint32_t>(m + 1), stamp(s[0])});
+      continue;
+    }
     cum = 1.0f;
     at_depth = draft_from(cur, l, k, min_prob, cum, d);
     if (!d.tokens.empty()) {
@@ -495,6 +544,7 @@ size_t SuffixTree::memory_bytes() const {
   size_t marks = 0;
   for (const Sequence& s : seqs_) marks += s.marks.capacity() * sizeof(s.marks[0]) + s.key.capacity();
   return nodes_.capacity() * sizeof(Node) + table_.bytes() + token_bytes_ + marks +
+         (stamps_ ? sizeof(uint32_t) << kStampBits : 0) +
          seqs_.capacity() * sizeof(Sequence) + by_key_.size() * 48 + sizeof(*this);
 }
 

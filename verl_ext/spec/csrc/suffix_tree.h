@@ -20,6 +20,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -78,6 +79,25 @@ struct Cursor {
   uint32_t off = 0;
 };
 
+// Context walks that failed at an earlier proposal of the same request against the same
+// tree, so that the next proposal can skip them. A walk from context position `start` fails
+// when ctx[start : start + len] is not a root path. The root paths that begin with a token
+// change only when a window beginning with it is inserted, so the failure stands while the
+// tree's insert stamp for that token's bucket is unchanged and the tokens are the same (their
+// hash). Positions are absolute in the request's context; the owner resets `fails` when the
+// tree is replaced (`uid`). Skipping them gives the very proposal a full search gives.
+struct WalkMemo {
+  struct Fail {
+    uint64_t start;
+    uint64_t hash;
+    uint32_t len;
+    uint32_t stamp;
+  };
+  uint64_t uid = 0;
+  std::vector<Fail> fails;
+  uint64_t skipped = 0;  // walks skipped so far
+};
+
 struct Draft {
   std::vector<int32_t> tokens;
   std::vector<float> probs;  // conditional probability of each token given the previous ones
@@ -98,8 +118,10 @@ class SuffixTree {
   // Longest suffix of `ctx` (length in [min_len, max_len]) that is a root path and has a
   // continuation; then a linear draft of up to k tokens following the best branch while the
   // cumulative probability stays >= min_prob. Empty draft if nothing qualifies.
+  // With `memo` (the request's failed walks against this tree; `base` is the absolute context
+  // position of ctx[0]) the walks recorded there as failed are skipped and new failures added.
   Draft propose(const int32_t* ctx, size_t n, int k, int min_len, int max_len,
-                float min_prob) const;
+                float min_prob, WalkMemo* memo = nullptr, uint64_t base = 0) const;
   // The same for the newest tokens of open sequences, which are not yet in the tree (a window
   // is inserted once complete): the most recent place where the longest context suffix
   // (length in [min_len, max_len]) occurs in the last max_depth + max_len tokens of an open
@@ -145,10 +167,16 @@ class SuffixTree {
   void insert_window(uint32_t seq, uint32_t start, uint32_t length, float w);
   void touch(Sequence& s);
   bool walk(const int32_t* s, size_t n, Cursor& cur) const;
+  // Tokens of s[0:n] matched from the root (n on success, then `cur` is where it ends).
+  size_t match(const int32_t* s, size_t n, Cursor& cur) const;
+  // Windows inserted so far that begin with a token of `tok`'s bucket (WalkMemo).
+  uint32_t stamp(int32_t tok) const { return stamps_ ? stamps_[bucket(tok)] : 0; }
+  static size_t bucket(int32_t tok) { return static_cast<uint32_t>(tok) * 2654435761u >> (32 - kStampBits); }
   // Extends `out` by up to k tokens; returns true if it stopped at the depth limit.
   bool draft_from(Cursor cur, int depth, int k, float min_prob, float& cum, Draft& out) const;
 
   static constexpr uint32_t kHubDegree = 8;
+  static constexpr int kStampBits = 9;
   static constexpr uint32_t kBestKey = 0xFFFFFFFFu;
 
   int depth_;
@@ -160,6 +188,9 @@ class SuffixTree {
   size_t token_bytes_ = 0;  // capacity of all token vectors, in bytes
   uint64_t version_ = 0;
   uint64_t last_export_ = 0;
+  // Insert counts per first-token bucket; allocated at the first memoized walk (none before it
+  // can have been recorded), so trees that are never walked with a memo do not pay for them.
+  mutable std::unique_ptr<uint32_t[]> stamps_;
 };
 
 }  // namespace verl_ext
