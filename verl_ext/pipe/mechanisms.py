@@ -17,7 +17,7 @@ from typing import Iterable, Mapping, Optional
 
 #: the drafter counters a mechanism may name: per scope, tokens drafted and accepted
 #: (``<scope>_draft_tokens``, ``<scope>_accepted_tokens``), and RLHFSpec's selection steps
-SCOPES = ("request", "group", "history")
+SCOPES = ("request", "group", "history", "global")
 DRAFTER_COUNTERS = (*(f"{s}_{k}" for s in SCOPES for k in ("draft_tokens", "accepted_tokens")), "select_steps")
 
 

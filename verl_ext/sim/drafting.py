@@ -53,7 +53,7 @@ import numpy as np
 from verl_ext.engine.instance import GenRequest
 from verl_ext.history.store import history_weight
 from verl_ext.sim.source import Target, TraceSource
-from verl_ext.spec import SCOPE_GROUP, SCOPE_HISTORY, DraftIndex, match_lengths
+from verl_ext.spec import SCOPE_GLOBAL, SCOPE_GROUP, SCOPE_HISTORY, match_lengths
 from verl_ext.spec.options import SpecOptions, request_drafting
 from verl_ext.spec.select import cumulative_scores
 
@@ -73,17 +73,19 @@ class ReplayDrafter:
         self.spec = spec
         self.mask = spec.mask
         if mode == "auto":
-            mode = "exact" if spec.select else "lockstep" if self.mask & SCOPE_GROUP else "cached"
+            mode = "exact" if spec.select or self.mask & SCOPE_GLOBAL else "lockstep" if self.mask & SCOPE_GROUP else "cached"
         if spec.select and mode != "exact":
             raise ValueError("workload-aware selection (spec select) decides every step from the step's drafts; "
                              f"it needs replay mode 'exact', not '{mode}'")
         if mode == "cached" and self.mask & SCOPE_GROUP:
             raise ValueError("replay mode 'cached' cannot draft from the group scope; use lockstep or exact")
+        if mode != "exact" and self.mask & SCOPE_GLOBAL:  # its tree depends on every group's order
+            raise ValueError(f"replay mode {mode!r} cannot draft from the global scope; use exact")
         self.mode = mode
         self.source = source
         #: the history trees are loaded per step (``load_histories``) rather than all at once
         self.lazy_history = False
-        self.index = DraftIndex(spec.max_depth, spec.max_bytes if max_bytes is None else max_bytes, max(spec.k, 1))
+        self.index = spec.new_index(max_bytes)
         self._cache: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self._resp_len = source.trace.response_lengths()
         self._finished: dict[str, set[int]] = {}  # group -> sample indices whose whole response is out

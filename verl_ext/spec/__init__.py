@@ -29,7 +29,7 @@ not load the native extension where nothing drafts (issue 47).
 import importlib
 
 _EXPORTS = {"DraftIndex": "_suffix", "SCOPE_REQUEST": "_suffix", "SCOPE_GROUP": "_suffix",
-            "SCOPE_HISTORY": "_suffix", "match_lengths": "_suffix", "SpecOptions": "options",
+            "SCOPE_HISTORY": "_suffix", "SCOPE_GLOBAL": "_suffix", "match_lengths": "_suffix", "SpecOptions": "options",
             "scope_mask": "options"}
 
 __all__ = list(_EXPORTS)

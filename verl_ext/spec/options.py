@@ -7,9 +7,9 @@ import json
 from dataclasses import dataclass
 from typing import Optional
 
-from verl_ext.spec._suffix import SCOPE_GROUP, SCOPE_HISTORY, SCOPE_REQUEST
+from verl_ext.spec._suffix import SCOPE_GLOBAL, SCOPE_GROUP, SCOPE_HISTORY, SCOPE_REQUEST
 
-SCOPES = {"request": SCOPE_REQUEST, "group": SCOPE_GROUP, "history": SCOPE_HISTORY}
+SCOPES = {"request": SCOPE_REQUEST, "group": SCOPE_GROUP, "history": SCOPE_HISTORY, "global": SCOPE_GLOBAL}
 #: a scope bit -> its name (the drafter's per-scope counts)
 SCOPE_NAMES = {bit: name for name, bit in SCOPES.items()}
 # vLLM's rejection sampler asserts max_spec_len <= 128 (MAX_SPEC_LEN)
@@ -68,6 +68,9 @@ class SpecOptions:
     append cost); ``min_match``/``max_match`` bound the context suffix that must match;
     ``min_prob`` stops a draft once its cumulative empirical probability drops below it;
     ``max_bytes`` caps the index memory per engine (least recently used trees are evicted).
+    The ``global`` scope drafts from the engine's recent responses to every prompt (Arctic's
+    global tree): each finished response goes in, and ``global_tokens`` bounds it (two
+    generations of at most about that many tokens each; ``DraftIndex.set_global_tokens``).
 
     Adaptive draft length (Seer, ``verl_ext.spec.adaptive``): with ``adaptive`` on, a step of
     ``B`` requests drafts at most ``knee_tokens - B`` tokens in total (``knee_tokens``: from the
@@ -107,6 +110,7 @@ class SpecOptions:
     max_match: int = 16
     min_prob: float = 0.3
     max_bytes: int = 2 << 30
+    global_tokens: int = 1 << 20
     adaptive: bool = False
     knee_tokens: int = 0
     knee_profile: str = ""
@@ -140,6 +144,8 @@ class SpecOptions:
             raise ValueError(f"spec group_source must be 'local' or 'remote', got {self.group_source!r}")
         if self.max_bytes < 0:
             raise ValueError(f"spec max_bytes must be >= 0 (0 = no cap), got {self.max_bytes}")
+        if self.global_tokens < 1:
+            raise ValueError(f"spec global_tokens must be >= 1, got {self.global_tokens}")
         # the window start only matters with AIMD windows or a cut-off derived for it
         if (self.aimd or self.cutoff_profile) and not 1 <= self.aimd_start <= self.k:
             raise ValueError(f"spec aimd_start must be in [1, k={self.k}], got {self.aimd_start}")
@@ -215,6 +221,16 @@ class SpecOptions:
     @property
     def mask(self) -> int:
         return scope_mask(self.scopes)
+
+    def new_index(self, max_bytes: Optional[int] = None, k: Optional[int] = None):
+        """The engine's ``DraftIndex`` for these options (the global tree on when its scope is)."""
+        from verl_ext.spec._suffix import DraftIndex
+
+        index = DraftIndex(self.max_depth, self.max_bytes if max_bytes is None else max_bytes,
+                           max(1, self.k if k is None else k))
+        if self.mask & SCOPE_GLOBAL:
+            index.set_global_tokens(self.global_tokens)
+        return index
 
     @classmethod
     def from_dict(cls, d: dict) -> "SpecOptions":

@@ -58,7 +58,7 @@ from verl_ext.engine.drafter_ops import (AddHistory, AwaitHistories, DrafterOp, 
                                         GroupWrite, ImportGroups, Progress, SetHistories, SetWindows, Stats, from_wire)
 from verl_ext.engine.keyed_sampling import request_seed
 from verl_ext.perf.steplog import StepLog
-from verl_ext.spec import SCOPE_GROUP, SCOPE_HISTORY, DraftIndex
+from verl_ext.spec import SCOPE_GROUP, SCOPE_HISTORY
 from verl_ext.spec.dgds import import_deltas
 from verl_ext.spec.history_build import HistoryBuilder, token_array
 from verl_ext.spec.options import MAX_K, SCOPE_NAMES, SEQ_OFFSET_KEY, SpecOptions, request_drafting
@@ -90,7 +90,7 @@ class SuffixProposer:
         self.k = self.options.k
         self.scopes = self.options.mask
         self.max_model_len = int(vllm_config.model_config.max_model_len)
-        self.index = DraftIndex(self.options.max_depth, self.options.max_bytes, self.k)
+        self.index = self.options.new_index()
         # history trees are built on a thread of their own and swapped in at a draft step
         self.history_builds = HistoryBuilder(self.options.max_depth)
         self.group_write = self.options.group_source != "remote"

@@ -181,6 +181,7 @@ PYBIND11_MODULE(_suffix, m) {
   m.attr("SCOPE_REQUEST") = static_cast<int>(kScopeRequest);
   m.attr("SCOPE_GROUP") = static_cast<int>(kScopeGroup);
   m.attr("SCOPE_HISTORY") = static_cast<int>(kScopeHistory);
+  m.attr("SCOPE_GLOBAL") = static_cast<int>(kScopeGlobal);
   m.attr("NODE_BYTES") = sizeof(Node);
   py::register_exception_translator([](std::exception_ptr p) {
     try {
@@ -298,6 +299,16 @@ PYBIND11_MODULE(_suffix, m) {
            },
            py::arg("key"), py::arg("tokens"), py::arg("weight") = 1.0f)
       .def("drop_history", &DraftIndex::drop_history)
+      .def("set_global_tokens", &DraftIndex::set_global_tokens, py::arg("tokens"),
+           "Turn the global scope on with `tokens` per generation of its tree (0: off, drops it).")
+      .def_property_readonly("global_tokens", &DraftIndex::global_tokens)
+      .def("add_global",
+           [](DraftIndex& s, py::handle toks, float w) {
+             Tokens t = tokens_of(toks, "tokens");
+             s.add_global(t.ptr, t.n, w);
+           },
+           py::arg("tokens"), py::arg("weight") = 1.0f,
+           "Add a response to the global tree (finished requests with the global scope add theirs).")
       .def("install_history",
            [](DraftIndex& s, const std::string& key, HistoryTree& t) {
              s.install_history(key, std::move(t.tree));
@@ -316,7 +327,7 @@ PYBIND11_MODULE(_suffix, m) {
              Proposal pr = s.propose(req, ctx, t.n, k, scopes, p);
              return py::make_tuple(draft_tuple(pr.draft), pr.scope);
            },
-           py::arg("req"), py::arg("k"), py::arg("context") = py::none(), py::arg("scopes") = 7,
+           py::arg("req"), py::arg("k"), py::arg("context") = py::none(), py::arg("scopes") = static_cast<int>(kScopeAll),
            py::arg("min_match") = 1, py::arg("max_match") = 16, py::arg("min_prob") = 0.3f)
       .def("batch_propose",
            [](DraftIndex& s, const std::vector<std::string>& keys, py::object ks,
@@ -347,7 +358,7 @@ PYBIND11_MODULE(_suffix, m) {
              return py::make_tuple(toks, n, probs, scope);
            },
            py::arg("keys"), py::arg("ks"), py::arg("token_rows") = py::none(),
-           py::arg("lens") = py::none(), py::arg("scopes") = 7, py::arg("min_match") = 1,
+           py::arg("lens") = py::none(), py::arg("scopes") = static_cast<int>(kScopeAll), py::arg("min_match") = 1,
            py::arg("max_match") = 16, py::arg("min_prob") = 0.3f, py::arg("sync") = true)
       .def("batch_propose_lists",
            [](DraftIndex& s, const std::vector<std::string>& keys, py::object ks,
@@ -365,7 +376,7 @@ PYBIND11_MODULE(_suffix, m) {
              return out;
            },
            py::arg("keys"), py::arg("ks"), py::arg("token_rows") = py::none(),
-           py::arg("lens") = py::none(), py::arg("scopes") = 7, py::arg("min_match") = 1,
+           py::arg("lens") = py::none(), py::arg("scopes") = static_cast<int>(kScopeAll), py::arg("min_match") = 1,
            py::arg("max_match") = 16, py::arg("min_prob") = 0.3f, py::arg("sync") = true)
       .def("replay",
            [](DraftIndex& s, const std::vector<std::string>& keys, py::sequence rows,
@@ -400,7 +411,7 @@ PYBIND11_MODULE(_suffix, m) {
              return out;
            },
            py::arg("keys"), py::arg("rows"), py::arg("starts"), py::arg("ends"), py::arg("k"),
-           py::arg("scopes") = 7, py::arg("min_match") = 1, py::arg("max_match") = 16,
+           py::arg("scopes") = static_cast<int>(kScopeAll), py::arg("min_match") = 1, py::arg("max_match") = 16,
            py::arg("min_prob") = 0.3f, py::arg("max_steps") = -1, py::arg("aimd_start") = 0,
            py::arg("aimd_step") = 2,
            "Exact-match replay for the simulator: each request decodes along its row from start "
@@ -481,6 +492,7 @@ PYBIND11_MODULE(_suffix, m) {
              d["bytes"] = x.bytes;
              d["evictions"] = x.evictions;
              d["walks_skipped"] = x.walks_skipped;
+             d["global_tokens"] = x.global_tokens;
              d["max_bytes"] = s.max_bytes();
              return d;
            })

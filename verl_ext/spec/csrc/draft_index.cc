@@ -286,10 +286,43 @@ bool DraftIndex::finish(const std::string& req) {
       account(g->second);
     }
   }
+  if (global_cap_ > 0 && r.ctx.tree) {  // every response, whatever scopes it drafted from
+    const auto& response = r.ctx.tree->sequence(1).tokens;
+    if (!response.empty()) add_global(response.data(), response.size(), 1.0f);
+  }
   bytes_ -= static_cast<int64_t>(r.ctx.bytes);
   requests_.erase(it);
   evict();
   return true;
+}
+
+void DraftIndex::set_global_tokens(int64_t tokens) {
+  if (tokens < 0) throw std::invalid_argument("global tokens must be >= 0 (0 = off), got " + std::to_string(tokens));
+  global_cap_ = tokens;
+  if (tokens == 0)
+    for (TreeEntry& e : global_) {
+      bytes_ -= static_cast<int64_t>(e.bytes);
+      e = TreeEntry();
+    }
+}
+
+void DraftIndex::add_global(const int32_t* toks, size_t n, float w) {
+  if (global_cap_ <= 0) throw std::logic_error("the global scope is off (set_global_tokens first)");
+  if (!valid_weight(w))
+    throw std::invalid_argument("global weight must be finite and >= 0, got " + std::to_string(w));
+  if (n == 0) return;
+  TreeEntry& fresh = global_[0];
+  if (fresh.tree && static_cast<int64_t>(fresh.tree->num_tokens()) >= global_cap_) {
+    bytes_ -= static_cast<int64_t>(global_[1].bytes);
+    global_[1] = std::move(fresh);
+    fresh = TreeEntry();
+  }
+  if (!fresh.tree) fresh = new_entry();
+  const uint32_t id = fresh.tree->add_sequence(std::to_string(fresh.tree->num_sequences()), w);
+  fresh.tree->append(id, toks, n);
+  fresh.tree->close(id);
+  account(fresh);
+  evict();
 }
 
 size_t DraftIndex::context_length(const std::string& req) const {
@@ -418,10 +451,10 @@ Proposal DraftIndex::propose(const std::string& req, const int32_t* ctx, size_t 
     n = joined.size();
     base = r.ctx_len - n;
   }
-  auto consider = [&](TreeEntry* e, int scope) {
+  auto consider = [&](TreeEntry* e, int scope, int slot) {
     if (!e || !e->tree) return;
     e->tick = ++tick_;
-    WalkMemo& memo = r.memo[scope == kScopeRequest ? 0 : scope == kScopeGroup ? 1 : 2];
+    WalkMemo& memo = r.memo[slot];
     if (memo.uid != e->uid) {
       memo.uid = e->uid;
       memo.fails.clear();
@@ -440,14 +473,18 @@ Proposal DraftIndex::propose(const std::string& req, const int32_t* ctx, size_t 
       best.scope = scope;
     }
   };
-  if (scopes & kScopeRequest) consider(&r.ctx, kScopeRequest);
+  if (scopes & kScopeRequest) consider(&r.ctx, kScopeRequest, 0);
   if ((scopes & kScopeGroup) && !r.group.empty()) {
     auto g = groups_.find(r.group);
-    if (g != groups_.end()) consider(&g->second, kScopeGroup);
+    if (g != groups_.end()) consider(&g->second, kScopeGroup, 1);
   }
   if ((scopes & kScopeHistory) && !r.history.empty()) {
     auto h = histories_.find(r.history);
-    if (h != histories_.end()) consider(&h->second, kScopeHistory);
+    if (h != histories_.end()) consider(&h->second, kScopeHistory, 2);
+  }
+  if (scopes & kScopeGlobal) {
+    consider(&global_[0], kScopeGlobal, 3);
+    consider(&global_[1], kScopeGlobal, 4);
   }
   return best;
 }
@@ -507,9 +544,13 @@ const SuffixTree* DraftIndex::tree(int scope, const std::string& key) const {
     auto it = requests_.find(key);
     return it == requests_.end() ? nullptr : it->second.ctx.tree.get();
   }
+  if (scope == kScopeGlobal) {
+    if (key != "new" && key != "old") throw std::invalid_argument("global trees are 'new' and 'old'");
+    return global_[key == "new" ? 0 : 1].tree.get();
+  }
   const auto& m = scope == kScopeGroup ? groups_ : histories_;
   if (scope != kScopeGroup && scope != kScopeHistory)
-    throw std::invalid_argument("scope must be one of 1 (request), 2 (group), 4 (history)");
+    throw std::invalid_argument("scope must be one of 1 (request), 2 (group), 4 (history), 8 (global)");
   auto it = m.find(key);
   return it == m.end() ? nullptr : it->second.tree.get();
 }
@@ -636,6 +677,10 @@ IndexStats DraftIndex::stats() const {
   for (const auto& [k, r] : requests_) add(r.ctx);
   for (const auto& [k, e] : groups_) add(e);
   for (const auto& [k, e] : histories_) add(e);
+  for (const TreeEntry& e : global_) {
+    add(e);
+    if (e.tree) s.global_tokens += e.tree->num_tokens();
+  }
   s.bytes = static_cast<size_t>(bytes_);
   s.evictions = evictions_;
   s.walks_skipped = walks_skipped_;
@@ -647,6 +692,7 @@ void DraftIndex::clear() {
   named_writers_.clear();
   groups_.clear();
   histories_.clear();
+  for (TreeEntry& e : global_) e = TreeEntry();
   bytes_ = 0;
 }
 

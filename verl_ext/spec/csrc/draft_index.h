@@ -1,4 +1,4 @@
-// The draft index: suffix trees for the three context scopes behind one API.
+// The draft index: suffix trees for the four context scopes behind one API.
 //
 //   request  one tree per live request: its prompt (a closed sequence, indexed to its last
 //            token) and its own generated tokens (a second, growing sequence).
@@ -6,6 +6,10 @@
 //            group is its own sequence, keyed by request id, growing token by token.
 //   history  one tree per prompt (RhymeRL HistoSpec, section 5.3): earlier epochs'
 //            responses, weighted by reward.
+//   global   recent responses to every prompt (Arctic's global tree; off until
+//            set_global_tokens): every request's response goes in when it finishes, and
+//            add_global adds others. Two generations bound it: responses go into the newer tree until it
+//            holds the cap's tokens, then it becomes the older one and the oldest is dropped.
 //
 // Thread-safety: none inside. The Python binding never releases the GIL, so calls from
 // several Python threads are serialized; one index must not be shared between processes.
@@ -21,7 +25,13 @@
 
 namespace verl_ext {
 
-enum Scope : int { kScopeRequest = 1, kScopeGroup = 2, kScopeHistory = 4, kScopeAll = 7 };
+enum Scope : int {
+  kScopeRequest = 1,
+  kScopeGroup = 2,
+  kScopeHistory = 4,
+  kScopeGlobal = 8,
+  kScopeAll = 15
+};
 
 struct DraftParams {
   int min_match = 1;       // shortest suffix of the context that may match
@@ -57,7 +67,7 @@ struct RequestEntry {
   uint32_t ctx_len = 0;    // prompt + generated tokens seen so far
   int scopes = kScopeAll;  // scopes this request may draft from
   bool group_write = true; // false: reads its group tree but never writes to it
-  WalkMemo memo[3];        // failed context walks per scope (request, group, history)
+  WalkMemo memo[5];        // failed context walks per tree (request, group, history, global x2)
 };
 
 struct Proposal {
@@ -67,6 +77,7 @@ struct Proposal {
 
 struct IndexStats {
   size_t requests = 0, groups = 0, histories = 0, nodes = 0, tokens = 0, bytes = 0;
+  size_t global_tokens = 0;  // in both global trees
   uint64_t evictions = 0;
   uint64_t walks_skipped = 0;  // context walks a WalkMemo showed would fail again
 };
@@ -128,6 +139,12 @@ class DraftIndex {
   // max depth must be this index's.
   void install_history(const std::string& key, std::unique_ptr<SuffixTree> tree);
 
+  // Global scope: `tokens` per generation (0: off, the default; turning it off drops both
+  // trees). A response added while the newer tree holds `tokens` or more rotates first.
+  void set_global_tokens(int64_t tokens);
+  int64_t global_tokens() const { return global_cap_; }
+  void add_global(const int32_t* toks, size_t n, float weight);
+
   // Proposals. `ctx` is the request's full context (prompt + generated); pass nullptr to use
   // the context stored in the request tree.
   Proposal propose(const std::string& req, const int32_t* ctx, size_t n, int k, int scopes,
@@ -147,7 +164,8 @@ class DraftIndex {
               int scopes, const DraftParams& p, int64_t max_steps,
               std::vector<std::vector<int32_t>>* emitted,
               std::vector<std::vector<int32_t>>* drafted, const AimdParams& aimd = AimdParams());
-  // Direct access to one tree, for tests and multi-path drafting.
+  // Direct access to one tree, for tests and multi-path drafting. The global scope's keys are
+  // "new" and "old" (its two generations).
   const SuffixTree* tree(int scope, const std::string& key) const;
 
   // Group deltas: the sequences changed after version `since` (0: the whole tree). Importing
@@ -175,6 +193,8 @@ class DraftIndex {
   std::unordered_map<std::string, RequestEntry> requests_;
   std::unordered_map<std::string, std::string> named_writers_;  // group \x1f seq -> request
   std::unordered_map<std::string, TreeEntry> groups_, histories_;
+  TreeEntry global_[2];  // newer (being filled), older
+  int64_t global_cap_ = 0;
   int64_t bytes_ = 0;
   uint64_t tick_ = 0, uid_ = 0, evictions_ = 0, walks_skipped_ = 0;
 };

@@ -3,7 +3,10 @@ or synthetic trace: RhymeRL §5.1's reuse fraction (response tokens whose 3-toke
 occur in the prompt's previous-epoch responses) and Seer §3.3 / Table 2's grouped gain (accepted
 draft tokens of exact-match replay with the native ``DraftIndex``, k = 8, with the group's other
 responses as references vs the request alone), plus the history-scope gain. ``verl_ext.sim.calibration`` measures the levels of
-``calibration.SIMILARITY_LEVELS`` with it (and with the simulator) against their targets."""
+``calibration.SIMILARITY_LEVELS`` with it (and with the simulator) against their targets.
+``scope_replay(trace, spec)``: the tokens per step of a scope set (the global scope included) on
+a trace's last epoch, every scope fed as the engine's drafter feeds it (issue 51: what each
+scope and each combination is worth, ``scripts/bench_scopes.py``)."""
 
 from __future__ import annotations
 
@@ -230,3 +233,54 @@ def similarity_stats(
             "tokens_per_step_history": his["tokens_per_step"],
         }
     return out
+
+
+def scope_replay(trace: Trace, spec, epoch: Optional[int] = None) -> dict:
+    """Exact-match replay of ``epoch`` (default: the trace's last) with the scopes of ``spec``
+    (``SpecOptions``), fed as an engine's drafter is fed: each prompt's responses advance in
+    lockstep (group trees grow as they decode); its history holds the earlier epochs' responses
+    to it, weighted by reward (``history_weight``); the global tree holds the earlier epochs'
+    responses to every prompt, then each finished response of this epoch (groups replay in
+    trace order). Returns tokens per step (the mean accepted length, MAL), the acceptance rate
+    and the counts behind them."""
+    from verl_ext.spec import SCOPE_GLOBAL, SCOPE_HISTORY
+
+    epochs = np.asarray(trace.epoch)
+    epoch = int(epochs.max()) if epoch is None else int(epoch)
+    rows = np.flatnonzero(epochs == epoch)
+    earlier = np.flatnonzero(epochs < epoch)
+    mask = spec.mask
+    index = spec.new_index(max_bytes=0)
+    if mask & SCOPE_HISTORY:
+        for i in earlier.tolist():
+            index.add_history(str(trace.prompt_uid[i]), trace.response(i).astype(np.int32),
+                              history_weight(float(trace.reward[i])))
+    if mask & SCOPE_GLOBAL:
+        for i in earlier.tolist():
+            if len(trace.response(i)):
+                index.add_global(trace.response(i).astype(np.int32))
+    by_group: dict[str, list[int]] = {}
+    for i in rows.tolist():
+        by_group.setdefault(str(trace.prompt_uid[i]), []).append(i)
+    tokens = steps = drafted = 0
+    for g, members in by_group.items():
+        keys = [f"{g}\x00{j}" for j in range(len(members))]
+        full = [np.concatenate([trace.prompt(i), trace.response(i)]).astype(np.int32) for i in members]
+        starts = [len(trace.prompt(i)) for i in members]
+        for k, r, st in zip(keys, full, starts):
+            index.start_request(k, r[:st], group=g, history=g, scopes=mask)
+        try:
+            out = index.replay(keys, full, starts, [len(r) for r in full], spec.k, scopes=mask, min_match=spec.min_match,
+                               max_match=spec.max_match, min_prob=spec.min_prob)
+        finally:
+            for k in keys:
+                index.finish(k)
+            index.drop_group(g)
+        for emitted, d in out:
+            tokens += int(np.sum(emitted))
+            steps += len(emitted)
+            drafted += int(np.sum(d))
+    accepted = tokens - steps
+    return {"scopes": spec.scopes, "epoch": epoch, "responses": len(rows), "tokens_per_step": tokens / max(1, steps),
+            "acceptance": accepted / drafted if drafted else 0.0, "tokens": tokens, "steps": steps,
+            "draft_tokens": drafted}
