@@ -507,3 +507,26 @@ def test_global_scope_is_off_until_set_and_bounded_by_two_generations():
         idx.set_global_tokens(-1)
     with pytest.raises(ValueError):
         idx.tree_propose(SCOPE_GLOBAL, "newest", [1, 2], 4)
+
+
+@pytest.mark.parametrize("weights", [False, True])
+def test_scope_weights_turn_to_the_scope_whose_drafts_the_response_contains(weights):
+    """The group tree is sure [1 2] goes on with 3 4; the history tree gives 9 9 half the time;
+    the response keeps going on with 9 9. By score the group's draft wins every time; weighed by
+    how each scope's drafts fared (``scope_weights``), the history's wins once the group's
+    first drafts have failed."""
+    idx = DraftIndex(8, 0, 4)
+    idx.group_append("g", "sib", [1, 2, 3, 4, 5] * 6)
+    idx.add_history("p", [1, 2, 9, 9, 6, 1, 2, 8, 8, 6], 1.0)
+    idx.start_request("r", [7, 7], group="g", history="p")
+    idx.append("r", [1, 2])
+    scopes = []
+    for _ in range(6):
+        (toks, _, _, _), scope = idx.propose("r", 2, scopes=SCOPE_GROUP | SCOPE_HISTORY, min_prob=0.0,
+                                             scope_weights=weights)
+        scopes.append(scope)
+        idx.append("r", [9, 9, 1, 2])
+    assert scopes[0] == SCOPE_GROUP
+    assert scopes[-1] == (SCOPE_HISTORY if weights else SCOPE_GROUP)
+    assert idx.stats()["scope_stats"] == int(weights)
+    assert idx.drop_group("g") and idx.stats()["scope_stats"] == 0

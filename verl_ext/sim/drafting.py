@@ -166,6 +166,7 @@ class ReplayDrafter:
         s = self.spec
         return self.index.replay(keys, rows, starts, ends, s.k, scopes=self.mask if mask is None else mask,
                                  min_match=s.min_match, max_match=s.max_match, min_prob=s.min_prob,
+                                 scope_weights=s.scope_weights,
                                  max_steps=max_steps, aimd_start=s.aimd_start if s.aimd else 0,
                                  aimd_step=s.aimd_step)
 
@@ -307,7 +308,7 @@ class ReplayDrafter:
             (toks, _, _, _), scopes[j] = self.index.propose(self._ik[key], ks[j], context=row[:pos],
                                                    scopes=self._masks.get(key, self.mask),
                                                    min_match=s.min_match, max_match=s.max_match,
-                                                   min_prob=s.min_prob)
+                                                   min_prob=s.min_prob, scope_weights=s.scope_weights)
             left = end - pos
             nxt = row[pos: pos + min(len(toks), left - 1)]
             same = toks[: len(nxt)] == nxt
@@ -331,7 +332,8 @@ class ReplayDrafter:
             self.last_scopes = np.zeros(len(keys), dtype=np.int64)
             return np.minimum(1, left), np.zeros(len(keys), dtype=np.int64)
         toks, n, probs, scope = self.index.batch_propose(iks, ks, scopes=self.mask, min_match=s.min_match,
-                                                         max_match=s.max_match, min_prob=s.min_prob)
+                                                         max_match=s.max_match, min_prob=s.min_prob,
+                                                         scope_weights=s.scope_weights)
         self.last_scopes = scope.astype(np.int64)
         scores = cumulative_scores(probs, n)
         lengths, _ = selector.select_lengths(scores, n, kv_tokens)

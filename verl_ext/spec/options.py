@@ -71,6 +71,10 @@ class SpecOptions:
     The ``global`` scope drafts from the engine's recent responses to every prompt (Arctic's
     global tree): each finished response goes in, and ``global_tokens`` bounds it (two
     generations of at most about that many tokens each; ``DraftIndex.set_global_tokens``).
+    With ``scope_weights`` each scope's draft is weighed by how that scope's drafts fared for
+    the prompt so far (tokens the response went on to contain per expected token,
+    ``ScopeStats`` in ``draft_index.h``); off, the draft with the highest expected accepted
+    length wins.
 
     Adaptive draft length (Seer, ``verl_ext.spec.adaptive``): with ``adaptive`` on, a step of
     ``B`` requests drafts at most ``knee_tokens - B`` tokens in total (``knee_tokens``: from the
@@ -111,6 +115,7 @@ class SpecOptions:
     min_prob: float = 0.3
     max_bytes: int = 2 << 30
     global_tokens: int = 1 << 20
+    scope_weights: bool = False
     adaptive: bool = False
     knee_tokens: int = 0
     knee_profile: str = ""

@@ -191,6 +191,7 @@ class SuffixProposer:
                 min_match=self.options.min_match,
                 max_match=self.options.max_match,
                 min_prob=self.options.min_prob,
+                scope_weights=self.options.scope_weights,
             )
             drafts = [row[:c].tolist() for row, c in zip(toks, n.tolist())]
         else:
@@ -214,7 +215,7 @@ class SuffixProposer:
         o = self.options
         toks, n, probs, scope = self.index.batch_propose(req_ids, ks, token_ids_cpu, lens, scopes=self.scopes,
                                                      min_match=o.min_match, max_match=o.max_match,
-                                                     min_prob=o.min_prob)
+                                                     min_prob=o.min_prob, scope_weights=o.scope_weights)
         scores = cumulative_scores(probs, n)
         caps, _ = self.selector.select_lengths(scores, n, float(lens.sum()))
         self._last_scores = {r: scores[i, :c] for i, (r, c) in enumerate(zip(req_ids, caps.tolist())) if c}

@@ -124,11 +124,11 @@ void run_batch(DraftIndex& idx, const std::vector<std::string>& keys, Batch& x, 
   }
 }
 
-DraftParams params(int min_match, int max_match, float min_prob) {
+DraftParams params(int min_match, int max_match, float min_prob, bool scope_weights = false) {
   if (min_match < 1) throw py::value_error("min_match must be >= 1");
   if (max_match < min_match) throw py::value_error("max_match must be >= min_match");
   if (!(min_prob >= 0.0f && min_prob <= 1.0f)) throw py::value_error("min_prob must be in [0, 1]");
-  return DraftParams{min_match, max_match, min_prob};
+  return DraftParams{min_match, max_match, min_prob, scope_weights};
 }
 
 const SuffixTree& tree_of(const DraftIndex& idx, int scope, const std::string& key) {
@@ -318,8 +318,8 @@ PYBIND11_MODULE(_suffix, m) {
            "object is empty afterwards.")
       .def("propose",
            [](DraftIndex& s, const std::string& req, int k, py::object context, int scopes,
-              int min_match, int max_match, float min_prob) {
-             DraftParams p = params(min_match, max_match, min_prob);
+              int min_match, int max_match, float min_prob, bool scope_weights) {
+             DraftParams p = params(min_match, max_match, min_prob, scope_weights);
              static const int32_t kNoTokens = 0;  // non-null: an empty context, not "stored"
              Tokens t;
              if (!context.is_none()) t = tokens_of(context, "context");
@@ -328,11 +328,11 @@ PYBIND11_MODULE(_suffix, m) {
              return py::make_tuple(draft_tuple(pr.draft), pr.scope);
            },
            py::arg("req"), py::arg("k"), py::arg("context") = py::none(), py::arg("scopes") = static_cast<int>(kScopeAll),
-           py::arg("min_match") = 1, py::arg("max_match") = 16, py::arg("min_prob") = 0.3f)
+           py::arg("min_match") = 1, py::arg("max_match") = 16, py::arg("min_prob") = 0.3f, py::arg("scope_weights") = false)
       .def("batch_propose",
            [](DraftIndex& s, const std::vector<std::string>& keys, py::object ks,
               py::object rows, py::object lens, int scopes, int min_match, int max_match,
-              float min_prob, bool sync) {
+              float min_prob, bool sync, bool scope_weights) {
              const size_t b = keys.size();
              Batch x = batch_of(b, ks, rows, lens, s.max_draft());
              int64_t kmax = 0;
@@ -347,7 +347,7 @@ PYBIND11_MODULE(_suffix, m) {
              std::fill(pp, pp + b * kmax, 0.0f);
              int32_t* np_ = n.mutable_data();
              int8_t* sp = scope.mutable_data();
-             run_batch(s, keys, x, scopes, params(min_match, max_match, min_prob), sync,
+             run_batch(s, keys, x, scopes, params(min_match, max_match, min_prob, scope_weights), sync,
                        [&](size_t i, const Proposal& pr) {
                          const size_t l = pr.draft.tokens.size();
                          std::copy(pr.draft.tokens.begin(), pr.draft.tokens.end(), tp + i * kmax);
@@ -359,14 +359,15 @@ PYBIND11_MODULE(_suffix, m) {
            },
            py::arg("keys"), py::arg("ks"), py::arg("token_rows") = py::none(),
            py::arg("lens") = py::none(), py::arg("scopes") = static_cast<int>(kScopeAll), py::arg("min_match") = 1,
-           py::arg("max_match") = 16, py::arg("min_prob") = 0.3f, py::arg("sync") = true)
+           py::arg("max_match") = 16, py::arg("min_prob") = 0.3f, py::arg("sync") = true,
+           py::arg("scope_weights") = false)
       .def("batch_propose_lists",
            [](DraftIndex& s, const std::vector<std::string>& keys, py::object ks,
               py::object rows, py::object lens, int scopes, int min_match, int max_match,
-              float min_prob, bool sync) {
+              float min_prob, bool sync, bool scope_weights) {
              Batch x = batch_of(keys.size(), ks, rows, lens, s.max_draft());
              py::list out(keys.size());
-             run_batch(s, keys, x, scopes, params(min_match, max_match, min_prob), sync,
+             run_batch(s, keys, x, scopes, params(min_match, max_match, min_prob, scope_weights), sync,
                        [&](size_t i, const Proposal& pr) {
                          py::list d(pr.draft.tokens.size());
                          for (size_t j = 0; j < pr.draft.tokens.size(); ++j)
@@ -377,12 +378,13 @@ PYBIND11_MODULE(_suffix, m) {
            },
            py::arg("keys"), py::arg("ks"), py::arg("token_rows") = py::none(),
            py::arg("lens") = py::none(), py::arg("scopes") = static_cast<int>(kScopeAll), py::arg("min_match") = 1,
-           py::arg("max_match") = 16, py::arg("min_prob") = 0.3f, py::arg("sync") = true)
+           py::arg("max_match") = 16, py::arg("min_prob") = 0.3f, py::arg("sync") = true,
+           py::arg("scope_weights") = false)
       .def("replay",
            [](DraftIndex& s, const std::vector<std::string>& keys, py::sequence rows,
               const std::vector<int64_t>& starts, const std::vector<int64_t>& ends, int k,
               int scopes, int min_match, int max_match, float min_prob, int64_t max_steps,
-              int aimd_start, int aimd_step) {
+              int aimd_start, int aimd_step, bool scope_weights) {
              const size_t n = keys.size();
              if (static_cast<size_t>(py::len(rows)) != n || starts.size() != n || ends.size() != n)
                throw py::value_error("replay: keys, rows, starts and ends differ in length");
@@ -399,7 +401,7 @@ PYBIND11_MODULE(_suffix, m) {
                en[i] = static_cast<size_t>(ends[i]);
              }
              std::vector<std::vector<int32_t>> emitted, drafted;
-             s.replay(keys, ptrs, st, en, k, scopes, params(min_match, max_match, min_prob),
+             s.replay(keys, ptrs, st, en, k, scopes, params(min_match, max_match, min_prob, scope_weights),
                       max_steps, &emitted, &drafted, AimdParams{aimd_start, aimd_step});
              py::list out(n);
              for (size_t i = 0; i < n; ++i) {
@@ -413,7 +415,7 @@ PYBIND11_MODULE(_suffix, m) {
            py::arg("keys"), py::arg("rows"), py::arg("starts"), py::arg("ends"), py::arg("k"),
            py::arg("scopes") = static_cast<int>(kScopeAll), py::arg("min_match") = 1, py::arg("max_match") = 16,
            py::arg("min_prob") = 0.3f, py::arg("max_steps") = -1, py::arg("aimd_start") = 0,
-           py::arg("aimd_step") = 2,
+           py::arg("aimd_step") = 2, py::arg("scope_weights") = false,
            "Exact-match replay for the simulator: each request decodes along its row from start "
            "to end (at most max_steps steps; < 0: no limit), drafting up to k tokens per step "
            "(aimd_start > 0: up to its AIMD window, RhymeRL section 5.4); returns [(emitted per "
@@ -493,6 +495,7 @@ PYBIND11_MODULE(_suffix, m) {
              d["evictions"] = x.evictions;
              d["walks_skipped"] = x.walks_skipped;
              d["global_tokens"] = x.global_tokens;
+             d["scope_stats"] = x.scope_stats;
              d["max_bytes"] = s.max_bytes();
              return d;
            })

@@ -290,6 +290,7 @@ bool DraftIndex::finish(const std::string& req) {
     const auto& response = r.ctx.tree->sequence(1).tokens;
     if (!response.empty()) add_global(response.data(), response.size(), 1.0f);
   }
+  if (r.group.empty()) scope_stats_.erase("\x1e" + req);
   bytes_ -= static_cast<int64_t>(r.ctx.bytes);
   requests_.erase(it);
   evict();
@@ -350,7 +351,10 @@ void DraftIndex::group_close(const std::string& group, const std::string& seq) {
   evict();
 }
 
-bool DraftIndex::drop_group(const std::string& group) { return drop(groups_, group); }
+bool DraftIndex::drop_group(const std::string& group) {
+  scope_stats_.erase(group);
+  return drop(groups_, group);
+}
 
 std::pair<size_t, size_t> DraftIndex::group_counts(const std::string& group) const {
   auto it = groups_.find(group);
@@ -451,6 +455,31 @@ Proposal DraftIndex::propose(const std::string& req, const int32_t* ctx, size_t 
     n = joined.size();
     base = r.ctx_len - n;
   }
+  const uint64_t end = base + n;  // absolute context length
+  ScopeStats* stats = nullptr;
+  if (p.scope_weights) {
+    stats = &scope_stats_[r.group.empty() ? "\x1e" + req : r.group];
+    // Settle the drafts whose fate the context now shows: a mismatch inside the new tokens, or
+    // new tokens covering the whole draft. The others wait for more tokens.
+    for (int slot = 0; slot < 5; ++slot) {
+      PendingDraft& pd = r.pending[slot];
+      if (pd.tokens.empty() || pd.at >= end) continue;
+      if (pd.at < base) {  // older than the context passed in: cannot be checked
+        pd.tokens.clear();
+        continue;
+      }
+      const size_t avail = std::min<size_t>(end - pd.at, pd.tokens.size());
+      const int32_t* got = ctx + (pd.at - base);
+      size_t m = 0;
+      while (m < avail && got[m] == pd.tokens[m]) ++m;
+      if (m == avail && end - pd.at < pd.tokens.size()) continue;
+      const int i = slot < 3 ? slot : 3;
+      stats->score[i] += pd.score;
+      stats->accepted[i] += static_cast<double>(m);
+      pd.tokens.clear();
+    }
+  }
+  double best_value = 0.0;
   auto consider = [&](TreeEntry* e, int scope, int slot) {
     if (!e || !e->tree) return;
     e->tick = ++tick_;
@@ -464,11 +493,18 @@ Proposal DraftIndex::propose(const std::string& req, const int32_t* ctx, size_t 
     walks_skipped_ += memo.skipped - skipped;
     // The newest tokens of growing sequences are not in the tree yet; a longer match there
     // (e.g. a sibling a few tokens ahead, or a short loop) is the better evidence.
-    Draft r = e->tree->propose_recent(ctx, n, k, std::max(p.min_match, d.match_len + 1), p.max_match);
-    if (!r.tokens.empty()) d = std::move(r);
+    Draft recent = e->tree->propose_recent(ctx, n, k, std::max(p.min_match, d.match_len + 1), p.max_match);
+    if (!recent.tokens.empty()) d = std::move(recent);
     if (d.tokens.empty()) return;
-    if (best.draft.tokens.empty() || d.score > best.draft.score ||
-        (d.score == best.draft.score && d.match_len > best.draft.match_len)) {
+    double value = d.score;
+    if (stats) {
+      value *= stats->weight(slot < 3 ? slot : 3);
+      PendingDraft& pd = r.pending[slot];
+      if (pd.tokens.empty()) pd = PendingDraft{end, d.score, d.tokens};
+    }
+    if (best.draft.tokens.empty() || value > best_value ||
+        (value == best_value && d.match_len > best.draft.match_len)) {
+      best_value = value;
       best.draft = std::move(d);
       best.scope = scope;
     }
@@ -677,6 +713,7 @@ IndexStats DraftIndex::stats() const {
   for (const auto& [k, r] : requests_) add(r.ctx);
   for (const auto& [k, e] : groups_) add(e);
   for (const auto& [k, e] : histories_) add(e);
+  s.scope_stats = scope_stats_.size();
   for (const TreeEntry& e : global_) {
     add(e);
     if (e.tree) s.global_tokens += e.tree->num_tokens();
@@ -692,6 +729,7 @@ void DraftIndex::clear() {
   named_writers_.clear();
   groups_.clear();
   histories_.clear();
+  scope_stats_.clear();
   for (TreeEntry& e : global_) e = TreeEntry();
   bytes_ = 0;
 }

@@ -37,6 +37,28 @@ struct DraftParams {
   int min_match = 1;       // shortest suffix of the context that may match
   int max_match = 16;      // longest suffix tried first (capped at max_depth - 1)
   float min_prob = 0.3f;   // stop when the cumulative probability drops below this
+  // Weigh each scope's draft by how its drafts fared for this prompt (ScopeStats): the draft
+  // with the highest calibrated expected accepted length wins. Off: the highest score wins.
+  bool scope_weights = false;
+};
+
+// How one prompt's drafts from each scope (request, group, history, global) fared: the
+// scores (expected accepted tokens by the tree's counts) of the drafts observed, and the tokens
+// of them the response went on to contain. Weight of a scope: (accepted + kPrior) /
+// (score + kPrior), 1 before any observation.
+struct ScopeStats {
+  static constexpr double kPrior = 4.0;
+  double score[4] = {0, 0, 0, 0};
+  double accepted[4] = {0, 0, 0, 0};
+  double weight(int i) const { return (accepted[i] + kPrior) / (score[i] + kPrior); }
+};
+
+// A draft proposed at context length `at`, waiting for the tokens that decide how much of it
+// the response contains (scope weights).
+struct PendingDraft {
+  uint64_t at = 0;
+  float score = 0.0f;
+  std::vector<int32_t> tokens;
 };
 
 // RhymeRL's AIMD draft window (RhymeRL section 5.4): a request's window starts at `start`
@@ -68,6 +90,7 @@ struct RequestEntry {
   int scopes = kScopeAll;  // scopes this request may draft from
   bool group_write = true; // false: reads its group tree but never writes to it
   WalkMemo memo[5];        // failed context walks per tree (request, group, history, global x2)
+  PendingDraft pending[5]; // per tree: the draft being checked against the response (scope weights)
 };
 
 struct Proposal {
@@ -78,6 +101,7 @@ struct Proposal {
 struct IndexStats {
   size_t requests = 0, groups = 0, histories = 0, nodes = 0, tokens = 0, bytes = 0;
   size_t global_tokens = 0;  // in both global trees
+  size_t scope_stats = 0;    // prompts with scope weights
   uint64_t evictions = 0;
   uint64_t walks_skipped = 0;  // context walks a WalkMemo showed would fail again
 };
@@ -194,6 +218,8 @@ class DraftIndex {
   std::unordered_map<std::string, std::string> named_writers_;  // group \x1f seq -> request
   std::unordered_map<std::string, TreeEntry> groups_, histories_;
   TreeEntry global_[2];  // newer (being filled), older
+  // scope weights per prompt: keyed by group, or "\x1e" + request id for a request without one
+  std::unordered_map<std::string, ScopeStats> scope_stats_;
   int64_t global_cap_ = 0;
   int64_t bytes_ = 0;
   uint64_t tick_ = 0, uid_ = 0, evictions_ = 0, walks_skipped_ = 0;

@@ -271,7 +271,7 @@ def scope_replay(trace: Trace, spec, epoch: Optional[int] = None) -> dict:
             index.start_request(k, r[:st], group=g, history=g, scopes=mask)
         try:
             out = index.replay(keys, full, starts, [len(r) for r in full], spec.k, scopes=mask, min_match=spec.min_match,
-                               max_match=spec.max_match, min_prob=spec.min_prob)
+                               max_match=spec.max_match, min_prob=spec.min_prob, scope_weights=spec.scope_weights)
         finally:
             for k in keys:
                 index.finish(k)
