@@ -1,8 +1,9 @@
 """Model-free speculative drafting.
 
 - ``_suffix`` (native, ``csrc/``): the suffix-tree draft index. ``DraftIndex`` keeps request,
-  group (Seer section 4.4) and history (RhymeRL HistoSpec, section 5.3)
-  trees and proposes drafts for a whole engine batch in one call.
+  group (Seer section 4.4), history (RhymeRL HistoSpec, section 5.3) and, when turned on, global
+  (every recent response, Arctic's global tree) trees and proposes drafts for a whole engine
+  batch in one call.
 - ``options``: ``SpecOptions``, the knobs, and the vLLM engine arguments that enable drafting.
 - ``history_build``: history trees built off the drafting thread.
 
@@ -16,7 +17,8 @@ docs/ARCHITECTURE.md ("Draft index and the vLLM drafter"); what it costs and gua
   changed after ``since``, the tokens from its length at ``since``. ``import_group`` checks every
   record (gaps, disagreeing overlap, appends to closed sequences) before applying any.
 * **Memory.** Every tree's bytes are accounted; above ``max_bytes`` the least recently used trees
-  (request, group or history) are evicted down to 90% of the cap. A request whose tree was
+  (request, group or history) are evicted down to 90% of the cap. The global tree is bounded by
+  its own token cap (two generations), not evicted. A request whose tree was
   evicted keeps drafting from its group and history.
 * **Threads.** No internal locking: every ``DraftIndex`` call holds the GIL, so Python threads
   are serialized; only ``build_history_tree`` (a tree apart from any index) releases it. One index

@@ -101,7 +101,7 @@ class SuffixProposer:
         self.aimd = self.policy.aimd.windows if self.policy.aimd is not None else None  # RhymeRL's windows
         # request id -> (tokens drafted for it last step, the scope that draft came from)
         self._last_draft: dict[str, tuple[int, int]] = {}
-        # drafted and accepted tokens by the scope that proposed them (request, group, history)
+        # drafted and accepted tokens by the scope that proposed them (request, group, history, global)
         self.scope_tokens = {name: [0, 0] for name in SCOPE_NAMES.values()}
         self._window: dict[str, int] = {}  # request id -> its own draft window (SpecActor), when set
         self._reference: dict[str, ReferenceDraft] = {}  # request id -> drafts at a set acceptance (profiling)
