@@ -480,7 +480,7 @@ def test_proposer_counts_drafted_and_accepted_tokens_by_the_scope_that_drafted_t
     b.step({"b": [12, 13, 99]}, emitted_counts=True)  # two of the three accepted, then the target's own
     after = p.rpc("stats")["scope_tokens"]
     assert {s: [x - y for x, y in zip(after[s], before[s])] for s in after} == {
-        "request": [0, 0], "group": [3, 2], "history": [0, 0]}
+        "request": [0, 0], "group": [3, 2], "history": [0, 0], "global": [0, 0]}
 
 
 def test_proposer_group_write_switches_a_remote_engine_to_local_trees():
