@@ -37,15 +37,17 @@ def measure(path: str, k: int) -> dict:
     trace = read_trace(path)
     sets = [(s,) for s in SCOPES] + list(itertools.combinations(SCOPES, 2)) + [SCOPES]
     rows = {}
+
+    def row(spec):
+        r = scope_replay(trace, spec)
+        return r, {"mal": round(r["tokens_per_step"], 4), "acceptance": round(r["acceptance"], 4),
+                   "steps": r["steps"], "draft_tokens": r["draft_tokens"]}
+
     for combo in sets:
         name = "+".join(combo)
-        r = scope_replay(trace, SpecOptions(scopes=name, k=k))
-        rows[name] = {"mal": round(r["tokens_per_step"], 4), "acceptance": round(r["acceptance"], 4),
-                      "steps": r["steps"], "draft_tokens": r["draft_tokens"]}
+        r, rows[name] = row(SpecOptions(scopes=name, k=k))
         if len(combo) > 1:  # the same scopes, each weighed by how its drafts fared (scope_weights)
-            w = scope_replay(trace, SpecOptions(scopes=name, k=k, scope_weights=True))
-            rows[name + " weighted"] = {"mal": round(w["tokens_per_step"], 4), "acceptance": round(w["acceptance"], 4),
-                                        "steps": w["steps"], "draft_tokens": w["draft_tokens"]}
+            _, rows[name + " weighted"] = row(SpecOptions(scopes=name, k=k, scope_weights=True))
     gain = {name: row["mal"] - 1.0 for name, row in rows.items()}
     overlap = {}
     for a, b in itertools.combinations(SCOPES, 2):

@@ -319,10 +319,14 @@ void DraftIndex::add_global(const int32_t* toks, size_t n, float w) {
     fresh = TreeEntry();
   }
   if (!fresh.tree) fresh = new_entry();
-  const uint32_t id = fresh.tree->add_sequence(std::to_string(fresh.tree->num_sequences()), w);
-  fresh.tree->append(id, toks, n);
-  fresh.tree->close(id);
-  account(fresh);
+  add_response(fresh, toks, n, w);
+}
+
+void DraftIndex::add_response(TreeEntry& e, const int32_t* toks, size_t n, float w) {
+  const uint32_t id = e.tree->add_sequence(std::to_string(e.tree->num_sequences()), w);
+  e.tree->append(id, toks, n);
+  e.tree->close(id);
+  account(e);
   evict();
 }
 
@@ -385,11 +389,7 @@ void DraftIndex::add_history(const std::string& key, const int32_t* toks, size_t
     throw std::invalid_argument("history weight must be finite and >= 0, got " + std::to_string(w));
   TreeEntry& e = histories_[key];
   if (!e.tree) e = new_entry();
-  const uint32_t id = e.tree->add_sequence(std::to_string(e.tree->num_sequences()), w);
-  e.tree->append(id, toks, n);
-  e.tree->close(id);
-  account(e);
-  evict();
+  add_response(e, toks, n, w);
 }
 
 bool DraftIndex::drop_history(const std::string& key) { return drop(histories_, key); }
@@ -473,9 +473,8 @@ Proposal DraftIndex::propose(const std::string& req, const int32_t* ctx, size_t 
       size_t m = 0;
       while (m < avail && got[m] == pd.tokens[m]) ++m;
       if (m == avail && end - pd.at < pd.tokens.size()) continue;
-      const int i = slot < 3 ? slot : 3;
-      stats->score[i] += pd.score;
-      stats->accepted[i] += static_cast<double>(m);
+      stats->score[ScopeStats::of_slot(slot)] += pd.score;
+      stats->accepted[ScopeStats::of_slot(slot)] += static_cast<double>(m);
       pd.tokens.clear();
     }
   }
@@ -498,7 +497,7 @@ Proposal DraftIndex::propose(const std::string& req, const int32_t* ctx, size_t 
     if (d.tokens.empty()) return;
     double value = d.score;
     if (stats) {
-      value *= stats->weight(slot < 3 ? slot : 3);
+      value *= stats->weight(ScopeStats::of_slot(slot));
       PendingDraft& pd = r.pending[slot];
       if (pd.tokens.empty()) pd = PendingDraft{end, d.score, d.tokens};
     }

@@ -51,6 +51,8 @@ struct ScopeStats {
   double score[4] = {0, 0, 0, 0};
   double accepted[4] = {0, 0, 0, 0};
   double weight(int i) const { return (accepted[i] + kPrior) / (score[i] + kPrior); }
+  // A tree slot of RequestEntry (request, group, history, global new, global old) -> its scope.
+  static int of_slot(int slot) { return slot < 3 ? slot : 3; }
 };
 
 // A draft proposed at context length `at`, waiting for the tokens that decide how much of it
@@ -209,6 +211,8 @@ class DraftIndex {
   TreeEntry new_entry();
   bool drop(std::unordered_map<std::string, TreeEntry>& trees, const std::string& key);
   void account(TreeEntry& e);
+  // A finished response as a closed sequence of `e`'s tree (history and global trees).
+  void add_response(TreeEntry& e, const int32_t* toks, size_t n, float w);
   void evict();
 
   int depth_;
