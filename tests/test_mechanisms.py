@@ -60,7 +60,7 @@ def test_drafter_readings_sum_engines_and_skip_those_that_cannot_answer():
 
 
 def test_every_built_in_strategy_declares_its_mechanisms_with_known_sources():
-    for name in ("seer", "rhyme", "rlhfspec", "specactor"):
+    for name in ("seer", "rhyme", "rlhfspec", "specactor", "multiscope"):
         cls = get_strategy_class(name)
         assert cls.mechanisms, name
         for source in cls.mechanisms.values():

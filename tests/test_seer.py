@@ -355,7 +355,7 @@ def test_strategies_that_divide_or_copy_key_sampled_requests_once_where_every_in
     assert base.keyed(req, keyed_pool) is req  # baseline neither divides nor copies
     greedy = GenRequest("r", "g", [1], SamplingSpec(temperature=0.0, max_tokens=8))
     assert seer.keyed(greedy, keyed_pool) is greedy
-    for name in ("seer", "rhyme", "rlhfspec", "specactor"):
+    for name in ("seer", "rhyme", "rlhfspec", "specactor", "multiscope"):
         assert make_strategy(name, {"profile": "cpu-smollm2"} if name == "specactor" else None).keys_samples
     # veRL's servers get the keyed seed in extra_args, and a keyed chunk keeps the request's seed
     chunk = GenRequest("r", "g", [1], a.sampling.for_chunk(4, 2),

@@ -235,6 +235,7 @@ def make_strategy(name: str, options: Optional[Mapping[str, Any]] = None) -> Str
 def _load_builtins() -> None:
     # Importing the modules registers them. Keep this list to strategies that work.
     import verl_ext.pipe.baseline  # noqa: F401
+    import verl_ext.pipe.multiscope.strategy  # noqa: F401
     import verl_ext.pipe.oracle  # noqa: F401
     import verl_ext.pipe.rlhfspec.strategy  # noqa: F401
     import verl_ext.pipe.rhyme.strategy  # noqa: F401

