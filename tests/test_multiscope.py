@@ -120,6 +120,6 @@ def test_the_simulated_global_tree_starts_with_the_epoch_before():
     tr = _trace(groups=3, samples=2, seed=7)
     rows = np.arange(len(tr))
     spec = SpecOptions(scopes="request+global")
-    held = ReplayDrafter(spec, TraceSource(tr), "exact", history=(tr, rows)).index.stats()["global_tokens"]
+    held = ReplayDrafter(spec, TraceSource(tr), "exact", history=(tr, rows)).index.stats()["global_tokens_held"]
     assert held == int(tr.response_lengths().sum())
-    assert ReplayDrafter(spec, TraceSource(tr), "exact").index.stats()["global_tokens"] == 0
+    assert ReplayDrafter(spec, TraceSource(tr), "exact").index.stats()["global_tokens_held"] == 0

@@ -92,7 +92,7 @@ async def test_greedy_identity_global_scope(fp32_engine, spec_engine, prompts):
     # from; later requests (here: other groups, the same prompts) draft from them
     first = [_req(f"w{i}", f"warm-{i}", x, tok.eos_token_id, scopes="request") for i, x in enumerate(ids)]
     await _gen(spec_engine, first)
-    assert (await spec_engine.drafter_call(Stats()))["global_tokens"] > 0
+    assert (await spec_engine.drafter_call(Stats()))["global_tokens_held"] > 0
     reqs = [_req(f"o{i}", f"other-{i}", x, tok.eos_token_id, scopes="global") for i, x in enumerate(ids)]
     want = await _gen(fp32_engine, reqs)
     d0, a0 = _accepted(spec_engine)

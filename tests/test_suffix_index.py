@@ -486,23 +486,23 @@ def test_global_scope_is_off_until_set_and_bounded_by_two_generations():
     idx.add_global([7] * 6)  # the newer tree reached 12 >= 10 tokens: the next response rotates
     idx.add_global([8] * 6)
     assert list(idx.tree_propose(SCOPE_GLOBAL, "old", [1, 2], 4, min_prob=0.0)[0]) == [3, 4, 5, 6]
-    assert idx.stats()["global_tokens"] == 18
+    assert idx.stats()["global_tokens_held"] == 18
     # both generations are drafted from: [1 2] continues in the older tree
     assert list(idx.propose("q", 4, scopes=SCOPE_GLOBAL, min_prob=0.0)[0][0]) == [3, 4, 5, 6]
     idx.add_global([5] * 5)
     idx.add_global([6] * 5)  # rotates again: the tree with [1 .. 6] is dropped
-    assert idx.stats()["global_tokens"] == 16
+    assert idx.stats()["global_tokens_held"] == 16
     assert len(idx.propose("q", 4, scopes=SCOPE_GLOBAL, min_prob=0.0)[0][0]) == 0
     # a finished request's response goes in, whatever scopes it drafted from
     idx.start_request("r", [4, 4, 4], group="g", scopes=SCOPE_REQUEST)
     idx.append("r", [1, 2, 3, 1, 2, 7])
-    before = idx.stats()["global_tokens"]
-    assert idx.finish("r") and idx.stats()["global_tokens"] == before + 6
+    before = idx.stats()["global_tokens_held"]
+    assert idx.finish("r") and idx.stats()["global_tokens_held"] == before + 6
     assert list(idx.propose("q", 4, scopes=SCOPE_GLOBAL, min_prob=0.0)[0][0])[:1] in ([3], [7])
     assert len(idx.propose("q", 4, scopes=SCOPE_REQUEST | SCOPE_GROUP, min_prob=0.0)[0][0]) == 0  # only with its bit
     full = idx.stats()["bytes"]
     idx.set_global_tokens(0)  # off: both trees dropped, their memory released
-    assert idx.stats()["global_tokens"] == 0 and idx.stats()["bytes"] < full
+    assert idx.stats()["global_tokens_held"] == 0 and idx.stats()["bytes"] < full
     with pytest.raises(ValueError):
         idx.set_global_tokens(-1)
     with pytest.raises(ValueError):

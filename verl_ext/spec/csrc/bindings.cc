@@ -494,7 +494,7 @@ PYBIND11_MODULE(_suffix, m) {
              d["bytes"] = x.bytes;
              d["evictions"] = x.evictions;
              d["walks_skipped"] = x.walks_skipped;
-             d["global_tokens"] = x.global_tokens;
+             d["global_tokens_held"] = x.global_tokens_held;
              d["scope_stats"] = x.scope_stats;
              d["max_bytes"] = s.max_bytes();
              return d;

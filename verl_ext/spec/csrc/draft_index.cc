@@ -715,7 +715,7 @@ IndexStats DraftIndex::stats() const {
   s.scope_stats = scope_stats_.size();
   for (const TreeEntry& e : global_) {
     add(e);
-    if (e.tree) s.global_tokens += e.tree->num_tokens();
+    if (e.tree) s.global_tokens_held += e.tree->num_tokens();
   }
   s.bytes = static_cast<size_t>(bytes_);
   s.evictions = evictions_;

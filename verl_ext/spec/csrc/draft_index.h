@@ -102,7 +102,7 @@ struct Proposal {
 
 struct IndexStats {
   size_t requests = 0, groups = 0, histories = 0, nodes = 0, tokens = 0, bytes = 0;
-  size_t global_tokens = 0;  // in both global trees
+  size_t global_tokens_held = 0;  // in both global trees (the cap is global_tokens())
   size_t scope_stats = 0;    // prompts with scope weights
   uint64_t evictions = 0;
   uint64_t walks_skipped = 0;  // context walks a WalkMemo showed would fail again
