@@ -100,8 +100,9 @@ class MultiscopeStrategy(SeerStrategy):
                 lengths = await self.history.lengths(sorted({key for _, _, key in wanted}), self.step or None)
             except Exception as exc:  # a history problem costs the estimate, never the rollout
                 self._m["history_failures"] += 1
-                logger.warning("multiscope: no history lengths (%s: %s); Seer's estimates instead",
-                               type(exc).__name__, exc)
+                log = logger.warning if self._m["history_failures"] == 1 else logger.debug  # once, then counted
+                log("multiscope: no history lengths (%s: %s); Seer's estimates instead (history_failures counts "
+                    "each lookup that fails)", type(exc).__name__, exc)
                 continue
             for buffer, group_id, key in wanted:
                 found = lengths.get(key)
