@@ -90,11 +90,11 @@ OPTS = "actor_rollout_ref.rollout.custom.verl_ext.options"
 CHUNK = 8
 FORCE = {
     "seer": [f"{OPTS}.chunk_size={CHUNK}"],
-    "multiscope": [f"{OPTS}.chunk_size={CHUNK}"],
     "specactor": [f"{OPTS}.cooldown=1", f"{OPTS}.min_tokens=4"],
     "rlhfspec": [f"{OPTS}.threshold=1", f"{OPTS}.cooldown=1", f"{OPTS}.patience=1"],
     "rhyme": [],
 }
+FORCE["multiscope"] = FORCE["seer"]  # seer's rollout: the same chunk boundaries
 
 
 def resolve(settings: dict, tokenizer) -> dict:

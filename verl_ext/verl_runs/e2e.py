@@ -75,7 +75,6 @@ MECHANISM_CONDITIONS = {
     # chunks back; chunks of 16 tokens, so that requests continue (and siblings run behind their
     # group's probe, whose tokens their group drafts then hold)
     "seer": [f"{_OPT}.kv_fraction=0.02", f"{_OPT}.chunk_size=16"],
-    "multiscope": [f"{_OPT}.kv_fraction=0.02", f"{_OPT}.chunk_size=16"],
     # a group's samples on one server, and a turning point of 6 samples per server: with two
     # servers (trainer.n_gpus_per_node=2) and an odd number of prompts (--prompts 3), one server
     # holds 8 samples and the other 4, so samples move
@@ -88,6 +87,7 @@ MECHANISM_CONDITIONS = {
     # beyond where some end with EOS, e.g. 256)
     "specactor": [f"{_OPT}.cooldown=2"],
 }
+MECHANISM_CONDITIONS["multiscope"] = MECHANISM_CONDITIONS["seer"]  # seer's rollout, the same conditions
 
 
 def out_of_reach(strategy: str, temperature: float, servers: int) -> dict[str, str]:
