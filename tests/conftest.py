@@ -19,10 +19,34 @@ REPO = Path(__file__).resolve().parent.parent
 #: machines have, and the session's shared engines (below) hold ~5 GiB once started. Run after
 #: them, the training run lost its vLLM server to Ray's memory monitor (a CI run, 2026-11-25).
 FIRST = ("test_verl_e2e_on_cpu.py",)
+#: modules that use the session's shared engines (``fp32_engine``, ``spec_engine``): they run last
+#: and, under pytest-xdist, in one worker, so that the engines start once
+SHARED_ENGINES = ("test_ab_cli.py", "test_keyed_sampling.py", "test_ladder_engine.py",
+                  "test_pipeline_engine.py", "test_rlhfspec_engine.py", "test_seer_engine.py",
+                  "test_spec_engine.py", "test_specactor_engine.py", "test_trace_record.py",
+                  "test_vllm_engine.py")
+
+
+def _group(name: str) -> str:
+    """The pytest-xdist group of a test module (``scripts/test.sh`` runs ``-n 2 --dist
+    loadgroup``): veRL's own trainer and servers on this CPU (``*_on_cpu``, the conformance
+    suite) in one worker, one after another, as their memory needs; the shared engines' users in
+    one; every other module on its own."""
+    if name.endswith("_on_cpu.py") or name == "test_conformance.py":
+        return "verl"
+    return "engines" if name in SHARED_ENGINES else name
 
 
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: item.path.name not in FIRST)  # stable: the rest keep their order
+    # stable sorts: veRL's runs first (the training run before the rest), the shared engines' users
+    # last, every other module in between in its own order. Under xdist (in collection order,
+    # ``--no-loadscope-reorder``), one worker takes veRL's runs while the other works through the
+    # light modules and then the engines, so that the training run does not meet the engines.
+    items.sort(key=lambda item: item.path.name not in FIRST)
+    items.sort(key=lambda item: {"verl": 0, "engines": 2}.get(_group(item.path.name), 1))
+    if config.pluginmanager.hasplugin("xdist"):
+        for item in items:
+            item.add_marker(pytest.mark.xdist_group(_group(item.path.name)))
 
 
 _exit_status = []
