@@ -28,10 +28,9 @@ SHARED_ENGINES = ("test_ab_cli.py", "test_keyed_sampling.py", "test_ladder_engin
 
 
 def _group(name: str) -> str:
-    """The pytest-xdist group of a test module (``scripts/test.sh`` runs ``-n 2 --dist
-    loadgroup``): veRL's own trainer and servers on this CPU (``*_on_cpu``, the conformance
-    suite) in one worker, one after another, as their memory needs; the shared engines' users in
-    one; every other module on its own."""
+    """The pytest-xdist work unit of a test module (``scripts/test.sh`` runs ``-n 2``): veRL's own
+    trainer and servers on this CPU (``*_on_cpu``, the conformance suite) in one, one after
+    another as their memory needs; the shared engines' users in one; every other module alone."""
     if name.endswith("_on_cpu.py") or name == "test_conformance.py":
         return "verl"
     return "engines" if name in SHARED_ENGINES else name
@@ -39,14 +38,24 @@ def _group(name: str) -> str:
 
 def pytest_collection_modifyitems(config, items):
     # stable sorts: veRL's runs first (the training run before the rest), the shared engines' users
-    # last, every other module in between in its own order. Under xdist (in collection order,
-    # ``--no-loadscope-reorder``), one worker takes veRL's runs while the other works through the
-    # light modules and then the engines, so that the training run does not meet the engines.
+    # last, every other module in between in its own order. Under xdist the units go out in this
+    # order (``--no-loadscope-reorder``): one worker takes veRL's runs while the other works
+    # through the light modules and then the engines, so the training run does not meet them.
     items.sort(key=lambda item: item.path.name not in FIRST)
     items.sort(key=lambda item: {"verl": 0, "engines": 2}.get(_group(item.path.name), 1))
-    if config.pluginmanager.hasplugin("xdist"):
-        for item in items:
-            item.add_marker(pytest.mark.xdist_group(_group(item.path.name)))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's scope scheduling with ``_group``'s units (its ``xdist_group`` marks do not reach
+    the scheduler on pytest 9.2, whose items no longer take a new ``_nodeid``)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _group(nodeid.split("::", 1)[0].rsplit("/", 1)[-1])
+
+    return ModuleGroups(config, log)
 
 
 _exit_status = []
