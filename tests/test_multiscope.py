@@ -90,19 +90,24 @@ def test_without_history_or_with_a_failing_one_the_rollout_goes_on(caplog):
     assert "no history lengths (ConnectionError: history worker gone)" in caplog.text
 
 
-def test_engine_spec_adds_the_global_scope_and_the_ablation_switches_drop_it():
+def test_engine_spec_adds_the_history_and_global_scopes_and_the_ablation_switches_drop_them():
     spec = make_strategy("multiscope").engine_spec()
-    assert spec.scopes == "request+group+global" and spec.global_tokens == 1 << 20
+    assert spec.scopes == "request+group+history+global" and spec.global_tokens == 1 << 20
     seer = make_strategy("seer").engine_spec()
-    off = make_strategy("multiscope", {"global_drafts": False}).engine_spec()
-    assert off == seer
-    small = make_strategy("multiscope", {"global_tokens": 4096, "group_drafts": False}).engine_spec()
+    assert make_strategy("multiscope", {"global_drafts": False, "history_drafts": False}).engine_spec() == seer
+    no_global = make_strategy("multiscope", {"global_drafts": False, "global_tokens": 4096}).engine_spec()
+    assert no_global.scopes == "request+group+history" and no_global.global_tokens == seer.global_tokens
+    small = make_strategy("multiscope", {"global_tokens": 4096, "group_drafts": False, "history_drafts": False}).engine_spec()
     assert small.scopes == "request+global" and small.global_tokens == 4096
     assert make_strategy("multiscope", {"speculative": False}).engine_spec() is None
+    # a first epoch (no history yet) drafts from the other scopes; a history-only spec from none
+    assert spec.without("history").scopes == "request+group+global"
+    assert make_strategy("rhyme").engine_spec().without("history") is None
 
 
 @pytest.mark.parametrize("options, match", [({"global_tokens": 0}, "global_tokens must be an integer >= 1"),
                                             ({"history_lengths": "yes"}, "history_lengths must be true or false"),
+                                            ({"history_drafts": 1}, "history_drafts must be true or false"),
                                             ({"chunk_size": -1}, "chunk_size must be")])
 def test_bad_options_fail_clearly(options, match):
     with pytest.raises(StrategyConfigError, match=match):
@@ -123,3 +128,33 @@ def test_the_simulated_global_tree_starts_with_the_epoch_before():
     held = ReplayDrafter(spec, TraceSource(tr), "exact", history=(tr, rows)).index.stats()["global_tokens_held"]
     assert held == int(tr.response_lengths().sum())
     assert ReplayDrafter(spec, TraceSource(tr), "exact").index.stats()["global_tokens_held"] == 0
+
+
+def test_history_drafts_reach_every_drafting_engine_and_the_rollout_is_exact():
+    """A later epoch whose responses repeat the earlier ones: each engine gets the history trees of
+    the prompts whose groups arrive (served by the history provider, charged as a real engine's
+    delivery), drafts from them, and the responses are the trace's; switched off, no tree moves."""
+    from test_rhyme import repeating_trace
+
+    from verl_ext.pipe.arms import make_arm
+    from verl_ext.sim.runner import build_requests, run_arm, select_epoch
+
+    tr = repeating_trace(groups=4, samples=3, length=120, seed=3)
+    _, rows, history = select_epoch(tr, 1)
+
+    def run(label):
+        strategy, spec = make_arm(label, 8, allow_history=True, cost=_cost())
+        arm = run_arm(label, strategy, spec, tr, rows, history, _cost(), 2, "auto", build_requests(tr, rows, 400),
+                      dispatcher=False)
+        return strategy, arm
+
+    on, arm = run("multiscope[dgds=false,chunk_size=32]")
+    assert sum(r["output_tokens"] for r in arm.records) == int(tr.response_lengths()[rows].sum())
+    m = on.metrics()
+    assert m["engine_group_drop_failures"] == 0
+    assert m["served_histories"] == 2 * 4 and m["history_failures"] == 0  # every prompt to both engines
+    assert arm.metrics["history_tokens_received"] == 2 * 12 * 120
+    assert sum(i.scope_tokens["history"][1] for i in arm.instances) > 0  # history draft tokens accepted
+    off, arm_off = run("multiscope[dgds=false,chunk_size=32,history_drafts=false]")
+    assert off.metrics()["served_histories"] == 0 and arm_off.metrics["history_tokens_received"] == 0
+    assert arm.metrics["accepted_tokens"] > arm_off.metrics["accepted_tokens"]

@@ -241,7 +241,7 @@ def test_two_tier_respects_training_time_and_bad_input():
 def test_set_histories_replaces_each_given_prompts_tree():
     from _util import ProposerBatch, make_proposer
 
-    from verl_ext.pipe.rhyme.strategy import set_histories_items
+    from verl_ext.pipe.rhyme.delivery import set_histories_items
 
     p = make_proposer(scopes="history", k=4, min_match=2, min_prob=0.0)
     old, new = list(range(100, 140)), list(range(300, 340))

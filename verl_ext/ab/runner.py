@@ -392,7 +392,7 @@ async def _timed_epoch(desc, life: Lifecycle, instances, requests, score, cfg, p
 async def _load_histories(instances, store, requests, step: int) -> None:
     """Give every drafting engine the earlier epochs' responses of this epoch's prompts (what the
     history workers serve inside veRL), before the timed rollout."""
-    from verl_ext.pipe.rhyme.strategy import set_histories_items
+    from verl_ext.pipe.rhyme.delivery import set_histories_items
     from verl_ext.history import LocalHistory
 
     items = set_histories_items(await LocalHistory(store).serve(sorted({r.group_id for r in requests}), step))

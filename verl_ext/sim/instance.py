@@ -71,7 +71,7 @@ from typing import Optional
 
 import numpy as np
 
-from verl_ext.engine.drafter_ops import AwaitHistories, DrafterOp, SetHistories
+from verl_ext.engine.drafter_ops import AwaitHistories, DrafterOp, DropGroups, SetHistories
 from verl_ext.engine.instance import (
     FINISH_ABORT,
     FINISH_LENGTH,
@@ -390,9 +390,10 @@ class SimInstance(Instance):
     async def drafter_call(self, op: DrafterOp):
         """The engine drafter's history delivery, charged (see the module docstring):
         ``SetHistories`` (answers the responses queued, as the engine does) and
-        ``AwaitHistories``. The replayed trees themselves are the shared drafter's; other
+        ``AwaitHistories``. The replayed trees themselves are the shared drafter's, so
+        ``DropGroups`` (Seer's finished groups) drops nothing here and answers 0; other
         operations have no model here and raise."""
-        if isinstance(op, AwaitHistories):
+        if isinstance(op, (AwaitHistories, DropGroups)):
             return 0
         if not isinstance(op, SetHistories):
             raise NotImplementedError(f"the simulated drafter models history delivery only, not {type(op).__name__}")

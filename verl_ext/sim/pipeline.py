@@ -380,8 +380,8 @@ def run_pipeline_arm(label: str, cfg, cost, trace, rows, history, batches, max_t
 
     carrier = _carrier(mode)
     first, spec = make_arm(label, cfg.spec_k, allow_history=True, cost=cost, carrier=carrier)
-    if spec is not None and history is None and first.uses_history and spec.mask == SCOPE_HISTORY:
-        spec = None  # no earlier epoch: nothing to draft from
+    if spec is not None and history is None and first.uses_history and spec.mask & SCOPE_HISTORY:
+        spec = spec.without("history")  # no earlier epoch: no history to draft from
     epoch = int(trace.epoch[rows[0]])
     store = trace_history(trace, epoch) if first.uses_history else None
     source = TraceSource(trace, rows)

@@ -212,8 +212,8 @@ def run_arm(label, strategy, spec, trace, rows, history, cost, instances: int, r
 
     t = time.perf_counter()
     source = TraceSource(trace, rows)
-    if spec is not None and history is None and strategy.uses_history and spec.mask == SCOPE_HISTORY:
-        spec = None  # a history-driven strategy's first epoch: nothing to draft from yet
+    if spec is not None and history is None and strategy.uses_history and spec.mask & SCOPE_HISTORY:
+        spec = spec.without("history")  # a history-driven strategy's first epoch: no history yet
     # one index stands for every instance's drafter: their memory together
     drafter = make_drafter(spec, source, replay, history, max_bytes=spec.max_bytes * instances if spec else None)
     epoch = int(trace.epoch[rows[0]]) if len(rows) else 0

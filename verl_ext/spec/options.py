@@ -227,6 +227,13 @@ class SpecOptions:
     def mask(self) -> int:
         return scope_mask(self.scopes)
 
+    def without(self, scope: str) -> Optional[SpecOptions]:
+        """These options without drafting from ``scope``, or None where no scope is left."""
+        rest = self.mask & ~SCOPES[scope]
+        if not rest:
+            return None
+        return dataclasses.replace(self, scopes="+".join(n for bit, n in sorted(SCOPE_NAMES.items()) if rest & bit))
+
     def new_index(self, max_bytes: Optional[int] = None, k: Optional[int] = None):
         """The engine's ``DraftIndex`` for these options (the global tree on when its scope is)."""
         from verl_ext.spec._suffix import DraftIndex

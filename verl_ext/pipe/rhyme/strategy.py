@@ -23,16 +23,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
 import numpy as np
 
-from verl_ext.engine.drafter_ops import SetHistories
 from verl_ext.engine.instance import Completion, GenRequest, Instance
 from verl_ext.pipe.chunks import Chunked
 from verl_ext.pipe.defer import NO_CARRIER, deferred_completion, is_deferred
+from verl_ext.pipe.rhyme.delivery import HistoryDelivery
 from verl_ext.pipe.rhyme.histopipe import (
     MIGRATE_ALPHA,
     group_time,
@@ -134,25 +133,6 @@ class RhymeOptions:
                              "and migration=true")
 
 
-def _int32_bytes(tokens) -> bytes:
-    """A response's int32 bytes: the bytes object an array was read from where it is exactly
-    that (``HistoryClient.serve``'s arrays view the history workers' bytes), else a copy."""
-    base = getattr(tokens, "base", None)
-    if (isinstance(base, bytes) and isinstance(tokens, np.ndarray) and tokens.dtype == np.int32
-            and tokens.nbytes == len(base)):
-        return base
-    return np.asarray(tokens, dtype=np.int32).tobytes()
-
-
-def set_histories_items(hist: dict, skip=()) -> list:
-    """The drafter's ``set_histories`` payload for ``{uid: ([token arrays], [weights])}`` (what a
-    history provider's ``serve`` returns), leaving out the uids in ``skip``: each response as its
-    int32 bytes (4 bytes a token through any RPC layer, where a list costs a Python int each),
-    without a copy where the array views such bytes."""
-    return [(u, [_int32_bytes(t) for t in toks], list(ws))
-            for u, (toks, ws) in hist.items() if u not in skip]
-
-
 @dataclass
 class _Plan:
     """One step's HistoPipe plan."""
@@ -203,8 +183,6 @@ class RhymeStrategy(Strategy):
         self._late: dict = {}  # uid -> its late placement (one per prompt, for its samples)
         self._spread = False  # this step serves histories to every drafting engine (no blocks)
         self._warned_no_history = False
-        self._served: dict = {}  # instance name -> {uid: the step whose history of uid it holds}
-        self._serving: set = set()  # history deliveries in flight (never awaited by a rollout)
         self._predicted: dict = {}  # uid -> historical median length, for the step being rolled out
         self._observed: dict = {}  # uid -> [response lengths] of that step
         self._carry = NO_CARRIER  # inter-step migration: the driver's carrier (set_deferral)
@@ -212,6 +190,7 @@ class RhymeStrategy(Strategy):
                    "histopipe_sync_off": 0,
                    "history_prompts": 0, "unknown_prompts": 0, "late_prompts": 0, "served_histories": 0,
                    "history_failures": 0, "history_serve_s": 0.0}
+        self._delivery = HistoryDelivery(self._m, "rhyme")
 
     # -- inputs -------------------------------------------------------------------------------
     def set_history(self, history) -> None:
@@ -409,69 +388,14 @@ class RhymeStrategy(Strategy):
         return _proportional(work, wks)
 
     def _serve_histories_soon(self, assignments) -> None:
-        """Deliver histories (``_serve_histories``) in the background: no rollout waits for a
-        history worker, a payload or a tree build; an engine's requests draft from a prompt's
-        history once its tree is in (the drafter builds it on a thread of its own)."""
-        task = asyncio.ensure_future(self._serve_histories(assignments))
-        self._serving.add(task)
-        task.add_done_callback(self._serving.discard)
+        """Deliver histories in the background (``HistoryDelivery.soon``)."""
+        self._delivery.soon(self.history, self.step, assignments)
 
     async def close(self) -> None:
-        """Wait for history deliveries still in flight (they end by themselves: each catches
-        its own errors)."""
-        if self._serving:
-            await asyncio.gather(*list(self._serving), return_exceptions=True)
+        await self._delivery.close()
 
     async def _serve_histories(self, assignments) -> None:
-        """Give engines that take drafter RPCs the histories of the prompts they will serve:
-        ``assignments`` is [(instances, uids)], one pair per ranking group's block. A prompt's
-        history grows every step, so an engine gets it again each step it serves the prompt (its
-        tree replaced: ``set_histories``), which also restores a tree the engine evicted; trees
-        an engine holds from an earlier step for prompts it does not serve now are dropped."""
-        t0 = time.perf_counter()
-        step = self.step
-        for block, uids in assignments:
-            targets = [i for i in block if hasattr(i, "drafter_call") and getattr(i, "drafting", False)]
-            if not targets:
-                continue
-            try:
-                hist = await self.history.serve(uids, step or None)
-            except Exception as exc:
-                self._m["history_failures"] += 1
-                logger.warning("rhyme: history drafts unavailable (%s: %s)", type(exc).__name__, exc)
-                return
-            wanted = set(uids)
-            sends = []
-            payloads: dict = {}  # one payload per set of prompts an engine already holds
-            for inst in targets:
-                have = self._served.setdefault(inst.name, {})
-                skip = frozenset(u for u, s in have.items() if s == step and u in hist)
-                if skip not in payloads:
-                    payloads[skip] = set_histories_items(hist, skip=skip)
-                new = payloads[skip]
-                stale = [u for u, s in have.items() if s != step and u not in wanted]
-                if not new and not stale:
-                    continue
-                for u in stale:  # booked before the RPC: a delivery running beside this one sees them
-                    del have[u]
-                have.update((u, step) for u, _, _ in new)
-                sends.append(self._send_histories(inst, new, stale))
-            await asyncio.gather(*sends)  # the engines in parallel, one RPC each
-        self._m["history_serve_s"] += time.perf_counter() - t0
-
-    async def _send_histories(self, inst, new, stale) -> None:
-        try:
-            await inst.drafter_call(SetHistories(new, stale))
-        except Exception as exc:  # drafting is an optimisation
-            self._m["history_failures"] += 1
-            logger.warning("rhyme: could not load history into %s (%s: %s)", inst.name, type(exc).__name__, exc)
-            have = self._served.get(inst.name, {})
-            for u, _, _ in new:  # not delivered: the next step sends them again
-                have.pop(u, None)
-            for u in stale:  # maybe still held there: dropped with the next delivery
-                have.setdefault(u, -1)
-            return
-        self._m["served_histories"] += len(new)
+        await self._delivery.serve(self.history, self.step, assignments)
 
     # -- dispatch ------------------------------------------------------------------------------
     async def rollout(self, requests: Sequence[GenRequest], pool: InstancePool) -> list[Completion]:

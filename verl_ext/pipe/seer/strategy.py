@@ -207,7 +207,7 @@ class _Rollout:
         r = self.buffer.add(request, fut)
         self.stats["requests"] += 1
         if r.group.members == 1:
-            self.strategy.new_group(self.buffer, r)
+            self.strategy.new_group(self.buffer, r, self.pool)
         self._ensure_loop()
         self.wake.set()
         try:
@@ -525,9 +525,9 @@ class SeerStrategy(Strategy):
             await st.close()
         self._rollouts.clear()
 
-    def new_group(self, buffer: RequestBuffer, r: BufferedRequest) -> None:
-        """``r`` is the first request of a group new to ``buffer`` (a hook: ``multiscope`` looks up
-        the prompt's history lengths here). Nothing in Seer."""
+    def new_group(self, buffer: RequestBuffer, r: BufferedRequest, pool: InstancePool) -> None:
+        """``r`` is the first request of a group new to ``buffer``, rolled out on ``pool`` (a hook:
+        ``multiscope`` looks up the prompt's history here). Nothing in Seer."""
 
     def engine_spec(self, cost=None):
         """Drafting the engines need (``SpecOptions``), or None. ``cost``: the instances'
