@@ -11,6 +11,7 @@ expectation is weighed by how its drafts fared for the prompt (``SpecOptions.sco
 
     OMP_NUM_THREADS=1 python scripts/bench_scopes.py --json
     OMP_NUM_THREADS=1 python scripts/bench_scopes.py --json --trace data/traces/smollm2_arith_e2.parquet --k 8
+    OMP_NUM_THREADS=1 python scripts/bench_scopes.py --json --synth measured --synth published   # the simulator's workloads
 """
 
 from __future__ import annotations
@@ -29,12 +30,24 @@ TRACES = ("data/traces/smollm2_arith_t07_e2.parquet", "data/traces/smollm2_arith
 SCOPES = ("request", "group", "history", "global")
 
 
-def measure(path: str, k: int) -> dict:
+def synthetic(level: str, prompts: int, samples: int, mean_len: int, seed: int = 0):
+    """The simulator's synthetic workload at similarity ``level`` (``verl-ext sim --similarity``),
+    two epochs of ``prompts`` x ``samples`` responses of mean ``mean_len`` tokens."""
+    from verl_ext.sim.defaults import DEFAULT_SYNTH
+    from verl_ext.trace.synth import SynthConfig, load_source, synthesize, with_level
+
+    params = {**DEFAULT_SYNTH, "prompts": prompts, "samples": samples, "mean_len": mean_len,
+              "max_len": 4 * mean_len, "seed": seed}
+    return synthesize(with_level(SynthConfig(**params), level), load_source())
+
+
+def measure(path, k: int) -> dict:
+    """``path``: a trace file, or a ``Trace`` (a synthetic workload)."""
     from verl_ext.spec import SpecOptions
     from verl_ext.trace.synth.similarity import scope_replay
     from verl_ext.trace.format import read_trace
 
-    trace = read_trace(path)
+    trace = read_trace(path) if isinstance(path, str) else path
     sets = [(s,) for s in SCOPES] + list(itertools.combinations(SCOPES, 2)) + [SCOPES]
     rows = {}
 
@@ -55,7 +68,7 @@ def measure(path: str, k: int) -> dict:
         overlap[f"{a}+{b}"] = round((gain[a] + gain[b] - gain[f"{a}+{b}"]) / lo, 3) if lo > 0 else None
     best = max((s for s in SCOPES), key=lambda s: rows[s]["mal"])
     meta = trace.meta if hasattr(trace, "meta") else {}
-    return {"trace": path, "temperature": (meta or {}).get("temperature"), "responses": r["responses"],
+    return {"trace": path if isinstance(path, str) else "synthetic", "temperature": (meta or {}).get("temperature"), "responses": r["responses"],
             "k": k, "rows": rows, "pair_overlap": overlap, "best_single": best, "all": rows["+".join(SCOPES)]["mal"],
             "all_weighted": rows["+".join(SCOPES) + " weighted"]["mal"]}
 
@@ -65,10 +78,19 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true", help="print only the JSON result")
     p.add_argument("--trace", action="append", help=f"trace(s) to replay (default: {', '.join(TRACES)})")
     p.add_argument("--k", type=int, default=8, help="draft tokens per step (default 8)")
+    p.add_argument("--synth", action="append", metavar="LEVEL",
+                   help="also the simulator's synthetic workload at this similarity level (measured, published, ...)")
+    p.add_argument("--synth-shape", default="64,8,512", metavar="P,S,L",
+                   help="its prompts, samples and mean length (default 64,8,512)")
     args = p.parse_args(argv)
     t0 = time.monotonic()
     out = {"bench": "scopes", "traces": [measure(str(REPO / t) if not Path(t).is_absolute() else t, args.k)
-                                         for t in (args.trace or TRACES)]}
+                                         for t in (args.trace or ([] if args.synth else TRACES))]}
+    prompts, samples, mean_len = (int(x) for x in args.synth_shape.split(","))
+    for level in args.synth or ():
+        row = measure(synthetic(level, prompts, samples, mean_len), args.k)
+        row.update(trace=f"synthetic {level}, {prompts} x {samples}, mean {mean_len}")
+        out["traces"].append(row)
     out["wall_s"] = round(time.monotonic() - t0, 1)
     if not args.json:
         for t in out["traces"]:
