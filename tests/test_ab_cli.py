@@ -67,7 +67,7 @@ def test_ab_with_drafting_on_and_off(tmp_path, model_dir):
     assert all(x["finish_reason"] in ("stop", "length") for x in responses)
     # each arm's (last epoch's) responses, in the workload's order: a group's samples together
     problems = [p.uid for p in make_problems(2, seed=1, difficulty=2) for _ in range(3)]
-    assert [x["group_id"] for x in responses] == problems * 3
+    assert [x["group_id"] for x in responses] == problems * 4
     assert off["tokens_per_step"] == pytest.approx(1.0) and off["draft_tokens"] == 0 and off["draft_acceptance"] is None
     assert on["draft_tokens"] > 0 and 0 < on["draft_acceptance"] <= 1
     assert on["tokens_per_step"] == pytest.approx(1.0 + on["accepted_tokens"] / (on["output_tokens"] / on["tokens_per_step"]), rel=0.05)
