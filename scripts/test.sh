@@ -7,5 +7,4 @@ cd "$(dirname "$0")/.."
 # that costs ~30 s more per engine, so let Python write .pyc files even if the shell says not to.
 unset PYTHONDONTWRITEBYTECODE
 bash scripts/setup_env.sh --test
-exec bash scripts/run_pytest.sh .venv/bin/python tests -n 2 --no-loadscope-reorder \
-  --durations=40 "$@"
+exec bash scripts/run_pytest.sh .venv/bin/python tests --durations=25 "$@"

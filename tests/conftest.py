@@ -19,40 +19,10 @@ REPO = Path(__file__).resolve().parent.parent
 #: machines have, and the session's shared engines (below) hold ~5 GiB once started. Run after
 #: them, the training run lost its vLLM server to Ray's memory monitor (a CI run, 2026-11-25).
 FIRST = ("test_verl_e2e_on_cpu.py",)
-#: modules that use the session's shared engines (``fp32_engine``, ``spec_engine``)
-SHARED_ENGINES = ("test_ab_cli.py", "test_keyed_sampling.py", "test_ladder_engine.py",
-                  "test_pipeline_engine.py", "test_rlhfspec_engine.py", "test_seer_engine.py",
-                  "test_spec_engine.py", "test_specactor_engine.py", "test_trace_record.py",
-                  "test_vllm_engine.py")
-
-
-def _heavy(name: str) -> bool:
-    """Modules that run veRL's trainer or servers on this CPU (``*_on_cpu``, the conformance
-    suite) or the shared engines: one after another, in one pytest-xdist worker, as their memory
-    needs (the conformance suite's servers beside the shared engines and an ``ab`` run's filled
-    24 GiB: a CI-like run, 2026-11-29). The other worker takes the rest, module by module."""
-    return name.endswith("_on_cpu.py") or name == "test_conformance.py" or name in SHARED_ENGINES
 
 
 def pytest_collection_modifyitems(config, items):
-    # stable sorts: the heavy modules first (the training run before the rest), then the others
-    # in their own order; under xdist the units go out in this order (``--no-loadscope-reorder``)
-    items.sort(key=lambda item: item.path.name not in FIRST)
-    items.sort(key=lambda item: not _heavy(item.path.name))
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config, log):
-    """xdist's scope scheduling (``scripts/test.sh`` runs ``-n 2``) with the heavy modules as one
-    unit and every other module as its own."""
-    from xdist.scheduler import LoadScopeScheduling
-
-    class HeavyTogether(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            name = nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
-            return "heavy" if _heavy(name) else name
-
-    return HeavyTogether(config, log)
+    items.sort(key=lambda item: item.path.name not in FIRST)  # stable: the rest keep their order
 
 
 _exit_status = []
