@@ -27,7 +27,8 @@ def test_ab_with_drafting_on_and_off(tmp_path, model_dir):
     """`verl-ext ab` end to end on real engines. A `+spec` arm runs the same strategy on engines
     with the suffix drafter and reports tokens per step and draft acceptance. Over two epochs,
     `rhyme` drafts nothing in the first (no history) and from the first epoch's responses in the
-    second, with outputs token-identical to plain decoding (greedy). The engines' output goes to
+    second, and so does `multiscope` (Seer's chunks) from its history scope, with outputs
+    token-identical to plain decoding (greedy). The engines' output goes to
     the ``--engine-log`` file, the terminal keeps the table. (``--repeats``' rotation and median
     round: test_repeats_rotate_the_arms_and_report_the_median_round and the main job.)"""
     pytest.importorskip("vllm")
