@@ -30,15 +30,14 @@ TRACES = ("data/traces/smollm2_arith_t07_e2.parquet", "data/traces/smollm2_arith
 SCOPES = ("request", "group", "history", "global")
 
 
-def synthetic(level: str, prompts: int, samples: int, mean_len: int, seed: int = 0):
+def synthetic(level: str, prompts: int, samples: int, mean_len: int):
     """The simulator's synthetic workload at similarity ``level`` (``verl-ext sim --similarity``),
     two epochs of ``prompts`` x ``samples`` responses of mean ``mean_len`` tokens."""
-    from verl_ext.sim.defaults import DEFAULT_SYNTH
-    from verl_ext.trace.synth import SynthConfig, load_source, synthesize, with_level
+    from verl_ext.sim.runner import SimConfig
+    from verl_ext.sim.workload import load_workload
 
-    params = {**DEFAULT_SYNTH, "prompts": prompts, "samples": samples, "mean_len": mean_len,
-              "max_len": 4 * mean_len, "seed": seed}
-    return synthesize(with_level(SynthConfig(**params), level), load_source())
+    shape = {"prompts": prompts, "samples": samples, "mean_len": mean_len, "max_len": 4 * mean_len}
+    return load_workload(SimConfig(synth=shape, similarity=level))
 
 
 def measure(path, k: int) -> dict:

@@ -374,14 +374,12 @@ def run_pipeline_arm(label: str, cfg, cost, trace, rows, history, batches, max_t
     from verl_ext.sim.clock import run_virtual
     from verl_ext.sim.drafting import make_drafter
     from verl_ext.sim.instance import SimInstance
-    from verl_ext.sim.workload import build_requests, trace_history, trace_keyed
+    from verl_ext.sim.workload import build_requests, epoch_spec, trace_history, trace_keyed
     from verl_ext.sim.source import TraceSource
-    from verl_ext.spec import SCOPE_HISTORY
 
     carrier = _carrier(mode)
     first, spec = make_arm(label, cfg.spec_k, allow_history=True, cost=cost, carrier=carrier)
-    if spec is not None and history is None and first.uses_history and spec.mask & SCOPE_HISTORY:
-        spec = spec.without("history")  # no earlier epoch: no history to draft from
+    spec = epoch_spec(spec, history, first.uses_history)
     epoch = int(trace.epoch[rows[0]])
     store = trace_history(trace, epoch) if first.uses_history else None
     source = TraceSource(trace, rows)

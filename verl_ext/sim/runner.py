@@ -28,7 +28,7 @@ from verl_ext.engine.instance import GenRequest
 from verl_ext.pipe.lifecycle import UNSET, Lifecycle
 from verl_ext.sim.defaults import DEFAULT_INSTANCES, DEFAULT_PRESET
 from verl_ext.sim.kv_pool import DEFAULT_POOL_BW
-from verl_ext.sim.workload import build_requests, load_workload, select_epoch, trace_history, trace_keyed
+from verl_ext.sim.workload import build_requests, epoch_spec, load_workload, select_epoch, trace_history, trace_keyed
 
 #: an arm label ending in this runs its instances with a cluster KV pool (``verl_ext.sim.kv_pool``)
 KV_POOL_SUFFIX = "@kvpool"
@@ -208,12 +208,10 @@ def run_arm(label, strategy, spec, trace, rows, history, cost, instances: int, r
     from verl_ext.sim.drafting import make_drafter
     from verl_ext.sim.instance import SimInstance
     from verl_ext.sim.source import TraceSource
-    from verl_ext.spec import SCOPE_HISTORY
 
     t = time.perf_counter()
     source = TraceSource(trace, rows)
-    if spec is not None and history is None and strategy.uses_history and spec.mask & SCOPE_HISTORY:
-        spec = spec.without("history")  # a history-driven strategy's first epoch: no history yet
+    spec = epoch_spec(spec, history, strategy.uses_history)
     # one index stands for every instance's drafter: their memory together
     drafter = make_drafter(spec, source, replay, history, max_bytes=spec.max_bytes * instances if spec else None)
     epoch = int(trace.epoch[rows[0]]) if len(rows) else 0

@@ -24,6 +24,17 @@ def load_workload(cfg):
     return synthesize(with_level(SynthConfig(**params), cfg.similarity), load_source())
 
 
+def epoch_spec(spec, history, uses_history: bool):
+    """``spec`` for an epoch rolled out with ``history`` (the epoch before, or None): a
+    history-driven strategy's first epoch drafts from its other scopes, or not at all where the
+    history scope is its only one (``SpecOptions.without``)."""
+    from verl_ext.spec import SCOPE_HISTORY
+
+    if spec is not None and history is None and uses_history and spec.mask & SCOPE_HISTORY:
+        return spec.without("history")
+    return spec
+
+
 def select_epoch(trace, epoch: Optional[int] = None):
     """(epoch, its rows, history) where history = (trace, rows of the epoch before) or None;
     the default epoch is the last one."""
