@@ -12,6 +12,7 @@ expectation is weighed by how its drafts fared for the prompt (``SpecOptions.sco
     OMP_NUM_THREADS=1 python scripts/bench_scopes.py --json
     OMP_NUM_THREADS=1 python scripts/bench_scopes.py --json --trace data/traces/smollm2_arith_e2.parquet --k 8
     OMP_NUM_THREADS=1 python scripts/bench_scopes.py --json --synth measured --synth published   # the simulator's workloads
+    OMP_NUM_THREADS=1 python scripts/bench_scopes.py --json --synth published --synth-knobs '{"shared_path": 1}'
 """
 
 from __future__ import annotations
@@ -30,14 +31,15 @@ TRACES = ("data/traces/smollm2_arith_t07_e2.parquet", "data/traces/smollm2_arith
 SCOPES = ("request", "group", "history", "global")
 
 
-def synthetic(level: str, prompts: int, samples: int, mean_len: int):
+def synthetic(level: str, prompts: int, samples: int, mean_len: int, knobs: dict | None = None):
     """The simulator's synthetic workload at similarity ``level`` (``verl-ext sim --similarity``),
-    two epochs of ``prompts`` x ``samples`` responses of mean ``mean_len`` tokens."""
+    two epochs of ``prompts`` x ``samples`` responses of mean ``mean_len`` tokens; ``knobs``
+    (``SynthConfig`` content knobs) replace the level's."""
     from verl_ext.sim.runner import SimConfig
     from verl_ext.sim.workload import load_workload
 
     shape = {"prompts": prompts, "samples": samples, "mean_len": mean_len, "max_len": 4 * mean_len}
-    return load_workload(SimConfig(synth=shape, similarity=level))
+    return load_workload(SimConfig(synth={**shape, **(knobs or {})}, similarity=level))
 
 
 def measure(path, k: int) -> dict:
@@ -81,14 +83,21 @@ def main(argv=None) -> int:
                    help="also the simulator's synthetic workload at this similarity level (measured, published, ...)")
     p.add_argument("--synth-shape", default="64,8,512", metavar="P,S,L",
                    help="its prompts, samples and mean length (default 64,8,512)")
+    p.add_argument("--synth-knobs", default=None, metavar="JSON",
+                   help='content knobs that replace the level\'s, e.g. \'{"shared_path": 1, "self_from_history": 1}\'')
     args = p.parse_args(argv)
+    knobs = json.loads(args.synth_knobs) if args.synth_knobs else {}
+    from verl_ext.trace.synth import KNOBS
+
+    if set(knobs) - set(KNOBS):
+        p.error(f"unknown knob(s) {sorted(set(knobs) - set(KNOBS))}; knobs: {list(KNOBS)}")
     t0 = time.monotonic()
     out = {"bench": "scopes", "traces": [measure(str(REPO / t) if not Path(t).is_absolute() else t, args.k)
                                          for t in (args.trace or ([] if args.synth else TRACES))]}
     prompts, samples, mean_len = (int(x) for x in args.synth_shape.split(","))
     for level in args.synth or ():
-        row = measure(synthetic(level, prompts, samples, mean_len), args.k)
-        row.update(trace=f"synthetic {level}, {prompts} x {samples}, mean {mean_len}")
+        row = measure(synthetic(level, prompts, samples, mean_len, knobs), args.k)
+        row.update(trace=f"synthetic {level}, {prompts} x {samples}, mean {mean_len}" + (f", {knobs}" if knobs else ""))
         out["traces"].append(row)
     out["wall_s"] = round(time.monotonic() - t0, 1)
     if not args.json:

@@ -114,6 +114,30 @@ def test_levels(source):
         with_level(SMALL, "nope")
 
 
+def test_the_tying_knobs_make_scopes_overlap_as_on_real_traces(source):
+    """At a level's knobs the cross-epoch scope (history) and the in-epoch ones (request, group)
+    add up; ``shared_path`` (a group follows one previous-epoch response) and
+    ``self_from_history`` (a response repeats what it took from the previous epoch) make the
+    same tokens reachable from both, so a pair is worth less than the sum of its scopes. At 0
+    they leave the workload as it was."""
+    from verl_ext.spec import SpecOptions
+    from verl_ext.trace.synth.similarity import scope_replay
+
+    base = with_level(dataclasses.replace(SMALL, prompts=24, mean_len=256, max_len=1024), "published")
+    assert synthesize(dataclasses.replace(base, shared_path=0.0, self_from_history=0.0), source).response_tokens.tobytes() == \
+        synthesize(base, source).response_tokens.tobytes()
+
+    def overlap(trace, a, b):
+        g = {s: scope_replay(trace, SpecOptions(scopes=s, k=8))["tokens_per_step"] - 1 for s in (a, b, f"{a}+{b}")}
+        return (g[a] + g[b] - g[f"{a}+{b}"]) / min(g[a], g[b])
+
+    loose = synthesize(base, source)
+    tied = synthesize(dataclasses.replace(base, shared_path=1.0, self_from_history=1.0), source)
+    assert tied.response_tokens.tobytes() != loose.response_tokens.tobytes()
+    for a, b in (("request", "history"), ("group", "history")):
+        assert overlap(tied, a, b) > overlap(loose, a, b) + 0.1, (a, b)
+
+
 def test_what_a_response_copies_from_a_sibling_its_group_holds(source):
     """Sibling copies come from one template response per group, read after its own copies, so
     the text a response copied is in its group's tree: with nearly all text copied, grouped
@@ -171,6 +195,8 @@ def test_default_length_shape(source):
         (dict(prompts=0), "prompts"),
         (dict(epoch_rho=1.5), "epoch_rho"),
         (dict(prompt_len=(10, 5)), "prompt_len"),
+        (dict(shared_path=1.2), "shared_path"),
+        (dict(self_from_history=-0.1), "self_from_history"),
     ],
 )
 def test_bad_config_names_the_field(kwargs, field):

@@ -18,10 +18,13 @@ def load_workload(cfg):
 
     if cfg.trace:
         return read_trace(cfg.trace)
-    from verl_ext.trace.synth import SynthConfig, load_source, synthesize, with_level
+    import dataclasses
+
+    from verl_ext.trace.synth import KNOBS, SynthConfig, load_source, synthesize, with_level
 
     params = {**DEFAULT_SYNTH, **cfg.synth, "seed": cfg.seed}
-    return synthesize(with_level(SynthConfig(**params), cfg.similarity), load_source())
+    knobs = {k: params.pop(k) for k in KNOBS if k in params}  # given content knobs replace the level's
+    return synthesize(dataclasses.replace(with_level(SynthConfig(**params), cfg.similarity), **knobs), load_source())
 
 
 def epoch_spec(spec, history, uses_history: bool):

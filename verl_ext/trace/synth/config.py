@@ -35,6 +35,12 @@ class SynthConfig:
     itself is the response's own token instead (the copy diverges from its source there for one
     token, as a re-sampled response does: it bounds how long a draft from a copy survives). Two
     rates because the previous epoch was sampled from an older policy, siblings from this one.
+    Two knobs tie the scopes together, as a model's responses to one prompt are tied on real
+    traces (the pair overlaps of ``scripts/bench_scopes.py``): ``shared_path``, the chance that a
+    response follows its group template's previous-epoch response rather than one of its own
+    (the group takes one solution path), and ``self_from_history``, the chance that a run of a
+    response's own earlier text repeats a stretch it copied from the previous epoch (what a
+    response repeats, its prompt's earlier responses said too).
     All 0 keeps the similarity of the source's real groups; ``with_level(cfg, "measured" | "published")`` sets calibrated values.
     ``relabel``: see ``content``. ``prompt_len``: (lo, hi) prompt length in tokens,
     uniform, real prompts with other real prompts in front (like few-shot examples); (0, 0)
@@ -57,6 +63,8 @@ class SynthConfig:
     self_similarity: float = 0.0
     epoch_edit_rate: float = 0.0
     group_edit_rate: float = 0.0
+    shared_path: float = 0.0
+    self_from_history: float = 0.0
     segment_len: int = 64
     relabel: bool = True
     prompt_len: tuple[int, int] = (128, 1024)
@@ -87,7 +95,7 @@ class SynthConfig:
         if not (isinstance(self.epoch_rho, (int, float)) and -1 <= self.epoch_rho <= 1):
             bad("epoch_rho", "must be in [-1, 1]")
         for name in ("outlier_frac", "overlong_frac", "group_similarity", "epoch_similarity", "self_similarity",
-                     "epoch_edit_rate", "group_edit_rate"):
+                     "epoch_edit_rate", "group_edit_rate", "shared_path", "self_from_history"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and 0 <= v <= 1):
                 bad(name, "must be in [0, 1]")

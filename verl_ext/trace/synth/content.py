@@ -3,8 +3,8 @@
 are real responses of ``source`` (``load_source``: the committed SmolLM2 trace) spliced chapter by
 chapter and relabelled per unit, then partly overwritten, per ``segment_len`` tokens, by copies
 of the group's template sibling, of the previous-epoch response the response follows and of its
-own earlier text (the ``*_similarity`` knobs), each copied token put back to the response's own
-at the ``*_edit_rate`` knobs. The same config and source give the same arrays. The knobs are
+own earlier text (the ``*_similarity`` knobs; ``shared_path`` and ``self_from_history`` tie them
+together), each copied token put back to the response's own at the ``*_edit_rate`` knobs. The same config and source give the same arrays. The knobs are
 fitted per scope to the papers' drafting statistics (``calibration``). The construction and its
 limits: docs/SIMULATOR.md, "Synthetic workloads"."""
 
@@ -247,8 +247,13 @@ class _Plan:
         rng.integers(0, G, size=nrun)  # (draws kept: the stream of later draws stays the same)
         rng.integers(0, max(1, G - 1), size=nrun)
         paths = np.random.default_rng([cfg.seed, 6, e])
-        h = paths.integers(0, G, size=n)[resp[run_first]]
-        sib = paths.integers(0, G, size=P)[p[run_first]]
+        h_all = paths.integers(0, G, size=n)
+        sib_p = paths.integers(0, G, size=P)
+        if cfg.shared_path > 0:  # the response follows its group template's path instead of its own
+            share = np.random.default_rng([cfg.seed, 8, e]).random(n) < cfg.shared_path
+            h_all = np.where(share, h_all[np.arange(n) // G * G + sib_p[np.arange(n) // G]], h_all)
+        h = h_all[resp[run_first]]
+        sib = sib_p[p[run_first]]
         rk = kind[run_first]
         rk = np.where((rk == _KINDS_SIBLING) & (sib == j[run_first]), _KINDS_BASE, rk)  # the template keeps its text
         own = e * n + resp[run_first]
@@ -261,6 +266,15 @@ class _Plan:
         selfr = rk == _KINDS_SELF
         Lsrc = np.where(selfr, q0, Lsrc)
         start = np.where(selfr, np.floor(rng.random(nrun) * np.maximum(q0 - seg + 1, 1)).astype(np.int64), start)
+        if cfg.self_from_history > 0:  # the run repeats one of the response's earlier history segments
+            hist = kind == _KINDS_HISTORY
+            upto = np.cumsum(hist)  # history segments up to and including each segment
+            first = (np.cumsum(nseg) - nseg)[resp[run_first]]
+            before = upto[run_first] - hist[run_first] - (upto[first] - hist[first])
+            pick = np.random.default_rng([cfg.seed, 9, e])
+            redo = selfr & (before > 0) & (pick.random(nrun) < cfg.self_from_history)
+            nth = (upto[first] - hist[first]) + np.floor(pick.random(nrun) * before).astype(np.int64) + 1
+            start = np.where(redo, q[np.minimum(np.searchsorted(upto, nth), q.size - 1)], start)
         sel = (kind != _KINDS_BASE) & (rk[run] != _KINDS_BASE)
         r = run[sel]
         off = start[r] + (q[sel] - q0[r])
