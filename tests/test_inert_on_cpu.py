@@ -84,7 +84,6 @@ def test_a_vllm_engine_serves_plain_requests_without_verl_ext_code(tmp_path, mod
     assert _attempts(log) == ""
 
 
-@pytest.mark.alone
 def test_plain_verl_trains_on_cpu_with_the_extension_unimportable(tmp_path, model_dir):
     """``python -m verl.trainer.main_ppo trainer.device=cpu ...`` without ``rollout=<strategy>``:
     veRL's own agent-loop manager, verl_ext's plugin in every process (the CPU mode, the config

@@ -25,7 +25,7 @@ import pytest
 pytest.importorskip("verl")
 pytest.importorskip("vllm")
 
-pytestmark = [pytest.mark.engine, pytest.mark.alone, pytest.mark.timeout(3600)]
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(3600)]
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPTS, N, TOKENS = 2, 2, 32
