@@ -74,9 +74,32 @@ def test_sim_bad_input(tmp_path, capsys):
     _bad(tmp_path, capsys, ["--trace", str(TRACE), "--model", "x"], "--model is for real engines")
     _bad(tmp_path, capsys, ["--trace", str(TRACE), "--prompts", "4"], "not with --trace")
     _bad(tmp_path, capsys, ["--similarity", "wild", "--prompts", "4", "--samples", "2", "--mean-len", "64"], "similarity")
+    _bad(tmp_path, capsys, ["--synth-knobs", '{"bogus": 1}'], "shared_path")  # names the knobs it takes
+    _bad(tmp_path, capsys, ["--synth-knobs", "{nope"], "not JSON")
+    _bad(tmp_path, capsys, ["--trace", str(TRACE), "--synth-knobs", '{"shared_path": 1}'], "--synth-knobs shape")
     _bad(tmp_path, capsys, ["--trace", str(TRACE), "--epoch", "7"], "epoch 7")
     _bad(tmp_path, capsys, ["--trace", str(TRACE), "--strategies", "nope"], "unknown rollout strategy")
     _bad(tmp_path, capsys, ["--trace", str(TRACE), "--replay", "psychic", "--strategies", "baseline+spec"], "replay mode")
+
+
+def test_synth_knobs_reach_the_simulated_workload(tmp_path):
+    """``--synth-knobs`` replaces the similarity level's content knobs: the run's workload is the
+    one ``synthesize`` makes with them (its tokens differ from the level's own)."""
+    from verl_ext.sim.runner import SimConfig
+    from verl_ext.sim.workload import load_workload
+
+    shape = ["--similarity", "published", "--prompts", "4", "--samples", "2", "--mean-len", "128", "--max-len", "512",
+             "--instances", "1", "--strategies", "baseline"]
+    knobs = {"shared_path": 1.0, "self_from_history": 1.0}
+    for name, extra in (("level", []), ("tied", ["--synth-knobs", json.dumps(knobs)])):
+        assert main(["sim", "--out", str(tmp_path / name), "--no-progress", *shape, *extra]) == 0
+    synth = {"prompts": 4, "samples": 2, "mean_len": 128, "max_len": 512}
+    level = load_workload(SimConfig(synth=synth, similarity="published"))
+    tied = load_workload(SimConfig(synth={**synth, **knobs}, similarity="published"))
+    assert level.response_tokens.tobytes() != tied.response_tokens.tobytes()
+    assert tied.meta["synth"]["config"]["shared_path"] == 1.0 and level.meta["synth"]["config"]["shared_path"] == 0.0
+    runs = {n: json.loads((tmp_path / n / "summary.json").read_text()) for n in ("level", "tied")}
+    assert runs["tied"]["config"]["synth"] == {**synth, **knobs} and "shared_path" not in runs["level"]["config"]["synth"]
 
 
 def test_profile_from_trace_fits_the_committed_trace(tmp_path, capsys):

@@ -5,6 +5,7 @@ simulator's report goes beside it."""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Optional
@@ -26,7 +27,7 @@ def _budgets(text: Optional[str]):
 
 #: flags of ``sim`` only; ``ab`` accepts them hidden, to say where they belong (``_run_sim`` names
 #: each real-engine flag it refuses the same way)
-SIM_ONLY = ("trace", "similarity", "mean_len", "max_len", "epoch", "replay", "pipeline", "steps", "t_train",
+SIM_ONLY = ("trace", "similarity", "synth_knobs", "mean_len", "max_len", "epoch", "replay", "pipeline", "steps", "t_train",
             "kv_pool_gbps", "dispatcher", "warm_epochs")
 
 
@@ -86,6 +87,9 @@ def _flags(p, sim: bool) -> None:
     # simulated instances
     p.add_argument("--trace", default=None, help=sim_help("trace file to replay (default: the synthetic long-tail scenario)"))
     p.add_argument("--similarity", default=None, help=sim_help("synthetic token similarity: measured | published (default: measured)"))
+    p.add_argument("--synth-knobs", default=None, metavar="JSON",
+                   help=sim_help("synthetic workload: content knobs that replace the --similarity level's, e.g. "
+                                 "'{\"shared_path\": 1, \"self_from_history\": 1}' (verl_ext.trace.synth.KNOBS)"))
     p.add_argument("--mean-len", type=int, default=None, help=sim_help("synthetic workload: mean response length"))
     p.add_argument("--max-len", type=int, default=None, help=sim_help("synthetic workload: longest response"))
     p.add_argument("--epoch", type=int, default=None, help=sim_help("trace epoch to roll out (default: the last; earlier ones feed the history scope)"))
@@ -153,7 +157,18 @@ def _run_sim(args) -> int:
                              "and their tokens from the trace")
     synth = {k: v for k, v in {"prompts": args.prompts, "samples": args.samples, "mean_len": args.mean_len,
                                 "max_len": args.max_len}.items() if v is not None}
-    shaping = [*synth, *(["similarity"] if args.similarity else [])]
+    if args.synth_knobs:
+        from verl_ext.trace.synth import KNOBS
+
+        try:
+            knobs = json.loads(args.synth_knobs)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--synth-knobs is not JSON: {e}") from None
+        if not isinstance(knobs, dict) or set(knobs) - set(KNOBS):
+            raise ValueError(f"--synth-knobs takes an object of content knobs {list(KNOBS)}; got {args.synth_knobs}")
+    shaping = [*synth, *(["synth_knobs"] if args.synth_knobs else []), *(["similarity"] if args.similarity else [])]
+    if args.synth_knobs:
+        synth.update(knobs)
     if args.trace and shaping:
         raise ValueError(f"--{'/--'.join(k.replace('_', '-') for k in shaping)} shape the synthetic workload; not with --trace")
     if args.pipeline is None and (args.steps is not None or args.t_train is not None):
