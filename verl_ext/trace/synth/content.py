@@ -4,9 +4,10 @@ are real responses of ``source`` (``load_source``: the committed SmolLM2 trace) 
 chapter and relabelled per unit, then partly overwritten, per ``segment_len`` tokens, by copies
 of the group's template sibling, of the previous-epoch response the response follows and of its
 own earlier text (the ``*_similarity`` knobs; ``shared_path`` and ``self_from_history`` tie them
-together), each copied token put back to the response's own at the ``*_edit_rate`` knobs. The same config and source give the same arrays. The knobs are
-fitted per scope to the papers' drafting statistics (``calibration``). The construction and its
-limits: docs/SIMULATOR.md, "Synthetic workloads"."""
+together), each copied token put back to the response's own at the ``*_edit_rate`` knobs. The
+same config and source give the same arrays. The knobs are fitted per scope to the papers'
+drafting statistics (``calibration``). The construction and its limits: docs/SIMULATOR.md,
+"Synthetic workloads"."""
 
 from __future__ import annotations
 
