@@ -30,7 +30,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from verl_ext.sim.calibration import check_level, fit_level, measure_knobs, score
-    from verl_ext.trace.synth.calibration import KNOBS, SCOPE_TARGETS
+    from verl_ext.trace.synth.calibration import KNOBS, SCOPE_TARGETS, knobs_from_json
 
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     if args.fit:
@@ -39,11 +39,10 @@ def main() -> int:
         return 0
     if args.knobs:
         knobs = {k: 0.0 for k in KNOBS}
-        given = json.loads(args.knobs)
-        bad = sorted(set(given) - set(KNOBS))
-        if bad:
-            ap.error(f"unknown knob(s) {bad}; knobs: {list(KNOBS)}")
-        knobs.update(given)
+        try:
+            knobs.update(knobs_from_json(args.knobs))
+        except ValueError as e:
+            ap.error(f"--knobs: {e}")
         measured = measure_knobs(knobs, seeds=seeds)
         out = {"seeds": seeds, "knobs": knobs, "measured": {k: round(v, 4) for k, v in measured.items()},
                "targets": {lv: score(lv, measured) for lv in SCOPE_TARGETS}}

@@ -86,11 +86,12 @@ def main(argv=None) -> int:
     p.add_argument("--synth-knobs", default=None, metavar="JSON",
                    help='content knobs that replace the level\'s, e.g. \'{"shared_path": 1, "self_from_history": 1}\'')
     args = p.parse_args(argv)
-    knobs = json.loads(args.synth_knobs) if args.synth_knobs else {}
-    from verl_ext.trace.synth import KNOBS
+    from verl_ext.trace.synth import knobs_from_json
 
-    if set(knobs) - set(KNOBS):
-        p.error(f"unknown knob(s) {sorted(set(knobs) - set(KNOBS))}; knobs: {list(KNOBS)}")
+    try:
+        knobs = knobs_from_json(args.synth_knobs) if args.synth_knobs else {}
+    except ValueError as e:
+        p.error(f"--synth-knobs: {e}")
     t0 = time.monotonic()
     out = {"bench": "scopes", "traces": [measure(str(REPO / t) if not Path(t).is_absolute() else t, args.k)
                                          for t in (args.trace or ([] if args.synth else TRACES))]}

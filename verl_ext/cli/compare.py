@@ -5,7 +5,6 @@ simulator's report goes beside it."""
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Optional
@@ -141,22 +140,6 @@ def _given(args, *names) -> dict:
     return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
 
 
-def _synth_knobs(text: Optional[str]) -> dict:
-    """``--synth-knobs``: a JSON object of ``verl_ext.trace.synth.KNOBS`` (validated by
-    ``SynthConfig`` when the workload is made)."""
-    if not text:
-        return {}
-    from verl_ext.trace.synth import KNOBS
-
-    try:
-        knobs = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--synth-knobs is not JSON: {e}") from None
-    if not isinstance(knobs, dict) or set(knobs) - set(KNOBS):
-        raise ValueError(f"--synth-knobs takes an object of content knobs {list(KNOBS)}; got {text}")
-    return knobs
-
-
 def _run_sim(args) -> int:
     from verl_ext.sim.runner import SimConfig, run_sim_ab
     from verl_ext.vllm.local import split_engine_args
@@ -173,7 +156,14 @@ def _run_sim(args) -> int:
                              "and their tokens from the trace")
     synth = {k: v for k, v in {"prompts": args.prompts, "samples": args.samples, "mean_len": args.mean_len,
                                 "max_len": args.max_len}.items() if v is not None}
-    knobs = _synth_knobs(args.synth_knobs)
+    knobs = {}
+    if args.synth_knobs:
+        from verl_ext.trace.synth import knobs_from_json
+
+        try:
+            knobs = knobs_from_json(args.synth_knobs)
+        except ValueError as e:
+            raise ValueError(f"--synth-knobs: {e}") from None
     shaping = [*synth, *(["synth_knobs"] if knobs else []), *(["similarity"] if args.similarity else [])]
     synth.update(knobs)
     if args.trace and shaping:

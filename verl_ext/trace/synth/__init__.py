@@ -15,6 +15,7 @@ from verl_ext.trace.synth.calibration import (
     SCOPE_TARGETS,
     SEED_TARGETS,
     SIMILARITY_LEVELS,
+    knobs_from_json,
     with_level,
 )
 from verl_ext.trace.synth.config import SynthConfig
@@ -32,6 +33,7 @@ __all__ = [
     "CALIBRATION_CONFIG",
     "CALIBRATION_STATS",
     "with_level",
+    "knobs_from_json",
     "synthesize",
     "sample_lengths",
     "similarity_stats",

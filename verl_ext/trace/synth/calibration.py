@@ -9,6 +9,7 @@ understates drafting on clusters."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Optional
 
 from verl_ext.trace.synth.config import SynthConfig
@@ -135,6 +136,21 @@ SCOPE_REFERENCES: dict[str, list[dict]] = {
     ],
     "measured": [],
 }
+
+
+def knobs_from_json(text: str) -> dict:
+    """A JSON object of content knobs (``KNOBS``), as the ``--synth-knobs``/``--knobs`` flags take
+    it; ``ValueError`` names what is wrong. Their values are checked by ``SynthConfig``."""
+    try:
+        knobs = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not JSON: {e}") from None
+    if not isinstance(knobs, dict):
+        raise ValueError(f"takes a JSON object of content knobs {list(KNOBS)}; got {text}")
+    unknown = sorted(set(knobs) - set(KNOBS))
+    if unknown:
+        raise ValueError(f"unknown knob(s) {unknown}; knobs: {list(KNOBS)}")
+    return knobs
 
 
 def with_level(cfg: SynthConfig, level: str) -> SynthConfig:

@@ -252,7 +252,8 @@ class _Plan:
         sib_p = paths.integers(0, G, size=P)
         if cfg.shared_path > 0:  # the response follows its group template's path instead of its own
             share = np.random.default_rng([cfg.seed, 8, e]).random(n) < cfg.shared_path
-            h_all = np.where(share, h_all[np.arange(n) // G * G + sib_p[np.arange(n) // G]], h_all)
+            group = np.arange(n) // G
+            h_all = np.where(share, h_all[group * G + sib_p[group]], h_all)
         h = h_all[resp[run_first]]
         sib = sib_p[p[run_first]]
         rk = kind[run_first]
@@ -271,10 +272,11 @@ class _Plan:
             hist = kind == _KINDS_HISTORY
             upto = np.cumsum(hist)  # history segments up to and including each segment
             first = (np.cumsum(nseg) - nseg)[resp[run_first]]
-            before = upto[run_first] - hist[run_first] - (upto[first] - hist[first])
+            earlier = upto[first] - hist[first]  # history segments of responses before this one
+            before = upto[run_first] - hist[run_first] - earlier
             pick = np.random.default_rng([cfg.seed, 9, e])
             redo = selfr & (before > 0) & (pick.random(nrun) < cfg.self_from_history)
-            nth = (upto[first] - hist[first]) + np.floor(pick.random(nrun) * before).astype(np.int64) + 1
+            nth = earlier + np.floor(pick.random(nrun) * before).astype(np.int64) + 1
             start = np.where(redo, q[np.minimum(np.searchsorted(upto, nth), q.size - 1)], start)
         sel = (kind != _KINDS_BASE) & (rk[run] != _KINDS_BASE)
         r = run[sel]
