@@ -171,9 +171,17 @@ def test_same_tokens_counts_the_responses_equal_to_the_first_arms():
     assert format_same_tokens(summary).splitlines() == [
         "b: 2/3 responses token-identical to a's", "c: 1/3 responses token-identical to a's"]
     assert not_identical(summary) == ["b: 2/3", "c: 1/3"]
+    # real engines in bf16 (the model's own dtype): the counts say why they may fall short
+    bf16 = {**summary, "config": {"engine": {"engine": "vllm", "cpu": True}}}
+    note = format_same_tokens(bf16).splitlines()[2]
+    assert note.startswith("note: the engines ran the model's own dtype") and "float32" in note
+    assert "bfloat16, whose" in format_same_tokens({**summary, "config": {"engine": {"engine": "vllm", "dtype": "bfloat16"}}})
+    f32 = {**summary, "config": {"engine": {"engine": "vllm", "dtype": "float32"}}}
+    assert len(format_same_tokens(f32).splitlines()) == 2  # float32 differences are not numerics: no excuse
     runs[1].token_ids = runs[2].token_ids = runs[0].token_ids
     same_tokens(runs)
     assert not_identical({"strategies": {r.name: r.metrics for r in runs}}) == []
+    assert "note" not in format_same_tokens({"strategies": {r.name: r.metrics for r in runs}, **bf16})
 
 
 @pytest.mark.parametrize(

