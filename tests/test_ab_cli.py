@@ -181,7 +181,7 @@ def test_same_tokens_counts_the_responses_equal_to_the_first_arms():
     runs[1].token_ids = runs[2].token_ids = runs[0].token_ids
     same_tokens(runs)
     assert not_identical({"strategies": {r.name: r.metrics for r in runs}}) == []
-    assert "note" not in format_same_tokens({"strategies": {r.name: r.metrics for r in runs}, **bf16})
+    assert "note" not in format_same_tokens({**bf16, "strategies": {r.name: r.metrics for r in runs}})
 
 
 @pytest.mark.parametrize(
