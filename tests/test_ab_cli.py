@@ -175,6 +175,8 @@ def test_same_tokens_counts_the_responses_equal_to_the_first_arms():
     bf16 = {**summary, "config": {"engine": {"engine": "vllm", "cpu": True}}}
     note = format_same_tokens(bf16).splitlines()[2]
     assert note.startswith("note: the engines ran the model's own dtype") and "float32" in note
+    auto = {**summary, "config": {"engine": {"engine": "vllm", "dtype": "auto"}}}
+    assert format_same_tokens(auto).splitlines()[2] == note  # --dtype auto is the model's own
     assert "bfloat16, whose" in format_same_tokens({**summary, "config": {"engine": {"engine": "vllm", "dtype": "bfloat16"}}})
     f32 = {**summary, "config": {"engine": {"engine": "vllm", "dtype": "float32"}}}
     assert len(format_same_tokens(f32).splitlines()) == 2  # float32 differences are not numerics: no excuse

@@ -79,8 +79,8 @@ NOT_FLOAT32_NOTE = (
 
 def format_same_tokens(summary: dict) -> str:
     """One line per arm compared with the first (``same_tokens``); empty if none was. Where some
-    arm differs and the engines' dtype was not float32 (``config.engine.dtype``; absent: the
-    model's own), a note says that reduced-precision kernels depend on batching."""
+    arm differs and the engines' dtype was not float32 (``config.engine.dtype``; absent or
+    ``auto``: the model's own), a note says that reduced-precision kernels depend on batching."""
     lines = []
     for name, m in summary["strategies"].items():
         st = m.get("same_tokens_as_first")
@@ -88,7 +88,9 @@ def format_same_tokens(summary: dict) -> str:
             lines.append(f"{name}: {st['same']}/{st['of']} responses token-identical to {st['first']}'s")
     engine = (summary.get("config") or {}).get("engine")
     if not_identical(summary) and isinstance(engine, dict) and engine.get("engine") == "vllm":
-        dtype = engine.get("dtype") or "the model's own dtype (bf16 for the default model)"
+        dtype = engine.get("dtype")
+        if dtype in (None, "auto"):
+            dtype = "the model's own dtype (bf16 for the default model)"
         if dtype not in ("float32", "float"):
             lines.append("note: " + NOT_FLOAT32_NOTE.format(dtype=dtype))
     return "\n".join(lines)
