@@ -175,9 +175,11 @@ def _compose_one_step_off(overrides):
 
 
 def _v0_manager(strategy, model_dir, n, *overrides, delay=0.0, compose=compose_verl, server_cls=None,
-                client_cls=None):
+                client_cls=None, workers=1):
     """verl_ext's V0 manager for ``rollout=<strategy>`` over two fake servers (veRL's real load
-    balancer), given veRL's ``client_cls`` (default ``LLMServerClient``)."""
+    balancer), given veRL's ``client_cls`` (default ``LLMServerClient``), with ``workers``
+    agent-loop workers: one unless a test needs calls from several (each is a Ray actor that
+    imports veRL and torch, most of a test's time on a 2-core machine)."""
     from verl.workers.rollout.llm_server import LLMServerClient
     from verl.workers.rollout.router import get_router_handle
 
@@ -186,7 +188,7 @@ def _v0_manager(strategy, model_dir, n, *overrides, delay=0.0, compose=compose_v
     config = compose(
         [f"rollout@actor_rollout_ref.rollout={strategy}", f"actor_rollout_ref.model.path={model_dir}",
          "actor_rollout_ref.rollout.name=vllm", f"actor_rollout_ref.rollout.n={n}",
-         "actor_rollout_ref.rollout.agent.num_workers=2", "actor_rollout_ref.rollout.prompt_length=128",
+         f"actor_rollout_ref.rollout.agent.num_workers={workers}", "actor_rollout_ref.rollout.prompt_length=128",
          "actor_rollout_ref.rollout.response_length=16",
          *(["trainer.use_v1=false"] if compose is compose_verl else []),
          "data.return_raw_chat=true", *overrides],
@@ -213,7 +215,9 @@ def test_manager_rhyme_feeds_history_and_serves_it_next_epoch(ray_local, model_d
 
     n = 3
     opts = "actor_rollout_ref.rollout.custom.verl_ext.options"
-    manager, servers = _v0_manager("rhyme", model_dir, n, f"trainer.default_local_dir={tmp_path}", f"{opts}.histopipe=true")
+    # two agent-loop workers: the dispatcher takes each step's calls from both
+    manager, servers = _v0_manager("rhyme", model_dir, n, f"trainer.default_local_dir={tmp_path}", f"{opts}.histopipe=true",
+                                   workers=2)
 
     def run(step):
         gen = _batch(4).repeat(repeat_times=n, interleave=True)
