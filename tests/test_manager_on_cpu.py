@@ -224,6 +224,7 @@ def test_manager_rhyme_feeds_history_and_serves_it_next_epoch(ray_local, model_d
         gen.meta_info["global_steps"] = step
         return manager.generate_sequences(gen)
 
+    started = time.monotonic()
     out1 = run(1)
     m1 = out1.meta_info["timing"]
     assert m1["verl_ext/rhyme/histopipe_active"] == 0  # first epoch: no history
@@ -245,8 +246,13 @@ def test_manager_rhyme_feeds_history_and_serves_it_next_epoch(ray_local, model_d
         responses.setdefault(prompt_group_id(p.tolist()), []).append(out1.batch["responses"][row][mask[row]].tolist())
 
     out2 = run(2)
+    both_s = time.monotonic() - started
     m2 = out2.meta_info["timing"]
     assert m2["verl_ext/rhyme/histopipe_active"] == 1 and m2["verl_ext/rhyme/history_prompts"] == 4
+    # HistoPipe placed every request in its ranking group's block, and its tier 2 floors t0 at the
+    # trainer's time between the two rollouts, as the dispatcher saw it
+    assert m2["verl_ext/mechanisms/histopipe_placements"] >= 4 * n
+    assert "verl_ext/rhyme/t_train_s" not in m1 and 0 < m2["verl_ext/rhyme/t_train_s"] < both_s
     assert m2["verl_ext/history/failures"] == 0 and m2["verl_ext/history/ingested"] >= 4 * n
     # histories go out in the background (no request waits for them): wait for them to arrive
     deadline = time.monotonic() + 30
