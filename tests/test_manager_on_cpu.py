@@ -67,6 +67,10 @@ class FakeServer:
     async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):  # vLLMHttpServer's signature
         self.rpcs.append((method, args))
 
+    def reset(self):
+        """As new (the next test's): ``_servers`` shares a pair between the module's tests."""
+        self.__init__(self.name, self.delay)
+
     def num_calls(self):
         return self.calls
 
@@ -88,6 +92,10 @@ class MarkovServer:
     def __init__(self, name, delay=0.02):
         self.name, self.delay, self.aborts, self.version = name, delay, 0, 1
         self.calls, self.bump_at, self.bump_to = 0, None, None
+
+    def reset(self):
+        """As new (the next test's): ``_servers`` shares a pair between the module's tests."""
+        self.__init__(self.name, self.delay)
 
     def abort(self, n):
         self.aborts += n
@@ -174,14 +182,39 @@ def _compose_one_step_off(overrides):
         os.chdir(cwd)
 
 
-def _v0_manager(strategy, model_dir, n, *overrides, delay=0.0, compose=compose_verl, server_cls=None,
-                client_cls=None, workers=1):
-    """verl_ext's V0 manager for ``rollout=<strategy>`` over two fake servers (veRL's real load
-    balancer), given veRL's ``client_cls`` (default ``LLMServerClient``), with ``workers``
-    agent-loop workers: one unless a test needs calls from several (each is a Ray actor that
-    imports veRL and torch, most of a test's time on a 2-core machine)."""
-    from verl.workers.rollout.llm_server import LLMServerClient
+#: (server class, delay) -> two fake servers and veRL's load balancer over them, shared by the
+#: module's tests (each of the three is a Ray actor whose process imports veRL: about 10 s of a
+#: 2-core machine's time per test); ``ray_local`` clears it when its Ray stops
+_SHARED: dict = {}
+
+
+def _servers(cls, delay, fresh=False):
+    """Two servers of ``cls`` (as new: ``reset``) and veRL's real load balancer over them; with
+    ``fresh``, a pair of the test's own (where a previous manager's background calls, still
+    arriving, would be counted)."""
     from verl.workers.rollout.router import get_router_handle
+
+    key = (cls, delay)
+    if fresh:
+        servers = {f"s{i}": cls.remote(f"s{i}", delay) for i in range(2)}
+        return servers, get_router_handle(servers=servers, router_config_path=None, full_determinism=False)
+    if key in _SHARED:
+        servers, lb = _SHARED[key]
+        ray.get([s.reset.remote() for s in servers.values()])
+        return servers, lb
+    servers = {f"s{i}": cls.remote(f"s{i}", delay) for i in range(2)}
+    _SHARED[key] = servers, get_router_handle(servers=servers, router_config_path=None, full_determinism=False)
+    return _SHARED[key]
+
+
+def _v0_manager(strategy, model_dir, n, *overrides, delay=0.0, compose=compose_verl, server_cls=None,
+                client_cls=None, workers=1, fresh=False):
+    """verl_ext's V0 manager for ``rollout=<strategy>`` over two fake servers (veRL's real load
+    balancer; the module's shared pair, ``_servers``), given veRL's ``client_cls`` (default
+    ``LLMServerClient``), with ``workers`` agent-loop workers: one unless a test needs calls from
+    several (each is a Ray actor that imports veRL and torch, most of a test's time on a 2-core
+    machine)."""
+    from verl.workers.rollout.llm_server import LLMServerClient
 
     from verl_ext.rollout.manager import VerlExtAgentLoopManager
 
@@ -193,8 +226,7 @@ def _v0_manager(strategy, model_dir, n, *overrides, delay=0.0, compose=compose_v
          *(["trainer.use_v1=false"] if compose is compose_verl else []),
          "data.return_raw_chat=true", *overrides],
     )
-    servers = {f"s{i}": (server_cls or FakeServer).remote(f"s{i}", delay) for i in range(2)}
-    lb = get_router_handle(servers=servers, router_config_path=None, full_determinism=False)
+    servers, lb = _servers(server_cls or FakeServer, delay, fresh)
     client = (client_cls or LLMServerClient)(config, load_balancer_handle=lb)
     return VerlExtAgentLoopManager.create(config=config, llm_client=client), servers
 
@@ -203,6 +235,7 @@ def _v0_manager(strategy, model_dir, n, *overrides, delay=0.0, compose=compose_v
 def ray_local():
     ray.init(num_cpus=2, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
     yield
+    _SHARED.clear()
     ray.shutdown()
 
 
@@ -336,7 +369,7 @@ def test_manager_seer_syncs_group_trees_across_servers(ray_local, model_dir):
     outs = {}
     for dgds in ("true", "false"):
         manager, servers = _v0_manager("seer", model_dir, n, f"{opts}.chunk_size=2", f"{opts}.dgds={dgds}",
-                                       f"{opts}.dgds_sync_interval_s=0.01", delay=0.05)
+                                       f"{opts}.dgds_sync_interval_s=0.01", delay=0.05, fresh=True)
         # the server starts beside the first step's first chunks; the second step runs with it up
         first = manager.generate_sequences(_batch(3).repeat(repeat_times=n, interleave=True))
         before = manager.verl_ext_metrics().get("verl_ext/seer/dgds_tokens", 0.0)
