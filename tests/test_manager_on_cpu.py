@@ -250,7 +250,7 @@ def test_manager_rhyme_feeds_history_and_serves_it_next_epoch(ray_local, model_d
     opts = "actor_rollout_ref.rollout.custom.verl_ext.options"
     # two agent-loop workers: the dispatcher takes each step's calls from both
     manager, servers = _v0_manager("rhyme", model_dir, n, f"trainer.default_local_dir={tmp_path}", f"{opts}.histopipe=true",
-                                   workers=2)
+                                   workers=2, fresh=True)  # its own servers: it counts their drafter calls
 
     def run(step):
         gen = _batch(4).repeat(repeat_times=n, interleave=True)
