@@ -195,16 +195,15 @@ def _servers(cls, delay, fresh=False):
     from verl.workers.rollout.router import get_router_handle
 
     key = (cls, delay)
-    if fresh:
-        servers = {f"s{i}": cls.remote(f"s{i}", delay) for i in range(2)}
-        return servers, get_router_handle(servers=servers, router_config_path=None, full_determinism=False)
-    if key in _SHARED:
+    if not fresh and key in _SHARED:
         servers, lb = _SHARED[key]
         ray.get([s.reset.remote() for s in servers.values()])
         return servers, lb
     servers = {f"s{i}": cls.remote(f"s{i}", delay) for i in range(2)}
-    _SHARED[key] = servers, get_router_handle(servers=servers, router_config_path=None, full_determinism=False)
-    return _SHARED[key]
+    pair = servers, get_router_handle(servers=servers, router_config_path=None, full_determinism=False)
+    if not fresh:
+        _SHARED[key] = pair
+    return pair
 
 
 def _v0_manager(strategy, model_dir, n, *overrides, delay=0.0, compose=compose_verl, server_cls=None,
