@@ -37,6 +37,37 @@ def test_sim_ab_on_the_committed_trace(tmp_path, capsys):
     assert "| oracle |" in (out / "report.md").read_text()
 
 
+#: metrics that time this host, not the simulated cluster: they differ between runs
+HOST_TIMES = {"sim_seconds", "strategy/decision_s", "strategy/bon_decision_s", "strategy/history_serve_s"}
+
+
+def _simulated(arms: dict) -> dict:
+    """Each arm's metrics without its host timings (``HOST_TIMES``)."""
+    return {name: {k: v for k, v in m.items() if k not in HOST_TIMES} for name, m in arms.items()}
+
+
+def test_arms_in_worker_processes_give_the_figures_of_one_process(tmp_path, capsys):
+    """``--jobs 2`` runs the arms in two forked workers: every simulated figure, the records and
+    the report's timeline plots are those of ``--jobs 1``, arm for arm and in the order given."""
+    arms = "rlhfspec,baseline,rhyme"
+    got = {}
+    for jobs in ("1", "2"):
+        out = tmp_path / f"jobs{jobs}"
+        rc = main(["sim", "--trace", str(TRACE), "--preset", "cpu-smollm2", "--instances", "2", "--strategies", arms,
+                   "--jobs", jobs, "--out", str(out), "--no-progress"])
+        assert rc == 0, capsys.readouterr().err
+        got[jobs] = json.loads((out / "summary.json").read_text())
+        assert list(got[jobs]["strategies"]) == arms.split(",")
+        assert (out / "kv_running.png").stat().st_size > 0 and (out / "acceptance.png").stat().st_size > 0
+    one, two = (got[j]["strategies"] for j in ("1", "2"))
+    assert one["rlhfspec"]["draft_tokens"] > 0 and one["rlhfspec"]["mechanisms"]["selection_steps"] > 0
+    assert _simulated(one) == _simulated(two)
+    read = lambda j: sorted((tmp_path / f"jobs{j}" / "requests.jsonl").read_text().splitlines())  # noqa: E731
+    assert read("1") == read("2")
+    _bad(tmp_path, capsys, ["--trace", str(TRACE), "--jobs", "0"], "--jobs must be >= 1")
+    _bad(tmp_path, capsys, ["--trace", str(TRACE), "--jobs", "2", "--pipeline", "sync"], "--pipeline's arms")
+
+
 def test_sim_ab_default_scenario_shape(tmp_path):
     """The synthetic workload path of the default scenario, shrunk by flags."""
     out = tmp_path / "ab"

@@ -121,6 +121,9 @@ def add_commands(sub) -> None:
                        description="Roll out a trace or the synthetic long-tail scenario on simulated instances whose "
                                    "step times come from a cost model, once per strategy arm, and compare them.")
     _flags(p, sim=True)
+    p.add_argument("--jobs", type=int, default=None,
+                   help="arms simulated side by side in this many worker processes; the figures do not change "
+                        "(default: one per arm, at most the CPUs this process may use; 1: one after another)")
     p.set_defaults(run=_run_sim)
 
 
@@ -185,7 +188,10 @@ def _run_sim(args) -> int:
         engine_args=split_engine_args(args.engine_arg or ()),  # CostModel.with_engine_args refuses what it cannot model
         **_given(args, "instances", "preset", "steps", "t_train", "kv_pool_gbps", "dispatcher", "warm_epochs"),
     )
-    summary = run_sim_ab(cfg, progress=not args.no_progress)
+    jobs = getattr(args, "jobs", None)  # not a flag of the deprecated `ab --sim`
+    if jobs is not None and cfg.pipeline is not None:
+        raise ValueError("--jobs runs a rollout's arms side by side; --pipeline's arms run one after another")
+    summary = run_sim_ab(cfg, progress=not args.no_progress, jobs=jobs)
     if cfg.pipeline is not None:
         from verl_ext.sim.pipeline import format_pipeline_table
 

@@ -60,6 +60,14 @@ from verl_ext.spec.select import cumulative_scores
 MODES = ("auto", "cached", "lockstep", "exact")
 
 
+def replay_mode(spec: SpecOptions, mode: str = "auto") -> str:
+    """The mode ``auto`` stands for with ``spec``: ``exact`` for workload-aware selection and the
+    global scope, else ``lockstep`` with the group scope, else ``cached``; other modes as given."""
+    if mode != "auto":
+        return mode
+    return "exact" if spec.select or spec.mask & SCOPE_GLOBAL else "lockstep" if spec.mask & SCOPE_GROUP else "cached"
+
+
 class ReplayDrafter:
     def __init__(self, spec: SpecOptions, source: TraceSource, mode: str = "auto", history=None,
                  preload: bool = True, max_bytes: Optional[int] = None):
@@ -73,8 +81,7 @@ class ReplayDrafter:
             raise ValueError(f"unknown replay mode '{mode}'; valid: {list(MODES)}")
         self.spec = spec
         self.mask = spec.mask
-        if mode == "auto":
-            mode = "exact" if spec.select or self.mask & SCOPE_GLOBAL else "lockstep" if self.mask & SCOPE_GROUP else "cached"
+        mode = replay_mode(spec, mode)
         if spec.select and mode != "exact":
             raise ValueError("workload-aware selection (spec select) decides every step from the step's drafts; "
                              f"it needs replay mode 'exact', not '{mode}'")

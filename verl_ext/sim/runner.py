@@ -11,9 +11,11 @@ with its PNGs (``verl_ext.sim.report``).
 from __future__ import annotations
 
 import datetime as _dt
+import multiprocessing as mp
 import os
 import platform
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -122,12 +124,30 @@ class SimArm:
     name: str
     metrics: dict
     records: list
-    instances: list  # SimInstance (timelines, counters)
+    instances: list  # SimInstance (timelines, counters); an arm run in a worker: ArmTimeline
 
 
-def run_sim_ab(cfg: SimConfig, progress: bool = True, trace=None) -> dict:
-    """Run every strategy in ``cfg`` on simulated instances; write outputs into ``cfg.out``."""
+@dataclass
+class ArmTimeline:
+    """What the report reads of an instance (its ``timeline``), for an arm run in a worker process."""
+    timeline: Optional[list]
+
+
+def default_jobs(arms: int) -> int:
+    """Worker processes for ``arms`` arms: one per arm, at most the CPUs this process may run on."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(arms, cpus))
+
+
+def run_sim_ab(cfg: SimConfig, progress: bool = True, trace=None, jobs: Optional[int] = None) -> dict:
+    """Run every strategy in ``cfg`` on simulated instances; write outputs into ``cfg.out``.
+
+    ``jobs``: arms run side by side in this many forked worker processes (default
+    ``default_jobs``; 1: one after another in this process). Arms share nothing, so each arm's
+    figures are the same either way; only ``sim_seconds`` (each arm's own wall time) differs."""
     cfg.validate()
+    if jobs is not None and jobs < 1:
+        raise ValueError(f"--jobs must be >= 1, got {jobs}")
     if cfg.pipeline is not None:
         from verl_ext.sim.pipeline import run_pipeline_ab
 
@@ -146,12 +166,18 @@ def run_sim_ab(cfg: SimConfig, progress: bool = True, trace=None) -> dict:
     max_tokens, requests = _epoch_requests(cfg, trace, rows)
     load_s = time.perf_counter() - t_load
 
-    results = []
-    for label, strategy, spec, kv_pool in arms:
+    def one(i: int, position: int = 0) -> SimArm:
+        label, strategy, spec, kv_pool = arms[i]
         warm = _warm_instances(cfg, trace, epoch, strategy, spec, cost) if cfg.warm_epochs else None
-        results.append(run_arm(label, strategy, spec, trace, rows, history, cost, cfg.instances, cfg.replay, requests,
-                               seed=cfg.seed, progress=progress, kv_pool=kv_pool, dispatcher=cfg.dispatcher,
-                               warm_from=warm))
+        return run_arm(label, strategy, spec, trace, rows, history, cost, cfg.instances, cfg.replay, requests,
+                       seed=cfg.seed, progress=progress, kv_pool=kv_pool, dispatcher=cfg.dispatcher,
+                       warm_from=warm, bar_position=position)
+
+    jobs = default_jobs(len(arms)) if jobs is None else min(jobs, len(arms))
+    if jobs > 1 and "fork" in mp.get_all_start_methods():
+        results = _run_forked(one, _per_step_first(arms, cfg.replay), jobs)
+    else:
+        results = [one(i) for i in range(len(arms))]
     _add_ratios(results)
     summary = {
         "schema": SCHEMA,
@@ -173,6 +199,37 @@ def run_sim_ab(cfg: SimConfig, progress: bool = True, trace=None) -> dict:
     }
     _write(out, summary, results)
     return summary
+
+
+_FORKED_ARM = None  # the arm runner a forked worker calls (``_run_forked``)
+
+
+def _forked_arm(i: int) -> SimArm:
+    arm = _FORKED_ARM(i, position=i)
+    return SimArm(arm.name, arm.metrics, arm.records, [ArmTimeline(getattr(s, "timeline", None)) for s in arm.instances])
+
+
+def _run_forked(one, order: list[int], jobs: int) -> list[SimArm]:
+    """``one(i)`` for every arm ``i`` in ``jobs`` forked worker processes, started in ``order``,
+    returned in arm order. The workers inherit the loaded workload (copy on write) and send back
+    metrics, records and timelines."""
+    global _FORKED_ARM
+    _FORKED_ARM = one
+    try:
+        with ProcessPoolExecutor(jobs, mp_context=mp.get_context("fork")) as ex:
+            futures = {i: ex.submit(_forked_arm, i) for i in order}
+            return [futures[i].result() for i in sorted(futures)]
+    finally:
+        _FORKED_ARM = None
+
+
+def _per_step_first(arms: list, replay: str) -> list[int]:
+    """Arm indices, those whose drafts replay every engine step (``exact`` mode: the slowest to
+    simulate) first, so that workers do not wait on one started last."""
+    from verl_ext.sim.drafting import replay_mode
+
+    slow = [spec is not None and replay_mode(spec, replay) == "exact" for _, _, spec, _ in arms]
+    return sorted(range(len(arms)), key=lambda i: not slow[i])
 
 
 def _epoch_requests(cfg: SimConfig, trace, rows) -> tuple[int, list]:
@@ -197,7 +254,7 @@ def _warm_instances(cfg: SimConfig, trace, epoch: int, strategy, spec, cost) -> 
 
 def run_arm(label, strategy, spec, trace, rows, history, cost, instances: int, replay: str, requests,
             seed: int = 0, progress: bool = False, record_timeline: bool = True, kv_pool=None,
-            dispatcher: bool = True, warm_from: Optional[list] = None) -> SimArm:
+            dispatcher: bool = True, warm_from: Optional[list] = None, bar_position: int = 0) -> SimArm:
     """One strategy (with its drafting options ``spec`` or None) over trace ``rows`` on
     ``instances`` simulated instances of ``cost``; ``history`` feeds the history scope;
     ``kv_pool``: the instances' shared ``KVPool`` (None: none); ``dispatcher``: every call
@@ -242,7 +299,7 @@ def run_arm(label, strategy, spec, trace, rows, history, cost, instances: int, r
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(requests), desc=f"{label:>10}", unit="req", leave=True)
+        bar = tqdm(total=len(requests), desc=f"{label:>10}", unit="req", leave=True, position=bar_position)
 
     async def main():
         import asyncio
