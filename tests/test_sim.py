@@ -345,3 +345,27 @@ def test_warm_epochs_roll_the_first_epoch_out_before_the_timed_one(tmp_path):
     assert again["rlhfspec"]["wall_s"] == warm["rlhfspec"]["wall_s"]
     with pytest.raises(ValueError, match="warm-epochs"):
         SimConfig(warm_epochs=True, pipeline="sync").validate()
+
+
+def test_exact_replay_caches_a_batch_only_while_it_runs(monkeypatch):
+    """Workload-aware selection replays every step of a batch from its cached index keys, rows
+    and ends (``ReplayDrafter._batch``); batches that change (admissions, finishes, preemptions
+    on a tight cache) give exactly the figures of rebuilding them every step."""
+    tr = _trace(groups=8, samples=4, seed=3)
+    spec = SpecOptions(scopes="request+group", k=4, select=True)
+
+    def run():
+        src = TraceSource(tr)
+        drafter = ReplayDrafter(spec, src, "exact")
+        insts = [SimInstance(f"sim-{i}", _cost(cap=800, seqs=6), src, drafter) for i in range(2)]
+        return _run("baseline", insts, _requests(tr)).metrics, sum(i.preemptions for i in insts)
+
+    cached, preempted = run()
+    assert preempted > 0 and cached["draft_tokens"] > 0
+
+    def rebuilt(self, keys):
+        ends = np.fromiter((self._ends[k] for k in keys), dtype=np.int64, count=len(keys))
+        return keys, [self._ik[k] for k in keys], [self._rows[k] for k in keys], ends
+
+    monkeypatch.setattr(ReplayDrafter, "_batch", rebuilt)
+    assert run()[0] == cached

@@ -144,7 +144,7 @@ def _given(args, *names) -> dict:
 
 
 def _run_sim(args) -> int:
-    from verl_ext.sim.runner import SimConfig, run_sim_ab
+    from verl_ext.sim.runner import SimConfig, default_jobs, run_sim_ab
     from verl_ext.vllm.local import split_engine_args
 
     for flag in ("model", "temperature", "epochs", "difficulty"):
@@ -191,7 +191,7 @@ def _run_sim(args) -> int:
     jobs = getattr(args, "jobs", None)  # not a flag of the deprecated `ab --sim`
     if jobs is not None and cfg.pipeline is not None:
         raise ValueError("--jobs runs a rollout's arms side by side; --pipeline's arms run one after another")
-    summary = run_sim_ab(cfg, progress=not args.no_progress, jobs=jobs)
+    summary = run_sim_ab(cfg, progress=not args.no_progress, jobs=default_jobs(len(cfg.strategies)) if jobs is None else jobs)
     if cfg.pipeline is not None:
         from verl_ext.sim.pipeline import format_pipeline_table
 

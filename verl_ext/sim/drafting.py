@@ -58,6 +58,7 @@ from verl_ext.spec.options import SpecOptions, request_drafting
 from verl_ext.spec.select import cumulative_scores
 
 MODES = ("auto", "cached", "lockstep", "exact")
+_MAX_BATCHES = 1024  # exact mode's cached batches (``ReplayDrafter._batch``), one per instance in use
 
 
 def replay_mode(spec: SpecOptions, mode: str = "auto") -> str:
@@ -97,6 +98,7 @@ class ReplayDrafter:
         self._cache: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self._resp_len = source.trace.response_lengths()
         self._finished: dict[str, set[int]] = {}  # group -> sample indices whose whole response is out
+        self._fractions: dict[str, float] = {}  # group -> the share of its responses in ``_finished``
         self._listeners: list = []  # instances told when a response finishes (adaptive drafting)
         self._rows: dict[str, np.ndarray] = {}
         self._ends: dict[str, int] = {}
@@ -106,6 +108,10 @@ class ReplayDrafter:
         self._ik: dict[str, str] = {}
         self._masks: dict[str, int] = {}  # exact mode: keys whose request narrowed the scopes
         self._starts = 0
+        #: exact mode: per batch (keyed by its key list's id; the list itself is kept, so the id
+        #: stays its own) the index keys, rows and ends. A batch's requests keep their index keys
+        #: until one of them starts or leaves, which clears every entry.
+        self._batches: dict[int, tuple[list, list, list, np.ndarray]] = {}
         self._aimd = spec.aimd_windows()  # exact mode's per-request windows (replay keeps its own)
         self._aimd_at: dict[str, tuple[int, int]] = {}  # key -> (position observed at, window before)
         if self.mask & SCOPE_GLOBAL and history is not None:
@@ -157,18 +163,15 @@ class ReplayDrafter:
         if request.sample_index in done:
             return True
         done.add(request.sample_index)
+        self._fractions[request.group_id] = len(done) / max(1, len(self.source.group_rows(request.group_id)))
         for inst in self._listeners:
             inst.group_finished(request.group_id)
         return True
 
     def finished_fraction(self, groups) -> np.ndarray:
         """Per group id: responses completely finished / responses of the group in the trace."""
-        out = np.zeros(len(groups))
-        for j, g in enumerate(groups):
-            done = self._finished.get(g)
-            if done:
-                out[j] = len(done) / max(1, len(self.source.group_rows(g)))
-        return out
+        get = self._fractions.get
+        return np.fromiter((get(g, 0.0) for g in groups), dtype=np.float64, count=len(groups))
 
     def _start(self, key: str, request: GenRequest, prompt: np.ndarray, mask: Optional[int] = None) -> None:
         mask = self.mask if mask is None else mask
@@ -282,6 +285,7 @@ class ReplayDrafter:
         self._ends[key] = len(self._rows[key])
         self._starts += 1
         self._ik[key] = f"{key}\x00{self._starts}"
+        self._batches.clear()
         # per-request scopes (``spec_scopes``, as the vLLM proposer reads them; the window is the
         # instance's draft cap); only exact mode drafts per request
         mask, _ = request_drafting(request.extra, self.mask)
@@ -337,10 +341,9 @@ class ReplayDrafter:
     def _step_selected(self, keys, positions, caps, selector, kv_tokens):
         s = self.spec
         pos = np.asarray(positions, dtype=np.int64)
-        iks = [self._ik[k] for k in keys]
-        rows = [self._rows[k] for k in keys]
+        _, iks, rows, ends = self._batch(keys)
         self.index.sync_rows(iks, rows, pos)
-        left = self._left(keys, pos)
+        left = ends - pos
         ks = np.full(len(keys), s.k, dtype=np.int64) if caps is None else np.minimum(np.asarray(caps, dtype=np.int64), s.k)
         if not ks.any():  # a step the cut-off keeps plain: the engine's drafter selects nothing either
             self.last_scopes = np.zeros(len(keys), dtype=np.int64)
@@ -357,9 +360,16 @@ class ReplayDrafter:
         selector.observe(scores, lengths, acc)
         return np.minimum(acc + 1, left), lengths
 
-    def _left(self, keys, pos: np.ndarray) -> np.ndarray:
-        """Tokens each request has left to emit at ``pos``."""
-        return np.fromiter((self._ends[k] for k in keys), dtype=np.int64, count=len(keys)) - pos
+    def _batch(self, keys: list) -> tuple[list, list, list, np.ndarray]:
+        """(keys, index keys, rows, ends) of the batch ``keys``, cached while the batch runs: the
+        caller passes the same list object for as long as its batch is unchanged."""
+        got = self._batches.get(id(keys))
+        if got is None or got[0] is not keys:
+            if len(self._batches) >= _MAX_BATCHES:  # callers that pass a new list every step
+                self._batches.clear()
+            ends = np.fromiter((self._ends[k] for k in keys), dtype=np.int64, count=len(keys))
+            got = self._batches[id(keys)] = (keys, [self._ik[k] for k in keys], [self._rows[k] for k in keys], ends)
+        return got
 
     def _sync(self, key: str, pos: int) -> None:
         ik = self._ik[key]
@@ -370,6 +380,7 @@ class ReplayDrafter:
     def drop(self, key: str) -> None:
         """Forget ``key`` without syncing it (a request that left before running again)."""
         if key in self._rows:
+            self._batches.clear()
             del self._rows[key], self._ends[key]
             self._masks.pop(key, None)
             self.index.finish(self._ik.pop(key))

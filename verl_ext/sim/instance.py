@@ -110,6 +110,8 @@ class _Req:
         self.window: Optional[int] = request_drafting(request.extra, 0)[1]  # ``spec_window``
 
 
+_SCOPE_BINS = max(SCOPE_NAMES) + 1  # scope codes (bits) a drafter reports, for np.bincount
+
 #: "most siblings finished": the share of a group's responses done for its running requests to
 #: count in the late phase (``late_tokens``), where Seer reports its mean acceptance length
 LATE_FRACTION = 0.75
@@ -130,6 +132,8 @@ class SimInstance(Instance):
         self.drafter = drafter
         self.waiting: deque[_Req] = deque()
         self.running: list[_Req] = []
+        self._batch_keys: Optional[list] = None  # the running requests' drafter keys (None: changed since)
+        self._batch_groups: Optional[list] = None  # and their group ids
         self._by_id: dict[str, _Req] = {}
         self._kv = 0
         self._timer: Optional[asyncio.TimerHandle] = None
@@ -381,11 +385,16 @@ class SimInstance(Instance):
             return
         if self._plan_scopes is None:  # a drafter that does not say (synthetic draft models)
             return
-        for s, d, a in zip(self._plan_scopes.tolist(), drafted.tolist(), accepted.tolist()):
-            name = SCOPE_NAMES.get(s)
-            if d and name is not None:
-                self.scope_tokens[name][0] += d
-                self.scope_tokens[name][1] += a
+        scopes, drafting = self._plan_scopes, drafted > 0
+        if not drafting.any():
+            return
+        scopes = scopes[drafting]
+        d = np.bincount(scopes, weights=drafted[drafting], minlength=_SCOPE_BINS)
+        a = np.bincount(scopes, weights=accepted[drafting], minlength=_SCOPE_BINS)
+        for code, name in SCOPE_NAMES.items():  # exact: token counts far below 2**53
+            if d[code]:
+                self.scope_tokens[name][0] += int(d[code])
+                self.scope_tokens[name][1] += int(a[code])
 
     async def drafter_call(self, op: DrafterOp):
         """The engine drafter's history delivery, charged (see the module docstring):
@@ -443,6 +452,7 @@ class SimInstance(Instance):
 
     def _release(self, r: _Req) -> None:
         self.running.remove(r)
+        self._batch_keys = self._batch_groups = None
         if self._adaptive_f:
             self._groups[r.request.group_id] -= 1
         key = (r.request.group_id, r.request.sample_index)
@@ -526,6 +536,7 @@ class SimInstance(Instance):
         # preempt (recompute) until the next step fits: every request needs room for 1 + k tokens
         while len(self.running) > 1 and self._kv + self._headroom(len(self.running)) > cap:
             victim = self.running.pop()
+            self._batch_keys = self._batch_groups = None
             if self._adaptive_f:
                 self._groups[victim.request.group_id] -= 1
             self._kv -= victim.kv
@@ -561,6 +572,7 @@ class SimInstance(Instance):
             prefill += ctx - hit - from_pool
             load += from_pool
             self.running.append(r)
+            self._batch_keys = self._batch_groups = None
             if self._adaptive_f:
                 self._groups[r.request.group_id] += 1
             if self._pcache:
@@ -591,7 +603,7 @@ class SimInstance(Instance):
         else:
             fractions = None
             if getattr(self.drafter, "mask", 0) & SCOPE_GROUP:  # read once: the late phase and the adaptive budget
-                fractions = self.drafter.finished_fraction([r.request.group_id for r in self.running])
+                fractions = self.drafter.finished_fraction(self._groups_running())
                 self._late = fractions >= LATE_FRACTION
             caps = self._draft_caps(fractions=fractions)
             if self._cutoff is not None and caps is not None and not caps.any():
@@ -599,7 +611,9 @@ class SimInstance(Instance):
             self._plan_caps = caps
             split = None
             if self.drafter.per_step:
-                keys = [r.key for r in self.running]
+                if self._batch_keys is None:  # one list per batch: the drafter caches by it
+                    self._batch_keys = [r.key for r in self.running]
+                keys = self._batch_keys
                 pos = np.fromiter((r.ctx0 + r.pos for r in self.running), dtype=np.int64, count=B)
                 e, d = self.drafter.step(keys, pos, caps, self.selector, float(self._kv))
                 self._plan_scopes = getattr(self.drafter, "last_scopes", None)
@@ -662,4 +676,10 @@ class SimInstance(Instance):
         """The finished fraction of each running request's group (adaptive drafting)."""
         if not self._adaptive_f:
             return None
-        return self.drafter.finished_fraction([r.request.group_id for r in self.running])
+        return self.drafter.finished_fraction(self._groups_running())
+
+    def _groups_running(self) -> list:
+        """The running requests' group ids, in batch order (one list per batch)."""
+        if self._batch_groups is None:
+            self._batch_groups = [r.request.group_id for r in self.running]
+        return self._batch_groups

@@ -139,14 +139,14 @@ def default_jobs(arms: int) -> int:
     return max(1, min(arms, cpus))
 
 
-def run_sim_ab(cfg: SimConfig, progress: bool = True, trace=None, jobs: Optional[int] = None) -> dict:
+def run_sim_ab(cfg: SimConfig, progress: bool = True, trace=None, jobs: int = 1) -> dict:
     """Run every strategy in ``cfg`` on simulated instances; write outputs into ``cfg.out``.
 
-    ``jobs``: arms run side by side in this many forked worker processes (default
-    ``default_jobs``; 1: one after another in this process). Arms share nothing, so each arm's
+    ``jobs``: arms run side by side in this many forked worker processes (1: one after another
+    in this process; ``verl-ext sim`` passes ``default_jobs``). Arms share nothing, so each arm's
     figures are the same either way; only ``sim_seconds`` (each arm's own wall time) differs."""
     cfg.validate()
-    if jobs is not None and jobs < 1:
+    if jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {jobs}")
     if cfg.pipeline is not None:
         from verl_ext.sim.pipeline import run_pipeline_ab
@@ -173,7 +173,7 @@ def run_sim_ab(cfg: SimConfig, progress: bool = True, trace=None, jobs: Optional
                        seed=cfg.seed, progress=progress, kv_pool=kv_pool, dispatcher=cfg.dispatcher,
                        warm_from=warm, bar_position=position)
 
-    jobs = default_jobs(len(arms)) if jobs is None else min(jobs, len(arms))
+    jobs = min(jobs, len(arms))
     if jobs > 1 and "fork" in mp.get_all_start_methods():
         results = _run_forked(one, _per_step_first(arms, cfg.replay), jobs)
     else:

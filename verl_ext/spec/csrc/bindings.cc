@@ -270,8 +270,12 @@ PYBIND11_MODULE(_suffix, m) {
                auto row = py::array_t<int32_t, py::array::c_style | py::array::forcecast>::ensure(rows[i]);
                if (!row || row.ndim() != 1 || end > row.shape(0))
                  throw py::value_error("sync_rows: row " + std::to_string(i) + " must be a 1-D token array of at least ends[i] tokens");
-               Tokens t = tokens_of(row[py::slice(static_cast<py::ssize_t>(have), end, 1)], "tokens");
-               s.append(keys[i], t.ptr, t.n);
+               const int32_t* toks = row.data() + have;  // row[have:end], read in place
+               const size_t n = static_cast<size_t>(end) - have;
+               for (size_t j = 0; j < n; ++j)
+                 if (toks[j] < 0)
+                   throw py::value_error("tokens has a negative token id " + std::to_string(toks[j]));
+               s.append(keys[i], toks, n);
              }
            },
            py::arg("keys"), py::arg("rows"), py::arg("ends"),
