@@ -40,13 +40,13 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     from verl_ext.sim.runner import SimConfig, run_sim_ab
 
+    synth = {"prompts": args.prompts} if args.prompts else {}
     rows = {}
     t0 = time.monotonic()
     for name in args.strategies.split(","):
         runs = []
         for _ in range(args.repeats):
             with tempfile.TemporaryDirectory() as out:
-                synth = {"prompts": args.prompts} if args.prompts else {}
                 s = run_sim_ab(SimConfig(strategies=[name], synth=synth, seed=args.seed, out=out), progress=False)
             m = s["strategies"][name]
             runs.append({"sim_seconds": round(m["sim_seconds"], 2), "wall_s": m["wall_s"], "output_tokens": m["output_tokens"],
@@ -64,7 +64,6 @@ def main(argv=None) -> int:
         names = args.strategies.split(",")
         t1 = time.monotonic()
         with tempfile.TemporaryDirectory() as out:
-            synth = {"prompts": args.prompts} if args.prompts else {}
             s = run_sim_ab(SimConfig(strategies=names, synth=synth, seed=args.seed, out=out), progress=False,
                            jobs=args.jobs)
         wall = time.monotonic() - t1

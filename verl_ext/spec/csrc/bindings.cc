@@ -24,6 +24,13 @@ struct Tokens {
   std::vector<int32_t> own;
 };
 
+// Token ids are non-negative; `what` names the argument in the error.
+void check_ids(const int32_t* p, size_t n, const char* what) {
+  for (size_t i = 0; i < n; ++i)
+    if (p[i] < 0)
+      throw py::value_error(std::string(what) + " has a negative token id " + std::to_string(p[i]));
+}
+
 Tokens tokens_of(const py::handle& obj, const char* what) {
   Tokens t;
   py::array arr = py::array::ensure(obj);
@@ -38,10 +45,7 @@ Tokens tokens_of(const py::handle& obj, const char* what) {
   if (arr.dtype().is(py::dtype::of<int32_t>()) && (arr.flags() & py::array::c_style)) {
     t.keep = arr;
     t.ptr = static_cast<const int32_t*>(arr.data());
-    for (size_t i = 0; i < t.n; ++i)
-      if (t.ptr[i] < 0)
-        throw py::value_error(std::string(what) + " has a negative token id " +
-                              std::to_string(t.ptr[i]));
+    check_ids(t.ptr, t.n, what);
     return t;
   }
   if (kind == 'u' && arr.itemsize() == 8) {
@@ -272,9 +276,7 @@ PYBIND11_MODULE(_suffix, m) {
                  throw py::value_error("sync_rows: row " + std::to_string(i) + " must be a 1-D token array of at least ends[i] tokens");
                const int32_t* toks = row.data() + have;  // row[have:end], read in place
                const size_t n = static_cast<size_t>(end) - have;
-               for (size_t j = 0; j < n; ++j)
-                 if (toks[j] < 0)
-                   throw py::value_error("tokens has a negative token id " + std::to_string(toks[j]));
+               check_ids(toks, n, "tokens");
                s.append(keys[i], toks, n);
              }
            },
