@@ -485,7 +485,7 @@ Proposal DraftIndex::propose(const std::string& req, const int32_t* ctx, size_t 
     WalkMemo& memo = r.memo[slot];
     if (memo.uid != e->uid) {
       memo.uid = e->uid;
-      memo.fails.clear();
+      memo.clear();
     }
     const uint64_t skipped = memo.skipped;
     Draft d = e->tree->propose(ctx, n, k, p.min_match, p.max_match, p.min_prob, &memo, base);

@@ -81,6 +81,18 @@ void ChildTable::grow() {
     if (keys[i] != kEmpty && keys[i] != kTomb) put(keys[i], vals[i]);
 }
 
+// ----------------------------------------------------------------------------- WalkMemo
+
+void WalkMemo::fit(size_t span) {
+  if (fails.size() >= span) return;
+  size_t cap = 16;
+  while (cap < span) cap *= 2;
+  std::vector<Fail> old(cap, Fail{kNone, 0, 0, 0});
+  old.swap(fails);
+  for (const Fail& x : old)
+    if (x.start != kNone) at(x.start) = x;
+}
+
 // ----------------------------------------------------------------------------- SuffixTree
 
 SuffixTree::SuffixTree(int max_depth) : depth_(max_depth) {
@@ -176,7 +188,7 @@ uint32_t SuffixTree::split(uint32_t n, uint32_t at) {
 }
 
 void SuffixTree::insert_window(uint32_t seq, uint32_t start, uint32_t length, float w) {
-  const int32_t* x = seqs_[seq].tokens.data() + start;
+  const int32_t* x = data_[seq] + start;
   if (stamps_) ++stamps_[bucket(x[0])];
   uint32_t node = 0;
   nodes_[0].prio += w;
@@ -207,9 +219,11 @@ uint32_t SuffixTree::add_sequence(const std::string& k, float weight) {
   if (seqs_.size() >= kMaxSeqs) throw std::length_error("too many sequences in one tree");
   const uint32_t id = static_cast<uint32_t>(seqs_.size());
   seqs_.emplace_back();
+  data_.push_back(nullptr);
   Sequence& s = seqs_.back();
   s.key = k;
   s.weight = weight;
+  seq_bytes_ += s.key.capacity();
   by_key_.emplace(k, id);
   touch(s);
   return id;
@@ -221,8 +235,11 @@ int SuffixTree::find_sequence(const std::string& k) const {
 }
 
 void SuffixTree::touch(Sequence& s) {
-  if (s.marks.empty() || s.marks.back().first < last_export_)
+  if (s.marks.empty() || s.marks.back().first < last_export_) {
+    const size_t cap = s.marks.capacity();
     s.marks.emplace_back(version_, static_cast<uint32_t>(s.tokens.size()));
+    seq_bytes_ += (s.marks.capacity() - cap) * sizeof(s.marks[0]);
+  }
   s.last_mod = ++version_;
 }
 
@@ -235,6 +252,7 @@ void SuffixTree::append(uint32_t seq, const int32_t* tokens, size_t n) {
   const size_t cap = s.tokens.capacity();
   s.tokens.insert(s.tokens.end(), tokens, tokens + n);
   token_bytes_ += (s.tokens.capacity() - cap) * sizeof(int32_t);
+  data_[seq] = s.tokens.data();
   num_tokens_ += n;
   const uint32_t d = static_cast<uint32_t>(depth_);
   while (s.inserted + d <= s.tokens.size()) {
@@ -323,24 +341,18 @@ Draft SuffixTree::propose(const int32_t* ctx, size_t n, int k, int min_len, int 
   const int lo = std::max(min_len, 1);
   const int hi = std::min<int>({max_len, static_cast<int>(std::min<size_t>(n, 1 << 20)), depth_ - 1});
   const uint64_t end = base + n;
-  if (memo) {  // keep the failures this proposal's window can still use
+  if (memo) {
     if (!stamps_) stamps_.reset(new uint32_t[size_t{1} << kStampBits]());
-    auto& f = memo->fails;
-    f.erase(std::remove_if(f.begin(), f.end(), [&](const WalkMemo::Fail& x) {
-              return x.start + static_cast<uint64_t>(hi) < end || x.start >= end;
-            }), f.end());
+    memo->fit(static_cast<size_t>(hi) + 1);
   }
   // A walk recorded as failed fails again: same tokens, no window with that first-token
   // bucket inserted since (the stamp), and the failing prefix inside this context.
   auto failed = [&](uint64_t start, const int32_t* s, int l) {
-    for (auto it = memo->fails.begin(); it != memo->fails.end(); ++it) {
-      if (it->start != start) continue;
-      if (it->len <= static_cast<uint32_t>(l) && it->stamp == stamp(s[0]) &&
-          it->hash == hash_tokens(s, it->len))
-        return true;
-      memo->fails.erase(it);
-      return false;
-    }
+    WalkMemo::Fail& x = memo->at(start);
+    if (x.start != start) return false;
+    if (x.len <= static_cast<uint32_t>(l) && x.stamp == stamp(s[0]) && x.hash == hash_tokens(s, x.len))
+      return true;
+    x.start = WalkMemo::kNone;
     return false;
   };
   float cum = 1.0f;
@@ -355,8 +367,8 @@ Draft SuffixTree::propose(const int32_t* ctx, size_t n, int k, int min_len, int 
     const size_t m = match(s, static_cast<size_t>(l), cur);
     if (m < static_cast<size_t>(l)) {
       if (memo)
-        memo->fails.push_back(WalkMemo::Fail{end - l, hash_tokens(s, m + 1),
-                                             static_cast<uint32_t>(m + 1), stamp(s[0])});
+        memo->at(end - l) = WalkMemo::Fail{end - l, hash_tokens(s, m + 1),
+                                           static_cast<uint32_t>(m + 1), stamp(s[0])};
       continue;
     }
     cum = 1.0f;
@@ -541,11 +553,10 @@ std::vector<std::pair<std::vector<int32_t>, float>> SuffixTree::dump() const {
 }
 
 size_t SuffixTree::memory_bytes() const {
-  size_t marks = 0;
-  for (const Sequence& s : seqs_) marks += s.marks.capacity() * sizeof(s.marks[0]) + s.key.capacity();
-  return nodes_.capacity() * sizeof(Node) + table_.bytes() + token_bytes_ + marks +
+  return nodes_.capacity() * sizeof(Node) + table_.bytes() + token_bytes_ + seq_bytes_ +
          (stamps_ ? sizeof(uint32_t) << kStampBits : 0) +
-         seqs_.capacity() * sizeof(Sequence) + by_key_.size() * 48 + sizeof(*this);
+         seqs_.capacity() * (sizeof(Sequence) + sizeof(const int32_t*)) + by_key_.size() * 48 +
+         sizeof(*this);
 }
 
 std::vector<std::pair<uint32_t, uint32_t>> SuffixTree::changes_since(uint64_t since) {

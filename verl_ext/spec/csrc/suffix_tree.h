@@ -93,9 +93,16 @@ struct WalkMemo {
     uint32_t len;
     uint32_t stamp;
   };
+  static constexpr uint64_t kNone = ~0ull;
   uint64_t uid = 0;
+  // Direct-mapped by start: the window of starts one proposal walks (at most max_len
+  // consecutive positions) maps to distinct slots, so each start has at most one entry.
   std::vector<Fail> fails;
   uint64_t skipped = 0;  // walks skipped so far
+  Fail& at(uint64_t start) { return fails[start & (fails.size() - 1)]; }
+  // Room for a window of `span` starts; the entries kept are re-placed.
+  void fit(size_t span);
+  void clear() { fails.assign(fails.size(), Fail{kNone, 0, 0, 0}); }
 };
 
 struct Draft {
@@ -152,7 +159,7 @@ class SuffixTree {
   uint32_t deg(uint32_t n) const { return nodes_[n].seq_deg >> 24; }
   uint32_t pos(uint32_t n) const { return nodes_[n].pos_len & 0xFFFFFFu; }
   uint32_t len(uint32_t n) const { return nodes_[n].pos_len >> 24; }
-  const int32_t* label(uint32_t n) const { return seqs_[seq_of(n)].tokens.data() + pos(n); }
+  const int32_t* label(uint32_t n) const { return data_[seq_of(n)] + pos(n); }
   bool is_hub(uint32_t n) const { return deg(n) >= kHubDegree; }
   static uint64_t key(uint32_t parent, uint32_t token) {
     return (static_cast<uint64_t>(parent) << 32) | token;
@@ -183,9 +190,11 @@ class SuffixTree {
   std::vector<Node> nodes_;
   ChildTable table_;
   std::vector<Sequence> seqs_;
+  std::vector<const int32_t*> data_;  // seqs_[i].tokens.data(), kept dense for label()
   std::unordered_map<std::string, uint32_t> by_key_;
   size_t num_tokens_ = 0;
   size_t token_bytes_ = 0;  // capacity of all token vectors, in bytes
+  size_t seq_bytes_ = 0;    // capacity of all sequences' marks and keys, in bytes
   uint64_t version_ = 0;
   uint64_t last_export_ = 0;
   // Insert counts per first-token bucket; allocated at the first memoized walk (none before it
