@@ -151,12 +151,14 @@ def test_request_scope_and_batch_propose_agree():
     assert idx.batch_propose_lists(["r1", "zz"], 4, rows, lens) == [[], []]  # unknown ids: empty drafts
 
 
-@pytest.mark.parametrize("vocab,seed", [(3, 0), (6, 1), (40, 2)])
-def test_remembered_failed_walks_give_the_proposals_of_a_full_search(vocab, seed):
+@pytest.mark.parametrize("vocab,seed,depth,max_matches", [(3, 0, 12, (6, 11)), (6, 1, 12, (6, 11)), (40, 2, 12, (6, 11)),
+                                                          (6, 3, 64, (6, 40))])
+def test_remembered_failed_walks_give_the_proposals_of_a_full_search(vocab, seed, depth, max_matches):
     """A request's proposals skip the context walks that failed at its earlier proposals
     (``WalkMemo``) while their trees grow (siblings writing the group tree, a history tree
     installed half-way). Every proposal equals the one an index built from the same calls
-    gives at its first proposal, which searches every match length."""
+    gives at its first proposal, which searches every match length. At depth 64 the window
+    of match lengths changes between 6 and 40, so the memo's slots grow and keep their entries."""
     rng = random.Random(seed)
     log = []  # every call that changes the index, replayed into a fresh one for each check
 
@@ -165,14 +167,14 @@ def test_remembered_failed_walks_give_the_proposals_of_a_full_search(vocab, seed
         op(idx)
 
     def fresh():
-        idx = DraftIndex(12, 0, 8)
+        idx = DraftIndex(depth, 0, 8)
         for op in log:
             op(idx)
         return idx
 
     keys = [f"r{i}" for i in range(4)]
     rows = {}  # full contexts
-    warm = DraftIndex(12, 0, 8)
+    warm = DraftIndex(depth, 0, 8)
     for i, key in enumerate(keys):
         prompt = [rng.randrange(vocab) for _ in range(rng.randint(5, 30))]
         do(warm, lambda x, key=key, prompt=prompt: x.start_request(key, prompt, group="g", history="h"))
@@ -193,7 +195,7 @@ def test_remembered_failed_walks_give_the_proposals_of_a_full_search(vocab, seed
             do(warm, lambda x, key=key, toks=toks: x.append(key, toks))
         key = keys[step % len(keys)]
         k = rng.randint(1, 8)
-        kw = dict(min_match=rng.choice([1, 2]), max_match=rng.choice([6, 11]), min_prob=rng.choice([0.0, 0.3]))
+        kw = dict(min_match=rng.choice([1, 2]), max_match=rng.choice(max_matches), min_prob=rng.choice([0.0, 0.3]))
         if step % 2:  # the full context passed in (the vLLM drafter), else the index's own tail
             kw["context"] = rows[key]
         for scopes in (SCOPE_REQUEST, SCOPE_GROUP | SCOPE_HISTORY, 7):

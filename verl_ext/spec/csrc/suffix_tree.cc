@@ -87,9 +87,9 @@ void WalkMemo::fit(size_t span) {
   if (fails.size() >= span) return;
   size_t cap = 16;
   while (cap < span) cap *= 2;
-  std::vector<Fail> old(cap, Fail{kNone, 0, 0, 0});
-  old.swap(fails);
-  for (const Fail& x : old)
+  std::vector<Fail> prev(cap, Fail{kNone, 0, 0, 0});
+  prev.swap(fails);  // fails: the new slots; prev: the entries to re-place
+  for (const Fail& x : prev)
     if (x.start != kNone) at(x.start) = x;
 }
 

@@ -84,7 +84,7 @@ struct Cursor {
 // when ctx[start : start + len] is not a root path. The root paths that begin with a token
 // change only when a window beginning with it is inserted, so the failure stands while the
 // tree's insert stamp for that token's bucket is unchanged and the tokens are the same (their
-// hash). Positions are absolute in the request's context; the owner resets `fails` when the
+// hash). Positions are absolute in the request's context; the owner calls `clear` when the
 // tree is replaced (`uid`). Skipping them gives the very proposal a full search gives.
 struct WalkMemo {
   struct Fail {
@@ -95,11 +95,13 @@ struct WalkMemo {
   };
   static constexpr uint64_t kNone = ~0ull;
   uint64_t uid = 0;
-  // Direct-mapped by start: the window of starts one proposal walks (at most max_len
-  // consecutive positions) maps to distinct slots, so each start has at most one entry.
+  // Direct-mapped by start (a power-of-two size, start == kNone: empty): the starts one
+  // proposal walks (at most max_len consecutive positions) map to distinct slots. An entry is
+  // used only by a walk from its own start, so a slot left by a start that moved out of the
+  // window is overwritten or ignored, never mistaken for another start's.
   std::vector<Fail> fails;
   uint64_t skipped = 0;  // walks skipped so far
-  Fail& at(uint64_t start) { return fails[start & (fails.size() - 1)]; }
+  Fail& at(uint64_t start) { return fails[start & (fails.size() - 1)]; }  // after fit()
   // Room for a window of `span` starts; the entries kept are re-placed.
   void fit(size_t span);
   void clear() { fails.assign(fails.size(), Fail{kNone, 0, 0, 0}); }
